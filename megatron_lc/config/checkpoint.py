@@ -1,0 +1,20 @@
+"""`checkpoint:` section."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .base import check
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None  # directory of checkpoints (iter_NNNNNNN/ inside)
+    load: Optional[str] = None  # a save directory to resume from (its latest complete checkpoint)
+    save_interval: Optional[int] = None  # steps; a final checkpoint is always written when save is set
+    keep_last: Optional[int] = None  # keep only the newest N checkpoints
+
+    def __post_init__(self) -> None:
+        check(self.save_interval is None or self.save_interval >= 1,
+              f"checkpoint.save_interval ({self.save_interval}) must be >= 1")
+        check(self.keep_last is None or self.keep_last >= 1, f"checkpoint.keep_last ({self.keep_last}) must be >= 1")

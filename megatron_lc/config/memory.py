@@ -1,0 +1,30 @@
+"""`memory:` section: the memory techniques (recompute, Memo offload, MsT, FPDT chunks, planned arena)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+from .base import check
+
+
+@dataclass
+class MemoryConfig:
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    activation_offload: Literal["none", "memo"] = "none"
+    offload_fraction: Union[float, Literal["auto"]] = "auto"  # Memo's alpha
+    host_memory_gb: Optional[float] = None  # host budget of one node for offload; default: what the OS reports
+    mst: bool = False
+    mst_mlp_chunk_size: Optional[int] = None  # tokens per MLP mini-sequence; default hidden_size
+    mst_head_chunks: Optional[int] = None  # chunks of LM head + loss; default ceil(vocab / hidden)
+    fpdt_chunk_size: Optional[int] = None  # tokens per FPDT chunk after the all-to-all
+    fpdt_offload: bool = True
+    plan: str = "off"  # off | auto | path to a plan.json
+    plan_time_limit: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload_fraction, str):
+            check(0.0 <= self.offload_fraction <= 1.0,
+                  f"memory.offload_fraction ({self.offload_fraction}) must be in [0, 1] or 'auto'")
+        for name in ("mst_mlp_chunk_size", "mst_head_chunks", "fpdt_chunk_size"):
+            v = getattr(self, name)
+            check(v is None or v >= 1, f"memory.{name} ({v}) must be >= 1")

@@ -1,0 +1,74 @@
+"""`model:` section. Key names follow Megatron-LM's arguments."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from .base import check
+
+
+@dataclass
+class ModelConfig:
+    """Llama style by default (RMSNorm, RoPE, SwiGLU, untied head); GPT style with
+    ``normalization: LayerNorm, swiglu: false, position_embedding_type: learned_absolute``."""
+
+    num_layers: int = 2
+    hidden_size: int = 256
+    ffn_hidden_size: Optional[int] = None  # default: 4*h (GeLU) or Llama's 8/3*h rounded to 64 (SwiGLU)
+    num_attention_heads: int = 8
+    num_query_groups: Optional[int] = None  # kv heads; default = num_attention_heads (MHA)
+    kv_channels: Optional[int] = None  # head dim; default hidden_size // num_attention_heads
+    vocab_size: int = 32000
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: int = 4096
+    rotary_base: float = 10000.0
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = True
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    untie_embeddings_and_output_weights: bool = True
+    add_bias_linear: bool = False
+    init_method_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
+            check(getattr(self, name) > 0, f"model.{name} ({getattr(self, name)}) must be positive")
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None:
+            check(self.hidden_size % self.num_attention_heads == 0,
+                  f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_attention_heads "
+                  f"({self.num_attention_heads}), or set model.kv_channels")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            if self.swiglu:
+                self.ffn_hidden_size = 64 * ((int(8 * self.hidden_size / 3) + 63) // 64)
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        check(self.num_attention_heads % self.num_query_groups == 0,
+              f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
+              f"model.num_query_groups ({self.num_query_groups})")
+        check(self.kv_channels % 2 == 0 or self.position_embedding_type != "rope",
+              f"model.kv_channels ({self.kv_channels}) must be even for RoPE")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocab rounded up to ``make_vocab_size_divisible_by`` (independent of tp, so every layout
+        builds the same full model; the multiple must itself be divisible by tp)."""
+        m = self.make_vocab_size_divisible_by
+        return m * ((self.vocab_size + m - 1) // m)
+
+    def num_parameters(self) -> int:
+        """Parameter count P of the full (unsharded) model, padded vocab included."""
+        h, f, v = self.hidden_size, self.ffn_hidden_size, self.padded_vocab_size
+        d, nq, nkv = self.kv_channels, self.num_attention_heads, self.num_query_groups
+        norm = h if self.normalization == "RMSNorm" else 2 * h
+        attn = h * d * (nq + 2 * nkv) + nq * d * h
+        mlp = h * f * (3 if self.swiglu else 2)
+        if self.add_bias_linear:
+            attn += d * (nq + 2 * nkv) + h
+            mlp += f * (2 if self.swiglu else 1) + h
+        layer = attn + mlp + 2 * norm
+        emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
+        head = v * h if self.untie_embeddings_and_output_weights else 0
+        return self.num_layers * layer + emb + head + norm

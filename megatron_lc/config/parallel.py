@@ -1,0 +1,52 @@
+"""`parallel:` section: degrees of the rank grid and the context-parallel flavour."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from .base import check
+
+CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p", "fpdt")
+
+
+@dataclass
+class ParallelConfig:
+    """tp x cp x dp = world size; dp is derived. ``cp_comm_type`` uses Megatron's names:
+    p2p = ring, a2a = Ulysses, a2a+p2p = Ulysses inside x ring across, fpdt = chunked Ulysses (FPDT)."""
+
+    tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    cp_comm_type: Literal["p2p", "a2a", "a2a+p2p", "fpdt"] = "p2p"
+    ulysses_size: Optional[int] = None  # a2a sub-axis of cp for a2a+p2p; default: cp for a2a/fpdt, 1 for p2p
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False  # ZeRO-1: optimizer states sharded over the dp x cp group
+    attention_backend: Literal["auto", "torch", "flash", "te"] = "auto"
+    distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    distributed_timeout_minutes: float = 10.0
+
+    def __post_init__(self) -> None:
+        check(self.tensor_model_parallel_size >= 1,
+              f"parallel.tensor_model_parallel_size ({self.tensor_model_parallel_size}) must be >= 1")
+        check(self.context_parallel_size >= 1,
+              f"parallel.context_parallel_size ({self.context_parallel_size}) must be >= 1")
+        cp = self.context_parallel_size
+        if self.ulysses_size is None:
+            self.ulysses_size = {"p2p": 1, "a2a": cp, "fpdt": cp}.get(self.cp_comm_type, None)
+            if self.ulysses_size is None:  # a2a+p2p without a size: the largest power-of-2 factor <= sqrt(cp)
+                u = 1
+                while u * u * 4 <= cp and cp % (2 * u) == 0:
+                    u *= 2
+                self.ulysses_size = u if cp > 1 else 1
+        check(self.ulysses_size >= 1 and cp % self.ulysses_size == 0,
+              f"parallel.ulysses_size ({self.ulysses_size}) must divide parallel.context_parallel_size ({cp})")
+        if self.cp_comm_type in ("a2a", "fpdt"):
+            check(self.ulysses_size == cp,
+                  f"parallel.ulysses_size ({self.ulysses_size}) must equal parallel.context_parallel_size ({cp}) "
+                  f"for cp_comm_type {self.cp_comm_type}")
+        if self.cp_comm_type == "p2p":
+            check(self.ulysses_size == 1,
+                  f"parallel.ulysses_size ({self.ulysses_size}) must be 1 for cp_comm_type p2p (use a2a+p2p)")
+
+    @property
+    def ring_size(self) -> int:
+        return self.context_parallel_size // self.ulysses_size

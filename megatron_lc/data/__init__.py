@@ -1,0 +1,32 @@
+"""Data: tokenizers, Megatron .bin/.idx files, packed samples, the demo corpus."""
+from __future__ import annotations
+
+from ..config import Config
+from .dataset import MockDataset, PackedDataset, make_batch, microbatch_sample_ids
+from .errors import DataError
+
+__all__ = ["build_dataset", "DataError", "make_batch", "microbatch_sample_ids"]
+
+
+def build_dataset(cfg: Config):
+    """The dataset for ``cfg.data`` (files checked before training starts)."""
+    d = cfg.data
+    if d.mock_data:
+        return MockDataset(d.seq_length, cfg.model.vocab_size, cfg.train.seed)
+    if d.data_path is None:
+        raise DataError("data.data_path is not set (or set data.mock_data: true for random tokens)")
+    from .indexed import open_indexed
+    from .tokenizer import SentencePieceTokenizer
+
+    if d.tokenizer_type == "sentencepiece":
+        if d.tokenizer_model is None:
+            raise DataError("data.tokenizer_model is not set (a SentencePiece .model file)")
+        tok = SentencePieceTokenizer(d.tokenizer_model)
+        if tok.vocab_size > cfg.model.vocab_size:
+            raise DataError(f"tokenizer {d.tokenizer_model} has {tok.vocab_size} tokens, more than model.vocab_size "
+                            f"({cfg.model.vocab_size})")
+        eod = tok.eod
+    else:
+        eod = cfg.model.vocab_size - 1
+    indexed = open_indexed(d.data_path)
+    return PackedDataset(indexed, d.seq_length, cfg.train.seed, eod)

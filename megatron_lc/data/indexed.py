@@ -1,0 +1,68 @@
+"""Megatron ``.bin/.idx`` files, read and written with megatron-core's ``IndexedDataset`` (format-compatible with
+Megatron-LM's ``tools/preprocess_data.py``), with the checks a user needs before training: both files present,
+header readable, ``.bin`` size matching the index (a truncated file is caught here, not mid-training)."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+
+from .errors import DataError
+
+
+def _indexed_module():
+    with warnings.catch_warnings():  # megatron-core warns that TE/apex are absent on CPU machines
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
+def write_indexed(prefix: str, documents, dtype=np.int32) -> int:
+    """Write token-id documents (iterable of int sequences) to ``prefix.bin/.idx``; returns the token count.
+
+    Written to temporary names first and renamed, so an interrupted run leaves no half-written pair."""
+    mod = _indexed_module()
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)) or ".", exist_ok=True)
+    tmp = f"{prefix}.tmp{os.getpid()}"
+    builder = mod.IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
+    total = 0
+    import torch
+
+    for doc in documents:
+        if len(doc) == 0:
+            continue
+        builder.add_item(torch.as_tensor(np.asarray(doc, dtype=dtype)))
+        builder.end_document()
+        total += len(doc)
+    builder.finalize(tmp + ".idx")
+    os.replace(tmp + ".bin", prefix + ".bin")
+    os.replace(tmp + ".idx", prefix + ".idx")
+    return total
+
+
+def open_indexed(prefix: str):
+    """Open ``prefix.bin/.idx`` with megatron-core, after checking that the pair is complete and consistent."""
+    for ext in (".bin", ".idx"):
+        if not os.path.isfile(prefix + ext):
+            raise DataError(f"data file not found: {prefix + ext} (data.data_path is the prefix of a .bin/.idx pair; "
+                            f"make one with tools/preprocess_data.py)")
+    with open(prefix + ".idx", "rb") as f:
+        magic = f.read(9)
+    if magic != b"MMIDIDX\x00\x00":
+        raise DataError(f"{prefix}.idx: wrong header {magic!r} (expected a Megatron MMIDIDX index)")
+    mod = _indexed_module()
+    try:
+        ds = mod.IndexedDataset(prefix, mmap=True)
+    except Exception as e:  # noqa: BLE001 - megatron raises AssertionError/ValueError on bad indices
+        raise DataError(f"{prefix}.idx: cannot be read ({type(e).__name__}: {e})") from None
+    lengths = np.asarray(ds.sequence_lengths, dtype=np.int64)
+    if len(lengths) == 0:
+        raise DataError(f"{prefix}: the dataset has no documents")
+    itemsize = np.dtype(ds.index.dtype).itemsize
+    expected = int(lengths.sum()) * itemsize
+    actual = os.path.getsize(prefix + ".bin")
+    if actual != expected:
+        raise DataError(f"{prefix}.bin: size {actual} bytes does not match its index ({expected} bytes expected); "
+                        f"the file is truncated or belongs to another index")
+    return ds

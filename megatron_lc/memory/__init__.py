@@ -1,0 +1,24 @@
+"""Memory techniques applied to a built model (MsT, recompute/offload, planned arena)."""
+from __future__ import annotations
+
+from torch import nn
+
+from ..config import Config, ConfigError
+from ..parallel.topology import Topology
+
+
+def apply_memory_features(model: nn.Module, cfg: Config, topo: Topology) -> nn.Module:
+    """Wrap or replace the model's parts according to ``cfg.memory``; returns the model."""
+    m = cfg.memory
+    unsupported = []
+    if m.mst:
+        unsupported.append("memory.mst")
+    if m.recompute_granularity != "none":
+        unsupported.append(f"memory.recompute_granularity={m.recompute_granularity}")
+    if m.activation_offload != "none":
+        unsupported.append(f"memory.activation_offload={m.activation_offload}")
+    if m.plan != "off":
+        unsupported.append(f"memory.plan={m.plan}")
+    if unsupported:
+        raise ConfigError(f"not implemented yet: {', '.join(unsupported)}")
+    return model

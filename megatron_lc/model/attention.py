@@ -1,0 +1,48 @@
+"""Self-attention block: QKV projection, RoPE, core attention (chosen by ``parallel/``), output projection."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .rope import apply_rotary
+
+
+class SelfAttention(nn.Module):
+    """The fused QKV weight's full layout is grouped by kv head: ``[g0: q_0..q_{r-1}, k, v][g1: ...]`` with
+    r = heads / kv heads, so a contiguous tp slice holds whole groups (num_query_groups % tp == 0).
+
+    Split into three steps so memory techniques can wrap them: ``qkv(x, rope)`` -> q, k, v ``[s, b, n, d]``;
+    ``core_attention(q, k, v)`` -> ``[s, b, nq, d]``; ``linear_proj`` -> ``[s, b, h]``."""
+
+    def __init__(self, cfg: ModelConfig, parts, layer_number: int, output_std: float):
+        super().__init__()
+        tp = parts.topo.tp
+        self.d = cfg.kv_channels
+        self.groups_per_rank = cfg.num_query_groups // tp
+        self.q_per_group = cfg.num_attention_heads // cfg.num_query_groups
+        qkv_out = self.d * (cfg.num_attention_heads + 2 * cfg.num_query_groups)
+        self.linear_qkv = parts.column_linear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear,
+                                              std=cfg.init_method_std)
+        self.core_attention = parts.core_attention(layer_number)
+        self.linear_proj = parts.row_linear(cfg.num_attention_heads * self.d, cfg.hidden_size,
+                                            bias=cfg.add_bias_linear, std=output_std)
+        self.use_rope = cfg.position_embedding_type == "rope"
+
+    def split_qkv(self, mixed: torch.Tensor):
+        s, b = mixed.shape[:2]
+        mixed = mixed.view(s, b, self.groups_per_rank, self.q_per_group + 2, self.d)
+        q, k, v = torch.split(mixed, [self.q_per_group, 1, 1], dim=3)
+        return q.reshape(s, b, -1, self.d), k.squeeze(3), v.squeeze(3)
+
+    def qkv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.split_qkv(self.linear_qkv(x))
+        if self.use_rope:
+            cos, sin = rope
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        q, k, v = self.qkv(x, rope)
+        out = self.core_attention(q, k, v)
+        return self.linear_proj(out.flatten(2))

@@ -1,0 +1,73 @@
+"""The Llama / GPT model, built from parts. No parallel logic here: ``parts`` (from ``parallel/parallelize.py``)
+hands out the linears, the embedding and the core attention for the chosen layout."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.tensor_parallel import _replicated, init_std_for_output
+from .attention import SelfAttention
+from .head import LMHead
+from .mlp import MLP
+from .norm import build_norm
+from .rope import RotaryEmbedding
+
+
+class TransformerLayer(nn.Module):
+    """``x + attn(norm(x))`` then ``+ mlp(norm(.))``; hidden states ``[s, b, h]`` (``[s/tp, b, h]`` with SP)."""
+
+    def __init__(self, cfg: ModelConfig, parts, layer_number: int):
+        super().__init__()
+        self.layer_number = layer_number
+        out_std = init_std_for_output(cfg.init_method_std, cfg.num_layers)
+        sp = parts.sequence_parallel
+        self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
+        self.self_attention = SelfAttention(cfg, parts, layer_number, out_std)
+        self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
+        self.mlp = MLP(cfg, parts, out_std)
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x), rope)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class GPTModel(nn.Module):
+    """tokens/positions/labels ``[b, s_local]`` -> per-token loss ``[b, s_local]`` (or the local logits shard
+    ``[b, s_local, V/tp]`` when labels is None). ``s_local`` is this rank's share of the sequence after context
+    parallelism; its tokens may be in any order (zigzag, strided) since positions come with them."""
+
+    def __init__(self, cfg: ModelConfig, parts):
+        super().__init__()
+        self.cfg, self.parts, self.topo = cfg, parts, parts.topo
+        self.embedding = parts.vocab_embedding(cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_method_std)
+        self.position_embeddings: Optional[nn.Embedding] = None
+        if cfg.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+            _replicated(self.position_embeddings.weight, ("normal", cfg.init_method_std), parts.sequence_parallel)
+        self.rotary = RotaryEmbedding(cfg.kv_channels, cfg.rotary_base) if cfg.position_embedding_type == "rope" else None
+        self.layers = nn.ModuleList([TransformerLayer(cfg, parts, i) for i in range(cfg.num_layers)])
+        self.final_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, parts.sequence_parallel)
+        tied = None if cfg.untie_embeddings_and_output_weights else self.embedding.weight
+        self.head = LMHead(cfg, parts, tied)
+
+    def embed(self, tokens_sb: torch.Tensor, pos_sb: torch.Tensor) -> torch.Tensor:
+        h = self.embedding(tokens_sb)
+        if self.position_embeddings is not None:
+            if self.parts.sequence_parallel and self.topo.tp > 1:
+                pos_sb = pos_sb.chunk(self.topo.tp, dim=0)[self.topo.tp_rank]
+            h = h + self.position_embeddings(pos_sb)
+        return h
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        tokens_sb, pos_sb = tokens.t().contiguous(), position_ids.t().contiguous()
+        rope = self.rotary(pos_sb) if self.rotary is not None else None
+        h = self.embed(tokens_sb, pos_sb)
+        for layer in self.layers:
+            h = layer(h, rope)
+        h = self.final_layernorm(h)
+        out = self.head(h, labels.t().contiguous() if labels is not None else None)
+        return out.transpose(0, 1)

@@ -1,0 +1,3 @@
+from .topology import Axis, Topology
+
+__all__ = ["Axis", "Topology"]

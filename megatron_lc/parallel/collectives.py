@@ -1,0 +1,92 @@
+"""Collectives over a topology axis, with byte counters.
+
+Every function takes the ``Topology`` and an ``Axis``; an axis of size 1 is a no-op. Bytes *sent by this rank*
+are added to ``topo.comm`` under the current tag (``with topo.comm.tag("layer0.attn"): ...``), so tests and
+benchmarks can read what each layer sent. Conventions for "bytes sent" per rank with n ranks and a tensor of B
+bytes: all-reduce (ring) 2(n-1)/n*B, all-gather (n-1)*B_local, reduce-scatter (n-1)/n*B_in, all-to-all
+(n-1)/n*B, send B.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .topology import Axis, Topology
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(t: torch.Tensor, topo: Topology, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of ``t`` over ``axis``; returns ``t``."""
+    n = topo.size(axis)
+    if n == 1:
+        return t
+    topo.comm.add("all_reduce", 2 * (n - 1) / n * _nbytes(t))
+    dist.all_reduce(t, op=op, group=topo.group(axis))
+    return t
+
+
+def all_gather(t: torch.Tensor, topo: Topology, axis: Axis, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``t`` along ``dim`` in axis-rank order."""
+    n = topo.size(axis)
+    if n == 1:
+        return t
+    topo.comm.add("all_gather", (n - 1) * _nbytes(t))
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t, group=topo.group(axis))
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter(t: torch.Tensor, topo: Topology, axis: Axis, dim: int = 0) -> torch.Tensor:
+    """Sum over ranks, then keep this rank's 1/n slice of ``dim``.
+
+    gloo has no reduce_scatter, so this is an all-reduce followed by a slice (same result; the counter records
+    reduce-scatter's volume, which is what NCCL would send)."""
+    n = topo.size(axis)
+    if n == 1:
+        return t
+    if t.shape[dim] % n != 0:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {axis.value} size {n}")
+    topo.comm.add("reduce_scatter", (n - 1) / n * _nbytes(t))
+    t = t.contiguous().clone()
+    group = topo.group(axis)
+    if dist.get_backend(group) == "nccl":
+        out = torch.empty_like(t.chunk(n, dim=dim)[0]).contiguous()
+        dist.reduce_scatter_tensor(out, t.movedim(dim, 0).contiguous(), group=group)
+        return out if dim == 0 else out.movedim(0, dim).contiguous()
+    dist.all_reduce(t, group=group)
+    return t.chunk(n, dim=dim)[topo.axis_rank(axis)].contiguous()
+
+
+def all_to_all(t: torch.Tensor, topo: Topology, axis: Axis, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split ``t`` into n pieces along ``scatter_dim``, send piece j to rank j, concatenate the received pieces
+    along ``gather_dim`` (in axis-rank order). The Ulysses primitive."""
+    n = topo.size(axis)
+    if n == 1:
+        return t
+    if t.shape[scatter_dim] % n != 0:
+        raise ValueError(f"all_to_all: dim {scatter_dim} of size {t.shape[scatter_dim]} not divisible by "
+                         f"{axis.value} size {n}")
+    topo.comm.add("all_to_all", (n - 1) / n * _nbytes(t))
+    send = torch.stack(t.chunk(n, dim=scatter_dim), dim=0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=topo.group(axis))
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+def broadcast(t: torch.Tensor, topo: Topology, axis: Axis, src_axis_rank: int = 0) -> torch.Tensor:
+    n = topo.size(axis)
+    if n == 1:
+        return t
+    if topo.axis_rank(axis) == src_axis_rank:
+        topo.comm.add("broadcast", _nbytes(t))
+    dist.broadcast(t, src=topo.ranks(axis)[src_axis_rank], group=topo.group(axis))
+    return t
+
+
+def count_send(topo: Topology, nbytes: int, op: str = "send") -> None:
+    """Record point-to-point bytes sent (ring attention calls this for each isend)."""
+    topo.comm.add(op, nbytes)

@@ -1,0 +1,34 @@
+"""Byte counters for collectives (see ``collectives.py`` for what "bytes sent" means per op)."""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Optional
+
+
+class CommStats:
+    """Bytes sent, keyed by (tag, op). ``tag`` is set by the caller (e.g. the layer name)."""
+
+    def __init__(self) -> None:
+        self.bytes: dict = defaultdict(int)
+        self.calls: dict = defaultdict(int)
+        self._tag = "untagged"
+
+    @contextlib.contextmanager
+    def tag(self, name: str):
+        prev, self._tag = self._tag, name
+        try:
+            yield
+        finally:
+            self._tag = prev
+
+    def add(self, op: str, nbytes: float) -> None:
+        self.bytes[(self._tag, op)] += int(nbytes)
+        self.calls[(self._tag, op)] += 1
+
+    def total(self, tag: Optional[str] = None, op: Optional[str] = None) -> int:
+        return sum(v for (t, o), v in self.bytes.items() if (tag is None or t == tag) and (op is None or o == op))
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()

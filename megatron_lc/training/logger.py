@@ -1,0 +1,63 @@
+"""Where metrics go: a console line per log interval, ``metrics.jsonl`` (one JSON object per step), wandb.
+
+Only rank 0 writes. wandb is used when ``logging.wandb_project`` is set, in ``logging.wandb_mode`` (offline by
+default: runs are written under the wandb dir and can be synced later with ``wandb sync``)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Optional
+
+from ..config import Config
+
+log = logging.getLogger("megatron_lc")
+
+
+def metrics_path(cfg: Config) -> str:
+    if cfg.logging.metrics_file:
+        return cfg.logging.metrics_file
+    if cfg.checkpoint.save:
+        return os.path.join(cfg.checkpoint.save, "metrics.jsonl")
+    return "metrics.jsonl"
+
+
+class MetricsLogger:
+    def __init__(self, cfg: Config, rank: int):
+        self.cfg, self.rank = cfg, rank
+        self.path: Optional[str] = None
+        self.wandb = None
+        if rank != 0:
+            return
+        self.path = metrics_path(cfg)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        if cfg.logging.wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode,
+                                    dir=cfg.logging.wandb_dir or os.path.dirname(os.path.abspath(self.path)),
+                                    config=cfg.to_dict())
+
+    def log_step(self, record: dict) -> None:
+        if self.rank != 0:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
+        if record["step"] % self.cfg.logging.log_interval == 0 or record["step"] == self.cfg.train.train_iters:
+            log.info(format_line(record))
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def format_line(r: dict) -> str:
+    parts = [f"step {r['step']:>6}/{r['train_iters']}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}",
+             f"grad_norm {r['grad_norm']:.3f}", f"tok/s {r['tokens_per_s']:.0f}",
+             f"tok/gpu/s {r['tokens_per_gpu_per_s']:.0f}", f"MFU {100 * r['mfu']:.2f}%",
+             f"peak_mem {r['peak_memory_bytes'] / 2**30:.2f}GiB", f"{r['step_seconds']:.2f}s"]
+    if r.get("skipped"):
+        parts.append("SKIPPED (non-finite)")
+    return " | ".join(parts)

@@ -1,0 +1,120 @@
+"""AdamW with Megatron's parameter groups, gradient synchronisation, global-norm clipping, LR schedule.
+
+Gradient all-reduce happens over the ranks that replicate a weight: dp x cp for every parameter (the loss is
+normalised by the global token count, so a SUM gives the gradient of the global mean), plus tp for replicated
+parameters whose gradients are partial under sequence parallelism (norm weights, row biases, learned positions).
+``use_distributed_optimizer`` shards AdamW states over dp x cp with torch's ``ZeroRedundancyOptimizer`` (ZeRO-1)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ..config import Config
+from ..parallel.collectives import all_reduce
+from ..parallel.topology import Axis, Topology
+
+BUCKET_BYTES = 64 * 1024 * 1024
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and 1-D parameters (norms), as Megatron."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: Config, topo: Topology) -> torch.optim.Optimizer:
+    t = cfg.train
+    kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    groups = param_groups(model, t.weight_decay)
+    if cfg.parallel.use_distributed_optimizer and topo.size(Axis.DP_CP) > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # ZeroRedundancyOptimizer takes one param list; weight decay per group via add_param_group.
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                      process_group=topo.group(Axis.DP_CP), weight_decay=t.weight_decay, **kwargs)
+        if groups[1]["params"]:
+            opt.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
+        return opt
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def _bucketed_all_reduce(grads: list[torch.Tensor], topo: Topology, axis: Axis) -> None:
+    bucket, size = [], 0
+    for g in grads + [None]:
+        if g is not None:
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+        if bucket and (g is None or size >= BUCKET_BYTES):
+            flat = _flatten_dense_tensors(bucket)
+            all_reduce(flat, topo, axis)
+            for b, f in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                b.copy_(f)
+            bucket, size = [], 0
+
+
+@torch.no_grad()
+def sync_gradients(model: nn.Module, topo: Topology) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    with topo.comm.tag("grad_sync"):
+        if topo.tp > 1:
+            partial = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+            if partial:
+                _bucketed_all_reduce(partial, topo, Axis.TP)
+        if topo.size(Axis.DP_CP) > 1:
+            _bucketed_all_reduce([p.grad for p in params], topo, Axis.DP_CP)
+
+
+@torch.no_grad()
+def clip_grad_norm(model: nn.Module, max_norm: float, topo: Topology) -> float:
+    """Global L2 norm over the full (unsharded) model; tp-sharded grads are summed over tp, replicated ones counted
+    once. Scales grads in place when ``max_norm > 0``; returns the norm before clipping (may be inf/nan)."""
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded += sq
+        else:
+            replicated += sq
+    with topo.comm.tag("grad_norm"):
+        all_reduce(sharded, topo, Axis.TP)
+    norm = math.sqrt(float(sharded + replicated))
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup to ``lr`` over ``lr_warmup_iters``, then cosine/linear/constant decay to ``min_lr``."""
+    t = cfg.train
+    if t.lr_warmup_iters > 0 and step < t.lr_warmup_iters:
+        return t.lr * (step + 1) / t.lr_warmup_iters
+    decay_iters = (t.lr_decay_iters or t.train_iters) - t.lr_warmup_iters
+    if t.lr_decay_style == "constant" or decay_iters <= 0:
+        return t.lr
+    frac = min(1.0, max(0.0, (step - t.lr_warmup_iters) / decay_iters))
+    if t.lr_decay_style == "linear":
+        coeff = 1.0 - frac
+    else:
+        coeff = 0.5 * (1.0 + math.cos(math.pi * frac))
+    return t.min_lr + coeff * (t.lr - t.min_lr)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr

@@ -1,0 +1,57 @@
+"""Process setup: logging, torch.distributed (gloo on CPU, nccl on GPU), the topology, the device.
+
+Runs as one process (``python pretrain_gpt.py``) or under ``torchrun`` (RANK / WORLD_SIZE / LOCAL_RANK set)."""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..parallel.topology import Topology
+
+
+def setup_logging(rank: int) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"[%(asctime)s rank{rank}] %(message)s", datefmt="%H:%M:%S", force=True)
+    for noisy in ("megatron", "megatron.core"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def env_world() -> tuple[int, int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def pick_device(cfg: Config, local_rank: int) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            from ..config import ConfigError
+
+            raise ConfigError("train.device is cuda but no CUDA device is available (use cpu or auto)")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: Config) -> tuple[Topology, torch.device]:
+    """Validate the layout for this world size, start the process group and build the topology."""
+    rank, world, local_rank = env_world()
+    cfg.check_layout(world)  # one-line ConfigError before any process group exists
+    device = pick_device(cfg, local_rank)
+    if world > 1 and not dist.is_initialized():
+        backend = cfg.parallel.distributed_backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+    p = cfg.parallel
+    topo = Topology.build(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, ulysses=p.ulysses_size)
+    return topo, device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_lc",
+    version="0.1.0",
+    description="Megatron-style pretraining for very long context: TP/CP/Ulysses/FPDT, MsT, Memo offload and planning",
+    packages=find_packages(include=["megatron_lc", "megatron_lc.*"]),
+    python_requires=">=3.10",
+    # torch is installed first by scripts/install.sh (torch==2.13.0, CPU build from this disk); a range here would
+    # let pip pull a multi-GB CUDA build on a machine without torch.
+    install_requires=[
+        "torch>=2.5",
+        "numpy",
+        "pyyaml",
+        "sentencepiece",
+        "megatron-core>=0.16,<0.17",
+        "ortools",
+        "scipy",
+        "psutil",
+        "matplotlib",
+    ],
+    extras_require={
+        "gpu": ["flash-attn", "transformer-engine[pytorch]", "apex"],
+        "dev": ["pytest", "pytest-timeout", "transformers", "safetensors", "wandb"],
+        "wandb": ["wandb"],
+    },
+)
