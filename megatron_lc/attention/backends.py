@@ -1,0 +1,122 @@
+"""Local attention kernels that return the log-sum-exp, behind one interface.
+
+    out, lse = backend.forward(q, k, v, causal)                 # q [b, nq, sq, d]; k, v [b, nkv, sk, d]
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal)
+
+``out`` has q's dtype, ``lse`` is fp32 ``[b, nq, sq]`` (natural log). GQA: nq may be a multiple of nkv; dk/dv have
+k's shape (gradients of the query heads sharing a kv head are summed). ``causal`` is only used with sq == sk
+(diagonal blocks); off-diagonal blocks of ring/FPDT are full (``causal=False``) or skipped.
+
+Backends:
+  * ``torch``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (CPU; what the tests run).
+  * ``math``: plain matmul/softmax on any device (reference, and fallback on GPU without flash-attn).
+  * ``flash``: flash-attn 2's ``_flash_attn_forward/_flash_attn_backward`` (GPU; never executed here).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+
+class TorchCPUBackend:
+    name = "torch"
+
+    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, (lse if q.dtype == torch.float64 else lse.float())
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q, k, v, out, lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32),
+            0.0, causal, scale=scale)
+
+
+class MathBackend:
+    """Reference implementation in fp32 (materialises the [sq, sk] scores of one call)."""
+
+    name = "math"
+
+    @staticmethod
+    def _expand(t, nq):
+        return t.repeat_interleave(nq // t.shape[1], dim=1) if t.shape[1] != nq else t
+
+    def _probs(self, q, k, causal, scale):
+        nq = q.shape[1]
+        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        s = torch.matmul(q.float(), self._expand(k, nq).float().transpose(-1, -2)) * scale
+        if causal:
+            sq, sk = s.shape[-2:]
+            s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        return torch.exp(s - lse.unsqueeze(-1)), lse, scale
+
+    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None):
+        p, lse, _ = self._probs(q, k, causal, scale)
+        out = torch.matmul(p, self._expand(v, q.shape[1]).float())
+        return out.to(q.dtype), lse
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None):
+        nq, nkv = q.shape[1], k.shape[1]
+        p, _, scale = self._probs(q, k, causal, scale)
+        do = dout.float()
+        ve = self._expand(v, nq).float()
+        dv = torch.matmul(p.transpose(-1, -2), do)
+        dp = torch.matmul(do, ve.transpose(-1, -2))
+        delta = (do * out.float()).sum(-1, keepdim=True)
+        ds = p * (dp - delta) * scale
+        dq = torch.matmul(ds, self._expand(k, nq).float())
+        dk = torch.matmul(ds.transpose(-1, -2), q.float())
+        if nq != nkv:
+            g = nq // nkv
+            dk = dk.view(dk.shape[0], nkv, g, *dk.shape[2:]).sum(2)
+            dv = dv.view(dv.shape[0], nkv, g, *dv.shape[2:]).sum(2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class FlashAttnBackend:
+    """flash-attn 2 (GPU). Never executed on this project's machines (no GPU); kept to the documented API."""
+
+    name = "flash"
+
+    def __init__(self):
+        from flash_attn import flash_attn_interface as fa  # noqa: F401 - import guard
+
+        self.fa = fa
+
+    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None):
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # flash-attn wants [b, s, n, d]
+        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        res = self.fa._flash_attn_forward(qt, kt, vt, 0.0, scale, causal=causal, window_size_left=-1,
+                                          window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                                          return_softmax=False)
+        out, lse = res[0], res[1]
+        return out.transpose(1, 2), lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None):
+        qt, kt, vt, ot, dot = (t.transpose(1, 2).contiguous() for t in (q, k, v, out, dout))
+        dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
+        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        self.fa._flash_attn_backward(dot, qt, kt, vt, ot, lse, dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None,
+                                     False)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def get_backend(name: str = "auto", device: Optional[torch.device] = None):
+    """``auto``: flash on CUDA when installed, else math on CUDA; torch on CPU."""
+    dev = device.type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "auto":
+        if dev == "cuda":
+            try:
+                return FlashAttnBackend()
+            except ImportError:
+                return MathBackend()
+        return TorchCPUBackend()
+    if name == "torch":
+        return TorchCPUBackend()
+    if name == "math":
+        return MathBackend()
+    if name == "flash":
+        return FlashAttnBackend()
+    raise ValueError(f"unknown attention backend {name!r} (auto, torch, math, flash)")

@@ -1,0 +1,79 @@
+"""Helpers for parity tests: a small config, the reference single-process model, gathering full grads.
+
+Tolerances (fp32 on CPU): the contract is loss within 1e-5 relative and gradients within 1e-4. Parallel layouts
+change only the order of floating-point reductions (sums split over ranks, softmax merged by lse), each step of
+which has relative error ~1e-7 (fp32 epsilon 6e-8 times a few); over a few layers and sums of at most thousands of
+terms the accumulated error stays ~1e-6 relative, an order of magnitude inside the contract."""
+from __future__ import annotations
+
+import torch
+
+from megatron_lc.config import Config, load_config
+from megatron_lc.parallel.tensor_parallel import merge_shards
+from megatron_lc.parallel.topology import Axis, Topology
+
+LOSS_RTOL = 1e-5
+GRAD_ATOL = 1e-4
+
+
+def small_config(overrides=()) -> Config:
+    base = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=8", "model.num_query_groups=4",
+            "model.ffn_hidden_size=128", "model.vocab_size=256", "model.make_vocab_size_divisible_by=64",
+            "data.seq_length=32", "data.mock_data=true", "train.micro_batch_size=2", "train.device=cpu"]
+    return load_config(None, base + list(overrides))
+
+
+def batch_for(cfg: Config, seed: int = 0, batch: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    s = cfg.data.seq_length
+    tokens = torch.randint(0, cfg.model.vocab_size, (batch, s + 1), generator=g)
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+            "position_ids": torch.arange(s).expand(batch, s).contiguous(), "loss_mask": torch.ones(batch, s)}
+
+
+def full_grads(model, topo: Topology) -> dict:
+    """Gradients of the full model (tp shards merged), keyed by parameter name."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        if getattr(p, "tensor_model_parallel", False) and topo.tp > 1:
+            parts = [torch.empty_like(g) for _ in range(topo.tp)]
+            dist.all_gather(parts, g.contiguous(), group=topo.group(Axis.TP))
+            g = merge_shards(parts, p.partition)
+        out[name] = g
+    return out
+
+
+def assert_close_grads(got: dict, ref: dict, atol: float = GRAD_ATOL) -> None:
+    assert got.keys() == ref.keys(), (sorted(got) , sorted(ref))
+    for k in ref:
+        err = (got[k] - ref[k]).abs().max().item()
+        assert err <= atol, f"grad {k}: max abs diff {err:.3e} > {atol}"
+
+
+def assert_close_loss(got: float, ref: float, rtol: float = LOSS_RTOL) -> None:
+    assert abs(got - ref) <= rtol * abs(ref), f"loss {got!r} vs reference {ref!r}: rel diff {abs(got - ref) / abs(ref):.3e}"
+
+
+def reference_loss_and_grads(cfg: Config, batch: dict):
+    """The plain single-process model (tp=cp=1, no memory features) on the full batch: mean token loss, grads."""
+    import copy
+
+    from megatron_lc.parallel.parallelize import build_model
+
+    ref_cfg = copy.deepcopy(cfg)
+    ref_cfg.parallel.tensor_model_parallel_size = 1
+    ref_cfg.parallel.context_parallel_size = 1
+    ref_cfg.parallel.ulysses_size = 1
+    ref_cfg.parallel.cp_comm_type = "p2p"
+    ref_cfg.parallel.sequence_parallel = False
+    for k, v in {"mst": False, "recompute_granularity": "none", "activation_offload": "none", "plan": "off"}.items():
+        setattr(ref_cfg.memory, k, v)
+    topo = Topology()
+    model = build_model(ref_cfg, topo, torch.device("cpu"))
+    tok_loss = model(batch["tokens"], batch["position_ids"], batch["labels"])
+    loss = (tok_loss * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    loss.backward()
+    return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
