@@ -11,8 +11,6 @@ def apply_memory_features(model: nn.Module, cfg: Config, topo: Topology) -> nn.M
     """Wrap or replace the model's parts according to ``cfg.memory``; returns the model."""
     m = cfg.memory
     unsupported = []
-    if m.mst:
-        unsupported.append("memory.mst")
     if m.recompute_granularity != "none":
         unsupported.append(f"memory.recompute_granularity={m.recompute_granularity}")
     if m.activation_offload != "none":
@@ -21,4 +19,10 @@ def apply_memory_features(model: nn.Module, cfg: Config, topo: Topology) -> nn.M
         unsupported.append(f"memory.plan={m.plan}")
     if unsupported:
         raise ConfigError(f"not implemented yet: {', '.join(unsupported)}")
+    # ---- MsT (issue 5): mini-sequence MLP and LM head + loss -------------------------------------------------
+    if m.mst:
+        from .mst import apply_mst
+
+        model = apply_mst(model, cfg, topo)
+    # ---- end MsT ---------------------------------------------------------------------------------------------
     return model
