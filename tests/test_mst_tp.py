@@ -12,8 +12,10 @@ GPT = ["model.normalization=LayerNorm", "model.swiglu=false", "model.position_em
        "model.max_position_embeddings=64"]
 
 
-@pytest.mark.parametrize("sp,arch", [(False, "llama"), (True, "llama"), (True, "gpt")])
-def test_mst_tp2_matches_single_process(sp, arch):
+@pytest.mark.parametrize("sp,arch,weighted", [(False, "llama", True), (True, "llama", False), (True, "gpt", True),
+                                               (False, "gpt", False)])
+def test_mst_tp2_matches_single_process(sp, arch, weighted):
+    """weighted: per-token loss weights (head dW recomputed in backward); else the loop's 0/1 mask (from forward)."""
     overrides = [f"parallel.sequence_parallel={sp}", "memory.mst_mlp_chunk_size=7", "memory.mst_head_chunks=5"]
-    losses = run_dist(2, dist_cases_mst.mst_tp_parity, overrides + (GPT if arch == "gpt" else []))
+    losses = run_dist(2, dist_cases_mst.mst_tp_parity, overrides + (GPT if arch == "gpt" else []), weighted)
     assert losses[0] == losses[1]
