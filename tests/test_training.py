@@ -94,3 +94,14 @@ def test_metrics_file_written(tmp_path):
     assert [r["step"] for r in recs] == [1, 2, 3]
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_gpu_per_s", "mfu", "peak_memory_bytes"):
         assert key in recs[0]
+
+
+def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
+    """With a project configured and the default mode, wandb writes an offline run next to the metrics."""
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    path = tmp_path / "metrics.jsonl"
+    run_dist(1, dist_cases_train.train, ["train.train_iters=2", f"logging.metrics_file={path}",
+                                         "logging.wandb_project=megatron_lc_test"])
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list(tmp_path.rglob("*"))[:20]
