@@ -52,14 +52,27 @@ class MathBackend:
         lse = torch.logsumexp(s, dim=-1)
         return torch.exp(s - lse.unsqueeze(-1)), lse, scale
 
+    def _block_probs(self, q, k, lse, causal, scale):
+        nq = q.shape[1]
+        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        s = torch.matmul(q.float(), self._expand(k, nq).float().transpose(-1, -2)) * scale
+        if causal:
+            sq, sk = s.shape[-2:]
+            s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        lse = lse.float().unsqueeze(-1)
+        return torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
+
     def forward(self, q, k, v, causal: bool, scale: Optional[float] = None):
         p, lse, _ = self._probs(q, k, causal, scale)
         out = torch.matmul(p, self._expand(v, q.shape[1]).float())
         return out.to(q.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None):
+        # The probabilities come from the *given* lse (the merged lse over every key block when ring/FPDT call
+        # this per block), not from this block's own softmax: P_blk = exp(S_blk - lse_total).
         nq, nkv = q.shape[1], k.shape[1]
-        p, _, scale = self._probs(q, k, causal, scale)
+        p = self._block_probs(q, k, lse, causal, scale)
+        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         do = dout.float()
         ve = self._expand(v, nq).float()
         dv = torch.matmul(p.transpose(-1, -2), do)
