@@ -21,9 +21,6 @@ from tests.parity import (assert_close_grads, assert_close_loss, batch_for, full
 OUT_ATOL = 2e-5
 GRAD_ATOL = 1e-4
 
-MODES = {"p2p": [], "a2a": [], "a2a+p2p": []}
-
-
 def cp_overrides(kind: str, cp: int, ulysses: int | None = None, tp: int = 1) -> list[str]:
     o = [f"parallel.context_parallel_size={cp}", f"parallel.cp_comm_type={kind}",
          f"parallel.tensor_model_parallel_size={tp}"]
@@ -122,12 +119,12 @@ def model_parity(rank, world, overrides):
     return float(gl)
 
 
-def train_losses(rank, world, overrides, metrics_file):
-    """Losses of a short Trainer run (mock data)."""
+def train_losses(rank, world, config_path, overrides, metrics_file):
+    """Losses of a short Trainer run of ``config_path`` with ``overrides``."""
     from megatron_lc.config import load_config
     from megatron_lc.training.loop import Trainer
 
-    cfg = load_config(None, list(overrides) + [f"logging.metrics_file={metrics_file}"])
+    cfg = load_config(config_path, list(overrides) + [f"logging.metrics_file={metrics_file}"])
     p = cfg.parallel
     cfg.check_layout(world)
     topo = Topology.build(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, ulysses=p.ulysses_size)
