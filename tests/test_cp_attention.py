@@ -1,6 +1,10 @@
 """Context-parallel core attention (ring, Ulysses, hybrid) equals SDPA on the full sequence, forward and backward,
 on gloo ranks; the bytes each rank sent equal the formulas of docs/context_parallel.md."""
+import math
+
 import pytest
+
+from megatron_lc.attention.cp_bytes import cp_attention_bytes
 
 from tests import dist_cases_cp
 from tests.dist import run_dist
@@ -40,14 +44,14 @@ def test_cp_attention_matches_full(kind, cp, ulysses, nq, nkv):
     res = run_dist(cp, dist_cases_cp.attention_parity, kind, ulysses, nq, nkv, B, seq, D)
     u = ulysses if kind == "a2a+p2p" else (cp if kind == "a2a" else 1)
     ring = cp // u
-    import math
-
     rep = math.lcm(nkv, u) // nkv if u > 1 else 1
     s_local = seq // cp
     fwd_r, bwd_r = ring_bytes(s_local * u, nkv * rep // u, ring)
     a2a = ulysses_bytes(s_local, nq, nkv * rep, u) if u > 1 else 0
     for r in res:  # every rank sends the same amount
         assert r == {"p2p_fwd": fwd_r, "p2p_bwd": bwd_r, "a2a_fwd": a2a, "a2a_bwd": a2a}, (r, fwd_r, bwd_r, a2a)
+    # the library's formula (used by bench/cp_memory.py) agrees with the measurement
+    assert cp_attention_bytes(kind, seq, B, nq, nkv, D, cp, ulysses) == {"fwd": fwd_r + a2a, "bwd": bwd_r + a2a}
 
 
 def test_ring_refuses_odd_local_length():

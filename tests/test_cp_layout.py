@@ -88,3 +88,11 @@ def test_cp_configs_load_and_fit_their_world(path, world):
     cfg = load_config(path)
     assert cfg.check_layout(world) == 1
     assert cfg.parallel.context_parallel_size == world
+
+
+def test_missing_gpu_attention_backend_is_a_config_error():
+    from megatron_lc.attention import build_core_attention
+
+    cfg = _cfg("p2p", 2, extra=["parallel.attention_backend=te"])
+    with pytest.raises(ConfigError, match="parallel.attention_backend te needs a package that is not installed"):
+        build_core_attention(cfg, Topology(world_size=2, rank=0, cp=2), layer_number=0)

@@ -172,12 +172,19 @@ class RingAttention(nn.Module):
 
     def __init__(self, topo: Topology, backend: str = "auto", tag: str = "attn", axis: Axis = Axis.RING):
         super().__init__()
-        self.comm = RingComm(topo, axis)
         self.backend_name = backend
         self.tag = tag
         self._backends: dict = {}
+        if backend in ("flash", "te"):  # GPU libraries: refuse at build time when they are missing
+            try:
+                get_backend(backend)
+            except ImportError as e:
+                raise ConfigError(f"parallel.attention_backend {backend} needs a package that is not installed "
+                                  f"({e}); use auto or torch") from None
+        self.comm = RingComm(topo, axis)
 
     def backend(self, device: torch.device):
+        """The local kernel for ``device`` (``auto``: flash-attn on CUDA when installed, torch's CPU op on CPU)."""
         if device.type not in self._backends:
             self._backends[device.type] = get_backend(self.backend_name, device)
         return self._backends[device.type]
