@@ -19,6 +19,7 @@ MODEL_CASES = {
     "ulysses-cp4-kv2": (4, dist_cases_cp.cp_overrides("a2a", 4) + ["model.num_query_groups=2"]),
     "hybrid-cp4-2x2": (4, dist_cases_cp.cp_overrides("a2a+p2p", 4, 2)),
     "ring-cp2-tp2-sp": (4, dist_cases_cp.cp_overrides("p2p", 2, tp=2) + ["parallel.sequence_parallel=true"]),
+    "ulysses-cp2-tp2": (4, dist_cases_cp.cp_overrides("a2a", 2, tp=2)),
 }
 
 
