@@ -59,8 +59,17 @@ def _block_case(topo: Topology, P: int, u: int, nq: int, nkv: int, offload: bool
         g = all_reduce(p.grad.clone(), topo, Axis.CP)
         err = (g - ref_grads[name].grad).abs().max().item()
         assert err <= GRAD_ATOL, f"P={P} u={u} heads {nq}/{nkv} offload={offload}: grad {name} diff {err:.2e}"
-    acct = block.fpdt_account
+    acct, host = block.fpdt_account, block.fpdt_host_account
     assert acct.current == 0, f"FPDT buffers not all released: {acct.summary()}"
+    assert host.current == 0, f"FPDT host copies not all released: {host.summary()}"
+    d = ref_cfg.model.kv_channels
+    kv_chunk = 2 * batch * (nkv * block.kv_repeat // P) * (seq // u) * d * 4  # one gathered k + v chunk, fp32
+    fetched_kv = acct.peak_by_tag.get("fpdt.fetch_kv", 0)
+    if offload:  # double buffer: the kv chunk in use and the next one, never more
+        assert 0 < fetched_kv <= 2 * kv_chunk or (u == 1 and fetched_kv == kv_chunk), (fetched_kv, kv_chunk)
+        assert acct.peak_by_tag.get("fpdt.saved", 0) == 0 and host.peak > 0
+    else:
+        assert fetched_kv == 0 and host.peak == 0
     return {"out": err_out, "dx": err_dx, "peak": acct.peak, "by_tag": dict(acct.peak_by_tag)}
 
 

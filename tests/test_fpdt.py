@@ -63,6 +63,10 @@ def test_block_matches_single_process(P):
     grid = [(u, nq, nkv, off, "auto") for u in (1, 2, 4) for nq, nkv in HEADS for off in (True, False)]
     results = run_dist(P, cases.block_parity, grid)
     assert len(results[0]) == len(grid)
+    peaks = {c[:4]: r["peak"] for c, r in zip(grid, results[0])}
+    for nq, nkv in HEADS:  # with offload, the block's device bytes fall with the chunk count (bench: figures)
+        assert peaks[(4, nq, nkv, True)] < peaks[(2, nq, nkv, True)] < peaks[(1, nq, nkv, True)]
+        assert peaks[(4, nq, nkv, True)] <= 0.5 * peaks[(1, nq, nkv, True)], peaks
 
 
 # ---- the whole model -----------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ class FPDTSelfAttention(SelfAttention):
     """SelfAttention with FPDT's chunked forward/backward (see module doc). Built from an existing block."""
 
     def __init__(self, attn: SelfAttention, cfg: Config, topo: Topology, layer_number: int = 0,
-                 account: Optional[BufferAccount] = None):
+                 account: Optional[BufferAccount] = None, host_account: Optional[BufferAccount] = None):
         nn.Module.__init__(self)
         self.d, self.groups_per_rank, self.q_per_group = attn.d, attn.groups_per_rank, attn.q_per_group
         self.use_rope = attn.use_rope
@@ -84,11 +84,12 @@ class FPDTSelfAttention(SelfAttention):
         nq = self.groups_per_rank * self.q_per_group
         self.kv_repeat = kv_replication(nq, self.groups_per_rank, topo.ulysses)
         self.fpdt_account = account if account is not None else BufferAccount()
+        self.fpdt_host_account = host_account if host_account is not None else BufferAccount()
         self._fpdt_bufs: dict = {}
 
     def _device_buffers(self, device: torch.device) -> FPDTBuffers:
         if device not in self._fpdt_bufs:
-            self._fpdt_bufs[device] = FPDTBuffers(device, self.fpdt_account)
+            self._fpdt_bufs[device] = FPDTBuffers(device, self.fpdt_account, self.fpdt_host_account)
         return self._fpdt_bufs[device]
 
     def _backend(self, device: torch.device):
@@ -135,10 +136,13 @@ class FPDTCoreAttentionPlaceholder(nn.Module):
 
 
 def apply_fpdt(model: nn.Module, cfg: Config, topo: Topology, account: Optional[BufferAccount] = None) -> BufferAccount:
-    """Replace every layer's ``self_attention`` by an ``FPDTSelfAttention`` (same parameters); all layers count
-    their buffers in one ``BufferAccount`` (returned, also ``model.fpdt_account``)."""
+    """Replace every layer's ``self_attention`` by an ``FPDTSelfAttention`` (same parameters). All layers count
+    their device buffers in one ``BufferAccount`` (returned, also ``model.fpdt_account``) and their host copies in
+    ``model.fpdt_host_account``."""
     account = account if account is not None else BufferAccount()
-    for i, layer in enumerate(model.layers):
-        layer.self_attention = FPDTSelfAttention(layer.self_attention, cfg, topo, layer.layer_number, account)
-    model.fpdt_account = account
+    host_account = BufferAccount()
+    for layer in model.layers:
+        layer.self_attention = FPDTSelfAttention(layer.self_attention, cfg, topo, layer.layer_number, account,
+                                                 host_account)
+    model.fpdt_account, model.fpdt_host_account = account, host_account
     return account

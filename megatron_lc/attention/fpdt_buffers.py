@@ -9,7 +9,8 @@ framework's own accounting (on CPU host and device are one memory; the figure st
     fpdt.a2a         all-to-all send/receive buffers and layout copies (transient)
     fpdt.chunk       current gathered q/k/v chunk (forward); dq of the finished chunk, dk/dv accumulators (backward)
     fpdt.acc         fp32 output / lse accumulators of the q chunk (forward); one block's dq/dk/dv (backward)
-    fpdt.fetch       chunks fetched back from host (double buffer: the one in use and the next)
+    fpdt.fetch_kv    k/v chunks fetched back from host (double buffer: the one in use and the next)
+    fpdt.fetch_q     q/out/dout/lse/dq chunks fetched back from host in the backward (double buffer)
     fpdt.saved       chunks kept on the device for later (only without offload)
     fpdt.proj_saved  what the chunk projection's autograd graph saved, when it lives on the device
     fpdt.grad_local  a finished chunk's dq/dk/dv after the all-to-all back (projection backward input)
@@ -57,8 +58,9 @@ class Pending:
 class FPDTBuffers:
     """Accounting + transfers for one device; shared by the FPDT blocks of a model (one ``BufferAccount``)."""
 
-    def __init__(self, device: torch.device, account: BufferAccount):
+    def __init__(self, device: torch.device, account: BufferAccount, host_account: Optional[BufferAccount] = None):
         self.device, self.account = device, account
+        self.host_account = host_account if host_account is not None else BufferAccount()  # bytes parked on host
         self.dev = DeviceAdapter.for_device(device)
         self.d2h = self.dev.new_stream()
         self.h2d = self.dev.new_stream()
@@ -83,7 +85,10 @@ class FPDTBuffers:
     def to_host(self, t: torch.Tensor, into: Optional[Hosted] = None) -> Hosted:
         """Copy ``t`` to a (pinned) host buffer on the d2h stream; the caller may drop ``t`` right after."""
         dev = self.dev
-        h = into if into is not None else Hosted(dev.host_empty(t.shape, t.dtype))
+        if into is None:
+            into = Hosted(dev.host_empty(t.shape, t.dtype))
+            self.host_account.acquire("fpdt.host", nbytes(t))
+        h = into
         dev.wait_event(dev.record_event(), self.d2h)  # the copy starts after the producer of t
         with dev.stream(self.d2h):
             h.host.copy_(t, non_blocking=True)
@@ -91,7 +96,11 @@ class FPDTBuffers:
         h.done = dev.record_event(self.d2h)
         return h
 
-    def fetch(self, hosted: list, tag: str = "fpdt.fetch") -> Pending:
+    def drop_host(self, h: Hosted) -> None:
+        """Forget a host copy (its memory goes back to the host allocator)."""
+        self.host_account.release("fpdt.host", nbytes(h.host))
+
+    def fetch(self, hosted: list, tag: str) -> Pending:
         """Issue host-to-device copies of ``hosted`` into fresh device buffers (accounted under ``tag``)."""
         dev = self.dev
         bufs = [torch.empty(h.host.shape, dtype=h.host.dtype, device=self.device) for h in hosted]
@@ -141,7 +150,7 @@ class ChunkStore:
     """Per-chunk tensors kept for later, keyed like ``("k", 3)``: on the host (offload) or on the device.
 
     Offload: ``put`` copies to host (the caller then drops the device tensor), ``prefetch`` issues the copies back
-    into fresh device buffers (``fpdt.fetch``), ``wait`` makes the compute stream wait, ``release`` frees them.
+    into fresh device buffers (counted under the given tag), ``wait`` makes the compute stream wait, ``release`` frees them.
     No offload: the device tensor itself is kept (``fpdt.saved``) and prefetch/wait return it without copies."""
 
     def __init__(self, bufs: FPDTBuffers, offload: bool):
@@ -159,12 +168,13 @@ class ChunkStore:
         """An accumulator that starts at zero (host zeros when offloading: no device memory until fetched)."""
         if self.offload:
             self.items[key] = Hosted(self.bufs.dev.host_empty(shape, dtype).zero_())
+            self.bufs.host_account.acquire("fpdt.host", nbytes(self.items[key].host))
         else:
             self.items[key] = self.bufs.zeros("fpdt.saved", shape, dtype)
 
-    def prefetch(self, keys: list) -> Pending:
+    def prefetch(self, keys: list, tag: str) -> Pending:
         if self.offload:
-            return self.bufs.fetch([self.items[k] for k in keys])
+            return self.bufs.fetch([self.items[k] for k in keys], tag)
         return Pending([self.items[k] for k in keys])
 
     def write_back(self, key, t: torch.Tensor) -> None:
@@ -175,7 +185,9 @@ class ChunkStore:
     def drop(self, *keys) -> None:
         for key in keys:
             item = self.items.pop(key)
-            if not self.offload:
+            if self.offload:
+                self.bufs.drop_host(item)
+            else:
                 self.bufs.untrack("fpdt.saved", item)
 
     def clear(self) -> None:

@@ -27,6 +27,8 @@ from .fpdt_buffers import ChunkStore, FPDTBuffers
 from .fpdt_project import ProjSavedHooks, project_chunk, storage_bytes
 from .merge import merge
 
+KV, QSET = "fpdt.fetch_kv", "fpdt.fetch_q"  # accounting tags of fetched chunks (fpdt_buffers)
+
 
 @dataclass
 class FPDTRun:
@@ -94,9 +96,9 @@ def _attend_chunk(run: FPDTRun, i: int, q: torch.Tensor, k: torch.Tensor, v: tor
     _stash(run, ("k", i), k, "fpdt.chunk")
     _stash(run, ("v", i), v, "fpdt.chunk")
     del k, v
-    nxt = store.prefetch([("k", 0), ("v", 0)]) if i > 0 else None
+    nxt = store.prefetch([("k", 0), ("v", 0)], KV) if i > 0 else None
     for j in range(i):  # kv chunks before i: full attention (global range j < i)
-        cur, nxt = nxt, (store.prefetch([("k", j + 1), ("v", j + 1)]) if j + 1 < i else None)
+        cur, nxt = nxt, (store.prefetch([("k", j + 1), ("v", j + 1)], KV) if j + 1 < i else None)
         kj, vj = bufs.wait(cur)
         o, lse_j = be.forward(q, kj, vj, causal=False)
         bufs.track("fpdt.acc", o, lse_j)
@@ -166,21 +168,21 @@ def fpdt_backward(run: FPDTRun, dout: torch.Tensor, x_shape, x_dtype) -> Optiona
         store.put_zeros(("dq", m), q_shape, torch.float32)
     dx = torch.empty(x_shape, dtype=x_dtype, device=dout.device) if run.x_requires_grad else None
     x_rows = x_shape[0] // u
-    kv_next = store.prefetch([("k", 0), ("v", 0)])
+    kv_next = store.prefetch([("k", 0), ("v", 0)], KV)
     for j in range(u):
         kv_cur = kv_next
         kj, vj = bufs.wait(kv_cur)
         dk = bufs.zeros("fpdt.chunk", kj.shape, torch.float32)
         dv = bufs.zeros("fpdt.chunk", vj.shape, torch.float32)
         qset = [("q", j), ("o", j), ("do", j), ("lse", j), ("dq", j)]
-        q_next = store.prefetch(qset)
+        q_next = store.prefetch(qset, QSET)
         kv_next, dq_done = None, None
         for m in range(j, u):
             q_cur = q_next
             if m + 1 < u:  # issued before this step's compute: double buffer of q chunks
-                q_next = store.prefetch([(n, m + 1) for n in ("q", "o", "do", "lse", "dq")])
+                q_next = store.prefetch([(n, m + 1) for n in ("q", "o", "do", "lse", "dq")], QSET)
             elif j + 1 < u:  # last inner step: fetch the next outer step's kv chunk
-                kv_next = store.prefetch([("k", j + 1), ("v", j + 1)])
+                kv_next = store.prefetch([("k", j + 1), ("v", j + 1)], KV)
             qm, om, dom, lsem, dqm = bufs.wait(q_cur)
             gq, gk, gv = be.backward(dom, qm, kj, vj, om, lsem, causal=(m == j))
             bufs.track("fpdt.acc", gq, gk, gv)

@@ -51,13 +51,16 @@ class ProjSavedHooks:
     def __init__(self, bufs: FPDTBuffers, offload: bool, keep_ptrs: set, input_ptr: int):
         self.bufs, self.offload, self.keep_ptrs, self.input_ptr = bufs, offload, keep_ptrs, input_ptr
         self.counted: list = []  # tensors accounted under fpdt.proj_saved until ``finish``
+        self.hosted: list = []  # host copies made by ``pack`` (forgotten in ``finish``)
 
     def pack(self, t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.keep_ptrs:
             return ("keep", t)
         if self.offload:
-            return ("host", self.bufs.to_host(t))
+            h = self.bufs.to_host(t)
+            self.hosted.append(h)
+            return ("host", h)
         if ptr != self.input_ptr:
             self.bufs.track("fpdt.proj_saved", t)
             self.counted.append(t)
@@ -74,7 +77,9 @@ class ProjSavedHooks:
 
     def finish(self) -> None:
         self.bufs.untrack("fpdt.proj_saved", *self.counted)
-        self.counted = []
+        for h in self.hosted:
+            self.bufs.drop_host(h)
+        self.counted, self.hosted = [], []
 
 
 class ChunkProjection:
