@@ -98,3 +98,39 @@ def test_training_fpdt_p2_u4_matches_cp1():
     for step, (a, b) in enumerate(zip(fpdt[0], base[0])):
         # 1e-5 relative: the contract; the two runs differ only in summation order (see dist_cases_fpdt.py)
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step + 1}: fpdt {a!r} vs cp=1 {b!r}"
+
+
+# ---- in-process (P = 1) details --------------------------------------------------------------------------------------
+def _p1_block(u=4, offload=True):
+    from megatron_lc.attention.fpdt import FPDTSelfAttention
+    from megatron_lc.model.attention import SelfAttention
+    from megatron_lc.parallel.parallelize import ModelParts
+    from megatron_lc.parallel.topology import Topology
+
+    cfg = small_config(["parallel.cp_comm_type=fpdt", f"memory.fpdt_chunk_size={32 // u}",
+                        f"memory.fpdt_offload={offload}"])
+    torch.manual_seed(0)
+    ref = SelfAttention(cfg.model, ModelParts(small_config(), Topology()), 0, 0.02)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return FPDTSelfAttention(ref, cfg, Topology()), cfg
+
+
+def test_no_grad_forward_matches_and_keeps_nothing():
+    from megatron_lc.model.rope import RotaryEmbedding
+
+    block, cfg = _p1_block()
+    x = torch.randn(32, 2, cfg.model.hidden_size)
+    rope = RotaryEmbedding(cfg.model.kv_channels, 10000.0)(torch.arange(32).view(32, 1).expand(32, 2))
+    with torch.no_grad():
+        y0 = block(x, rope)
+    assert block.fpdt_account.current == 0 and block.fpdt_host_account.current == 0
+    y1 = block(x.requires_grad_(), rope)
+    assert torch.equal(y0, y1.detach())  # same arithmetic with and without the autograd graph
+
+
+def test_wrong_runtime_length_is_a_clear_error():
+    block, cfg = _p1_block(u=4)
+    x = torch.randn(30, 2, cfg.model.hidden_size)
+    with pytest.raises(ConfigError, match=r"local sequence \(30 tokens on this rank\) is not divisible into 4 chunks"):
+        block(x, None)
