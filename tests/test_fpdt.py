@@ -77,6 +77,9 @@ def test_block_matches_single_process(P):
     (4, 2, ["memory.fpdt_chunk_size=16", "parallel.sequence_parallel=false"]),  # tp=2 x P=2, u=2
     (4, 2, ["memory.fpdt_chunk_size=8", "parallel.sequence_parallel=true"]),    # tp=2 (SP) x P=2, u=4
     (2, 2, ["memory.fpdt_chunk_size=8", "parallel.sequence_parallel=true"]),    # tp=2 (SP), P=1, u=4
+    (2, 1, ["memory.fpdt_chunk_size=16", "model.normalization=LayerNorm", "model.swiglu=false",  # GPT: learned
+            "model.position_embedding_type=learned_absolute", "model.add_bias_linear=true",    # positions, biases,
+            "model.untie_embeddings_and_output_weights=false", "model.max_position_embeddings=64"]),  # tied head
 ])
 def test_model_matches_single_process(world, tp, over):
     losses = run_dist(world, cases.model_parity, over, tp)

@@ -111,6 +111,7 @@ class FPDTBuffers:
                 dev.wait_event(h.done, self.h2d)  # the host copy is complete
             with dev.stream(self.h2d):
                 b.copy_(h.host, non_blocking=True)
+            dev.record_stream(b, self.h2d)  # written on the side stream: not reused before that copy ran
         return Pending(bufs, dev.record_event(self.h2d), [(tag, b) for b in bufs])
 
     def wait(self, p: Pending) -> list:
@@ -150,7 +151,8 @@ class ChunkStore:
     """Per-chunk tensors kept for later, keyed like ``("k", 3)``: on the host (offload) or on the device.
 
     Offload: ``put`` copies to host (the caller then drops the device tensor), ``prefetch`` issues the copies back
-    into fresh device buffers (counted under the given tag), ``wait`` makes the compute stream wait, ``release`` frees them.
+    into fresh device buffers (counted under the given tag), ``FPDTBuffers.wait`` makes the compute stream wait,
+    ``FPDTBuffers.release`` frees them.
     No offload: the device tensor itself is kept (``fpdt.saved``) and prefetch/wait return it without copies."""
 
     def __init__(self, bufs: FPDTBuffers, offload: bool):

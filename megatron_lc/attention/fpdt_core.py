@@ -126,6 +126,7 @@ def fpdt_forward(run: FPDTRun, x: torch.Tensor, out: torch.Tensor) -> None:
         run.projections.append(proj)
         local = storage_bytes(q, k, v)
         bufs.account.acquire("fpdt.proj", local)
+        run.dtype = q.dtype  # the gradients handed to the projection graph match q/k/v (autocast may differ from x)
         qh = _to_attn(bufs, topo, q, "fpdt.chunk")
         kh = _to_attn(bufs, topo, k, "fpdt.chunk")
         vh = _to_attn(bufs, topo, v, "fpdt.chunk")
