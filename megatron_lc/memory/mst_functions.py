@@ -105,7 +105,8 @@ class _MiniSequenceMLP(torch.autograd.Function):
         db1 = torch.zeros_like(b1) if b1 is not None and ctx.needs_input_grad[2] else None
         dw2 = torch.zeros_like(w2) if ctx.needs_input_grad[3] else None
         with torch.autocast(x.device.type, enabled=False):
-            xc_, w1c, b1c, w2c, g = _cast(x, dtype), _cast(w1, dtype), _cast(b1, dtype), _cast(w2, dtype), _cast(g, dtype)
+            xc_, w1c, b1c, w2c = _cast(x, dtype), _cast(w1, dtype), _cast(b1, dtype), _cast(w2, dtype)
+            g = _cast(g, dtype)
             for i0, i1 in chunk_bounds(x.shape[0], ctx.chunk):
                 xi, gi = xc_[i0:i1], g[i0:i1]
                 h = F.linear(xi, w1c, b1c)  # recomputed: [n, f1] lives for this chunk only

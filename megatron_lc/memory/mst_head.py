@@ -11,10 +11,11 @@ that backward will bring. The forward therefore also computes, per chunk while t
 ``u = (softmax - onehot) W`` (rows of dx before the factor g, ``[N, h]``) and ``D = sum_t (softmax_t - onehot_t)
 x_t^T`` (``[V/tp, h]``, the weight-gradient sum). Backward then returns ``dx = g * u`` (exact for any g) and
 ``dW = c * D`` when g equals one constant c on every token with a label -- the training loop's case, loss =
-sum(token loss * mask) / count with mask 0/1 -- and otherwise recomputes dW chunk by chunk from the saved input
-(exact for any g, e.g. a weighted loss mask). This saves the backward logits recompute of Algorithm 4 (a third of
-the head's matmuls); D turns into the weight's ``.grad``, which the unchunked head allocates at the same point
-anyway, and u turns into dx in place.
+sum(token loss * mask) / count with the all-ones mask -- and otherwise recomputes dW chunk by chunk from the saved
+input and lse (exact for any g, e.g. a mask that zeroes or weights labelled tokens). This saves the backward
+logits recompute of Algorithm 4 (a third of the head's matmuls); D turns into the weight's ``.grad``, which the
+unchunked head allocates at the same point anyway, and u turns into dx in place. Both are ctx attributes, not
+saved tensors, so saved-tensor hooks (offload) do not see them.
 
 Without autograd (``torch.no_grad`` / eval) only the loss is computed.
 """
