@@ -13,12 +13,13 @@ def apply_memory_features(model: nn.Module, cfg: Config, topo: Topology) -> nn.M
     unsupported = []
     if m.mst:
         unsupported.append("memory.mst")
-    if m.recompute_granularity != "none":
-        unsupported.append(f"memory.recompute_granularity={m.recompute_granularity}")
-    if m.activation_offload != "none":
-        unsupported.append(f"memory.activation_offload={m.activation_offload}")
     if m.plan != "off":
         unsupported.append(f"memory.plan={m.plan}")
     if unsupported:
         raise ConfigError(f"not implemented yet: {', '.join(unsupported)}")
+    # ---- recompute / Memo offload (memory/memo.py): layer executors, profiler, alpha, rounding buffers ----
+    from .memo import install_recompute
+
+    install_recompute(model, cfg, topo)
+    # ---- end recompute / Memo offload ----
     return model
