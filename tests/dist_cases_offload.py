@@ -63,3 +63,14 @@ def memo_parity(rank, world, overrides, iters: int = 1, tp: int = 1, cp: int = 1
         assert_close_grads(full_grads(model, topo), ref_grads)
     rt = getattr(model, "memo_runtime", None)
     return None if rt is None else {"stats": rt.stats(), "alpha": rt.alpha, "attn_calls": rt.attn_forward_calls}
+
+
+def memo_parity_cases(rank, world, cases, tp: int = 1, cp: int = 1):
+    """Several ``memo_parity`` cases in one spawn (process start-up dominates on CI); failures name the case."""
+    out = []
+    for overrides in cases:
+        try:
+            out.append(memo_parity(rank, world, overrides, 1, tp, cp))
+        except AssertionError as e:
+            raise AssertionError(f"case {overrides}: {e}") from None
+    return out

@@ -136,9 +136,10 @@ def solve_alpha(inp: AlphaInputs) -> AlphaResult:
 def check_fixed_alpha(inp: AlphaInputs, alpha: float) -> AlphaResult:
     """A user-given alpha: raise ``HostMemoryError`` when it does not fit in host memory (naming the largest
     alpha that does); report whether its transfer is hidden."""
-    best = solve_alpha(inp)  # raises when alpha = 0 does not fit
-    t, m = best.time_bound, best.memory_bound
+    t, m = bounds(inp)
     swapped = max(inp.num_layers - 2, 0)
+    if m < 0:
+        solve_alpha(inp)  # raises the alpha = 0 message
     per_layer = inp.s_kept + alpha * inp.s_others
     if alpha > m + 1e-12:
         raise HostMemoryError(
