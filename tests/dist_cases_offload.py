@@ -66,11 +66,13 @@ def memo_parity(rank, world, overrides, iters: int = 1, tp: int = 1, cp: int = 1
 
 
 def memo_parity_cases(rank, world, cases, tp: int = 1, cp: int = 1):
-    """Several ``memo_parity`` cases in one spawn (process start-up dominates on CI); failures name the case."""
+    """Several ``memo_parity`` cases in one spawn (process start-up dominates on CI); failures name the case.
+    A case is a list of overrides (run with ``tp``, ``cp``) or a tuple ``(overrides, tp, cp)``."""
     out = []
-    for overrides in cases:
+    for case in cases:
+        overrides, tp_, cp_ = case if isinstance(case, tuple) else (case, tp, cp)
         try:
-            out.append(memo_parity(rank, world, overrides, 1, tp, cp))
+            out.append(memo_parity(rank, world, overrides, 1, tp_, cp_))
         except AssertionError as e:
-            raise AssertionError(f"case {overrides}: {e}") from None
+            raise AssertionError(f"case {overrides} tp={tp_} cp={cp_}: {e}") from None
     return out

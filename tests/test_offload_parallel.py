@@ -18,3 +18,25 @@ def test_memo_and_full_recompute_tp2():
         assert [(s["tokens"], s["tokens_kept"]) for s in rank_out[1]["stats"]] == [(16, 4)] * 4
         assert [s["tokens_kept"] for s in rank_out[3]["stats"]] == [16] * 4
         assert rank_out[4]["attn_calls"] == 2  # full recompute: one attention forward per layer
+
+
+def test_memo_and_full_recompute_cp2():
+    """cp = 2: ring (zigzag p2p) and Ulysses (a2a), kv heads 4 over 2 ranks; attention through its (out, lse) form."""
+    ring, uly = ["parallel.cp_comm_type=p2p"], ["parallel.cp_comm_type=a2a"]
+    cases = [memo_overrides(0.25) + ring, memo_overrides(0.5) + uly, ["memory.recompute_granularity=full"] + ring,
+             memo_overrides(1) + uly]
+    out = run_dist(2, dist_cases_offload.memo_parity_cases, cases, 1, 2)
+    for rank_out in out:
+        assert [(s["tokens"], s["tokens_kept"]) for s in rank_out[0]["stats"]] == [(16, 4)] * 4
+        assert rank_out[2]["attn_calls"] == 2
+
+
+def test_memo_four_ranks_tp2_cp2_and_hybrid_cp4():
+    """tp=2 x cp=2 (ring, SP) and cp=4 = ulysses 2 x ring 2 (a2a+p2p) with one kv head (replicated for Ulysses)."""
+    cases = [(memo_overrides(0.25) + SP + ["parallel.cp_comm_type=p2p"], 2, 2),
+             (memo_overrides(0.5) + ["parallel.cp_comm_type=a2a+p2p", "parallel.ulysses_size=2",
+                                     "model.num_query_groups=1"], 1, 4)]
+    out = run_dist(4, dist_cases_offload.memo_parity_cases, cases)
+    for rank_out in out:
+        assert [(s["tokens"], s["tokens_kept"]) for s in rank_out[0]["stats"]] == [(8, 2)] * 4
+        assert [(s["tokens"], s["tokens_kept"]) for s in rank_out[1]["stats"]] == [(8, 4)] * 4
