@@ -121,3 +121,28 @@ def test_rounding_buffers_allocated_before_training_and_accounted():
     assert rt.buffers[0].capacity == cap  # the profiled size was enough: no growth during training
     assert rt.account.live["memo.recompute"] == 0 and rt.account.live["memo.staging"] == 0
     assert rt.account.peak_by_tag["memo.recompute"] > 0
+
+
+def test_bf16_autocast_recompute_keeps_dtypes_and_weight_casts_are_not_offloaded():
+    """Under autocast (bf16 on GPU in training; CPU autocast here) the recompute re-enters autocast, and the bf16
+    weight copies autograd saves are kept by reference (per step, not per token): the kept/recomputed bytes still
+    split exactly by tokens. Gradients: the two token halves' weight gradients are each rounded to bf16 before
+    they are summed, so they differ from one bf16 GEMM by ~1 bf16 ulp (2^-8 relative): tolerance 2e-2 of the
+    largest entry; the loss does not depend on the split."""
+    def run(overrides):
+        cfg, model = _model(["model.num_layers=3"] + overrides)
+        batch = batch_for(cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            tok = model(batch["tokens"], batch["position_ids"], batch["labels"])
+        loss = (tok.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        loss.backward()
+        return float(loss), {n: p.grad for n, p in model.named_parameters()}, getattr(model, "memo_runtime", None)
+
+    ref_loss, ref_grads, _ = run([])
+    loss, grads, rt = run(memo_overrides(0.25, layers=3))
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    for k, g in grads.items():
+        assert (g - ref_grads[k]).abs().max() <= 2e-2 * ref_grads[k].abs().max() + 1e-6, k
+    s = rt.stats()[0]
+    assert s["bytes_other_kept"] * 3 == s["bytes_other_recomputed"]  # 8 kept, 24 recomputed tokens
+    assert rt.buffers[0].capacity == rt.buffers[1].capacity  # no growth: casts not offloaded

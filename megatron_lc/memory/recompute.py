@@ -20,6 +20,7 @@ cuts and merges both kinds. Example S = 4, sA = 1, G = 2 (rank r holds tokens r0
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -66,6 +67,9 @@ class LayerStep:
                  rope_d):
         self.runtime, self.layer, self.io, self.slot, self.split = runtime, layer, io, slot, split
         self.rope_d = rope_d
+        # autocast state of the forward (bf16 on GPU), re-entered for the recompute, as torch.utils.checkpoint does
+        self.autocast = [(dev, torch.get_autocast_dtype(dev)) for dev in ("cuda", "cpu")
+                         if torch.is_autocast_enabled(dev)]
         self.h_input = self.h_attn = self.h_lse = None
         self.h_qkv_kept: Optional[list] = None
         self.pre_d = None  # (leaf x, (q, k, v)) of the recomputed dropped tokens
@@ -81,7 +85,11 @@ class LayerStep:
         refs = set(self.slot.refs) | {self.kept_input().untyped_storage().data_ptr(),
                                       self.kept_attn().untyped_storage().data_ptr()}
         probe = SkeletalSlot(self.slot.layer, "measure", refs)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):
+        with contextlib.ExitStack() as stack:
+            for dev, dtype in self.autocast:
+                stack.enter_context(torch.autocast(dev, dtype=dtype))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack))
             out = fn(*args)
         return out, probe
 

@@ -75,6 +75,20 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return t.storage_offset() * es, (last + 1) * es
 
 
+def _from_parameter(t: torch.Tensor, depth: int = 4) -> bool:
+    """True when ``t`` is a parameter seen through a few single-input ops (autocast's bf16 weight cast, ``.t()``):
+    per step, not per token, so it is kept by reference, never offloaded or counted as a skeletal tensor."""
+    fn = t.grad_fn
+    while fn is not None and depth > 0:
+        if hasattr(fn, "variable"):  # AccumulateGrad: a leaf
+            return isinstance(fn.variable, torch.nn.Parameter)
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if len(nxt) != 1:
+            return False
+        fn, depth = nxt[0], depth - 1
+    return False
+
+
 @dataclass
 class SlotStats:
     """Bytes of the groups by kind (union extents, not padded) and token counts of one layer."""
@@ -117,7 +131,8 @@ class SkeletalSlot:
 
     def pack(self, t: torch.Tensor) -> _Handle:
         """saved_tensors_hooks pack: a handle for ``t`` (must be called before ``flush``)."""
-        if self.mode == "device" or t.numel() == 0 or t.untyped_storage().data_ptr() in self.refs:
+        if self.mode == "device" or t.numel() == 0 or t.untyped_storage().data_ptr() in self.refs \
+                or (t.requires_grad and _from_parameter(t)):
             return _Handle(None, ref=t)
         if self.flushed:
             raise RuntimeError(f"layer {self.layer}: a tensor was saved after the layer's skeletal tensors were "
