@@ -11,15 +11,20 @@ def apply_memory_features(model: nn.Module, cfg: Config, topo: Topology) -> nn.M
     """Wrap or replace the model's parts according to ``cfg.memory``; returns the model."""
     m = cfg.memory
     unsupported = []
-    if m.mst:
-        unsupported.append("memory.mst")
     if m.plan != "off":
         unsupported.append(f"memory.plan={m.plan}")
     if unsupported:
         raise ConfigError(f"not implemented yet: {', '.join(unsupported)}")
-    # ---- recompute / Memo offload (memory/memo.py): layer executors, profiler, alpha, rounding buffers ----
+    # ---- MsT (issue 5): mini-sequence MLP and LM head + loss -------------------------------------------------
+    if m.mst:
+        from .mst import apply_mst
+
+        model = apply_mst(model, cfg, topo)
+    # ---- end MsT ---------------------------------------------------------------------------------------------
+    # ---- recompute / Memo offload (issue 6, memory/memo.py): layer executors, profiler, alpha, rounding buffers.
+    # After MsT, so the profiler measures the layers as they will run.
     from .memo import install_recompute
 
     install_recompute(model, cfg, topo)
-    # ---- end recompute / Memo offload ----
+    # ---- end recompute / Memo offload ------------------------------------------------------------------------
     return model
