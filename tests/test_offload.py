@@ -146,3 +146,12 @@ def test_bf16_autocast_recompute_keeps_dtypes_and_weight_casts_are_not_offloaded
     s = rt.stats()[0]
     assert s["bytes_other_kept"] * 3 == s["bytes_other_recomputed"]  # 8 kept, 24 recomputed tokens
     assert rt.buffers[0].capacity == rt.buffers[1].capacity  # no growth: casts not offloaded
+
+
+@pytest.mark.parametrize("overrides", [memo_overrides(0.25), ["memory.recompute_granularity=full"]])
+def test_composes_with_mst(overrides):
+    """MsT's chunked MLP runs inside the token-wise post-attention part: kept tokens through its own autograd
+    Function (its saved inputs go to the slot), dropped tokens recomputed through it."""
+    mst = ["memory.mst=true", "memory.mst_mlp_chunk_size=8", "memory.mst_head_chunks=3"]
+    out = memo_parity(0, 1, overrides + mst)
+    assert out["stats"][0]["tokens_recomputed"] > 0
