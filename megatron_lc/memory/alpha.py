@@ -29,6 +29,15 @@ from ..config import ConfigError
 GIB = float(2 ** 30)
 
 
+def fmt_bytes(n: float) -> str:
+    """1.5 GiB / 12.00 MiB / 3000 bytes."""
+    if n >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    if n >= 2 ** 20:
+        return f"{n / 2 ** 20:.2f} MiB"
+    return f"{int(n)} bytes"
+
+
 class HostMemoryError(ConfigError):
     """Even alpha = 0 does not fit in the host memory budget."""
 
@@ -111,9 +120,9 @@ def solve_alpha(inp: AlphaInputs) -> AlphaResult:
         need = swapped * inp.s_kept
         raise HostMemoryError(
             f"memory.activation_offload=memo: out of host memory even with offload_fraction 0: the layer inputs "
-            f"and attention outputs of {swapped} swapped layers need {need / GIB:.2f} GiB on this rank "
-            f"({inp.s_input / GIB:.3f} + {inp.s_attn / GIB:.3f} GiB per layer), budget {inp.host_budget / GIB:.2f} "
-            f"GiB; raise memory.host_memory_gb, use more ranks (cp/tp) or a shorter sequence, or turn offload off "
+            f"and attention outputs of {swapped} swapped layers need {fmt_bytes(need)} on this rank "
+            f"({fmt_bytes(inp.s_input)} + {fmt_bytes(inp.s_attn)} per layer), budget {fmt_bytes(inp.host_budget)}; "
+            f"raise memory.host_memory_gb, use more ranks (cp/tp) or a shorter sequence, or turn offload off "
             f"(recompute_granularity: full)")
     alpha = _linprog(inp, with_time=True)
     hidden = alpha is not None
@@ -143,8 +152,8 @@ def check_fixed_alpha(inp: AlphaInputs, alpha: float) -> AlphaResult:
     per_layer = inp.s_kept + alpha * inp.s_others
     if alpha > m + 1e-12:
         raise HostMemoryError(
-            f"memory.offload_fraction ({alpha}) needs {swapped * per_layer / GIB:.2f} GiB of host memory on this "
-            f"rank ({swapped} swapped layers x {per_layer / GIB:.3f} GiB), budget {inp.host_budget / GIB:.2f} GiB; "
+            f"memory.offload_fraction ({alpha}) needs {fmt_bytes(swapped * per_layer)} of host memory on this "
+            f"rank ({swapped} swapped layers x {fmt_bytes(per_layer)}), budget {fmt_bytes(inp.host_budget)}; "
             f"the largest fraction that fits is {max(0.0, min(1.0, m)):.4f} (or set offload_fraction: auto)")
     return AlphaResult(alpha=alpha, time_bound=t, memory_bound=m, binding="fixed", hidden=alpha <= t + 1e-12,
                        host_bytes=swapped * per_layer, transfer_seconds=per_layer / inp.bandwidth)
