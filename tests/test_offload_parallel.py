@@ -24,7 +24,7 @@ def test_memo_and_full_recompute_cp2():
     """cp = 2: ring (zigzag p2p) and Ulysses (a2a), kv heads 4 over 2 ranks; attention through its (out, lse) form."""
     ring, uly = ["parallel.cp_comm_type=p2p"], ["parallel.cp_comm_type=a2a"]
     cases = [memo_overrides(0.25) + ring, memo_overrides(0.5) + uly, ["memory.recompute_granularity=full"] + ring,
-             memo_overrides(1) + uly]
+             memo_overrides(1) + uly, ["memory.recompute_granularity=selective"] + ring]
     out = run_dist(2, dist_cases_offload.memo_parity_cases, cases, 1, 2)
     for rank_out in out:
         assert [(s["tokens"], s["tokens_kept"]) for s in rank_out[0]["stats"]] == [(16, 4)] * 4
