@@ -9,11 +9,11 @@ from tests.parity import assert_close_grads, assert_close_loss, full_grads, refe
 from tests.test_mst import _weighted_batch
 
 
-def mst_tp_parity(rank, world, overrides):
+def mst_tp_parity(rank, world, overrides, weighted=True):
     """tp=world with MsT on vs the single-process unchunked model: loss and every (merged) gradient."""
     cfg = small_config([f"parallel.tensor_model_parallel_size={world}", "memory.mst=true"] + list(overrides))
     cfg.check_layout(world)
-    batch = _weighted_batch(cfg)
+    batch = _weighted_batch(cfg, weighted=weighted)
     ref_loss, ref_grads = reference_loss_and_grads(cfg, batch)
     topo = Topology.build(tp=world)
     model = build_model(cfg, topo, torch.device("cpu"))

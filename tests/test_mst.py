@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_lc.config import ConfigError
 from megatron_lc.memory import mst as mst_mod
 from megatron_lc.memory.mst import MiniSequenceLMHead, MiniSequenceMLP, head_chunk_tokens
-from megatron_lc.memory.mst_functions import chunk_bounds, mini_sequence_cross_entropy, mini_sequence_mlp
+from megatron_lc.memory.mst_functions import chunk_bounds, mini_sequence_mlp
+from megatron_lc.memory.mst_head import mini_sequence_cross_entropy
 from megatron_lc.parallel.parallelize import build_model
 from megatron_lc.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from megatron_lc.parallel.topology import Topology
@@ -62,7 +63,15 @@ def test_mlp_function_matches_autograd(swiglu, bias, chunk):
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 13, 64])
-def test_head_function_matches_vocab_parallel_ce(chunk):
+@pytest.mark.parametrize("mode", ["uniform", "weighted", "recompute"])
+def test_head_function_matches_vocab_parallel_ce(chunk, mode, monkeypatch):
+    """uniform: upstream gradient constant on labelled tokens (the training loop) -> gradient from forward;
+    weighted: per-token factors -> dW recomputed chunk by chunk; recompute: grad_in_forward=False (Algorithm 4)."""
+    from megatron_lc.memory import mst_head
+
+    calls = []
+    real = mst_head._recompute_backward
+    monkeypatch.setattr(mst_head, "_recompute_backward", lambda *a: calls.append(a[-2:]) or real(*a))
     g = torch.Generator().manual_seed(1)
     n, h, v = 41, 16, 96
     x = torch.randn(n, h, generator=g, requires_grad=True)
@@ -70,26 +79,47 @@ def test_head_function_matches_vocab_parallel_ce(chunk):
     labels = torch.randint(0, v, (n,), generator=g)
     labels[3:9] = -100  # ignored labels, a whole chunk of them when chunk == 5
     labels[-1] = -100
-    up = torch.rand(n, generator=g)  # non-uniform upstream gradient (a weighted loss mask)
+    up = torch.rand(n, generator=g) if mode == "weighted" else torch.full((n,), 1.0 / n)
+    up[labels == -100] = 7.0  # whatever flows to ignored tokens must not matter
     topo = Topology()
     ref_loss = vocab_parallel_cross_entropy(x @ w.t(), labels, topo)
     ref = torch.autograd.grad(ref_loss, [x, w], up)
-    loss = mini_sequence_cross_entropy(x, w, labels, topo, chunk)
+    loss = mini_sequence_cross_entropy(x, w, labels, topo, chunk, grad_in_forward=mode != "recompute")
     got = torch.autograd.grad(loss, [x, w], up)
     assert loss.dtype == torch.float32 and bool((loss[labels == -100] == 0).all())
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert bool((got[0][labels == -100] == 0).all())  # ignored tokens get no gradient
+    # which path ran: (need_x, need_w) of the backward recompute, if any
+    assert calls == {"uniform": [], "weighted": [(False, True)], "recompute": [(True, True)]}[mode]
+
+
+def test_head_backward_twice_and_no_grad():
+    """retain_graph: the forward-computed gradient is consumed by the first backward, the second recomputes;
+    under no_grad only the loss is computed."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(30, 8, generator=g, requires_grad=True)
+    w = torch.randn(40, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 40, (30,), generator=g)
+    loss = mini_sequence_cross_entropy(x, w, labels, Topology(), 7).sum()
+    first = torch.autograd.grad(loss, [x, w], retain_graph=True)
+    second = torch.autograd.grad(loss, [x, w])
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(mini_sequence_cross_entropy(x, w, labels, Topology(), 7).sum(), loss.detach())
 
 
 # ---- the whole model -------------------------------------------------------------------------------------------
-def _weighted_batch(cfg, seed=0):
-    """Ignored labels (-100) and a non-uniform loss mask, so the head's upstream gradient differs per token."""
+def _weighted_batch(cfg, seed=0, weighted=True):
+    """Ignored labels (-100); with ``weighted`` a non-uniform loss mask, so the head's upstream gradient differs per
+    token (dW recomputed in backward); without, the loop's 0/1 mask (gradient from the forward)."""
     batch = batch_for(cfg, seed)
     batch["labels"][0, :5] = -100
     batch["labels"][1, -3:] = -100
-    batch["loss_mask"] = torch.rand(batch["loss_mask"].shape, generator=torch.Generator().manual_seed(seed))
+    if weighted:
+        batch["loss_mask"] = torch.rand(batch["loss_mask"].shape, generator=torch.Generator().manual_seed(seed))
     return batch
 
 
@@ -101,16 +131,17 @@ def _mst_loss_and_grads(cfg, batch):
     return model, float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("mlp_chunk,head_chunks,arch", [
-    (16, 4, "llama"),   # 64 tokens: 4 even MLP chunks, 4 head chunks of 16
-    (7, 5, "llama"),    # uneven: MLP 9x7 + 1, head 4x13 + 12
-    (1, 64, "llama"),   # one token per chunk
-    (10, 3, "gpt"),     # GeLU, biases, tied embedding/output weight, learned positions
+@pytest.mark.parametrize("mlp_chunk,head_chunks,arch,weighted", [
+    (16, 4, "llama", False),  # 64 tokens: 4 even MLP chunks, 4 head chunks of 16
+    (7, 5, "llama", True),    # uneven: MLP 9x7 + 1, head 4x13 + 12
+    (7, 5, "llama", False),
+    (1, 64, "llama", True),   # one token per chunk
+    (10, 3, "gpt", False),    # GeLU, biases, tied embedding/output weight, learned positions
 ])
-def test_model_matches_unchunked(mlp_chunk, head_chunks, arch):
+def test_model_matches_unchunked(mlp_chunk, head_chunks, arch, weighted):
     cfg = small_config(["memory.mst=true", f"memory.mst_mlp_chunk_size={mlp_chunk}",
                         f"memory.mst_head_chunks={head_chunks}"] + (GPT if arch == "gpt" else []))
-    batch = _weighted_batch(cfg)
+    batch = _weighted_batch(cfg, weighted=weighted)
     ref_loss, ref_grads = reference_loss_and_grads(cfg, batch)
     model, loss, grads = _mst_loss_and_grads(cfg, batch)
     assert isinstance(model.layers[0].mlp, MiniSequenceMLP) and isinstance(model.head, MiniSequenceLMHead)

@@ -43,23 +43,22 @@ class MathBackend:
     def _expand(t, nq):
         return t.repeat_interleave(nq // t.shape[1], dim=1) if t.shape[1] != nq else t
 
-    def _probs(self, q, k, causal, scale):
-        nq = q.shape[1]
+    def _scores(self, q, k, causal, scale):
+        """fp32 scores ``[b, nq, sq, sk]`` (causal: -inf above the diagonal) and the scale used."""
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        s = torch.matmul(q.float(), self._expand(k, nq).float().transpose(-1, -2)) * scale
+        s = torch.matmul(q.float(), self._expand(k, q.shape[1]).float().transpose(-1, -2)) * scale
         if causal:
             sq, sk = s.shape[-2:]
             s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        return s, scale
+
+    def _probs(self, q, k, causal, scale):
+        s, scale = self._scores(q, k, causal, scale)
         lse = torch.logsumexp(s, dim=-1)
         return torch.exp(s - lse.unsqueeze(-1)), lse, scale
 
     def _block_probs(self, q, k, lse, causal, scale):
-        nq = q.shape[1]
-        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        s = torch.matmul(q.float(), self._expand(k, nq).float().transpose(-1, -2)) * scale
-        if causal:
-            sq, sk = s.shape[-2:]
-            s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        s, _ = self._scores(q, k, causal, scale)
         lse = lse.float().unsqueeze(-1)
         return torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
 

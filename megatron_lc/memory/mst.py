@@ -42,7 +42,8 @@ from ..model.mlp import MLP
 from ..parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_from_sp,
                                         reduce_from_tp, reduce_scatter_to_sp, vocab_parallel_cross_entropy)
 from ..parallel.topology import Topology
-from .mst_functions import mini_sequence_cross_entropy, mini_sequence_mlp
+from .mst_functions import mini_sequence_mlp
+from .mst_head import mini_sequence_cross_entropy
 
 # Floor of the *default* head chunk, in tokens (an explicit M overrides it). Measured on this project's CPU (tiny
 # Llama head, N = 4096, fwd+bwd, 1 thread): 33-token chunks (M = V/d) cost 1.6x the unchunked head, 128-256-token

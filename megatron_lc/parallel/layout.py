@@ -13,7 +13,9 @@ reads the positions; the loss is per token).
              the ring rank's zigzag part, in order). cp=4 = ring 2 x ulysses 2, s=16, cp rank = ring*U + ulysses:
              cp rank 0 [0 1 2 3], 1 [12 13 14 15]  (ring 0: chunks 0 and 3)
              cp rank 2 [4 5 6 7], 3 [8 9 10 11]    (ring 1: chunks 1 and 2)
-    fpdt     strided chunks -- added by the FPDT implementation (see the marked branch below).
+    fpdt     strided chunks (attention/fpdt_layout.py): the sequence cut into P*u pieces, rank r holds pieces
+             r, r+P, r+2P, ... so that gathered chunk i is global range i. P=2, u=2, s=8: rank 0 [0 1 | 4 5],
+             rank 1 [2 3 | 6 7]. Applied even at cp == 1 (sequence parallel splits each chunk over tp).
 """
 from __future__ import annotations
 
@@ -46,6 +48,10 @@ def contiguous_index(seq_length: int, n: int, rank: int) -> torch.Tensor:
 
 def local_token_index(cfg: Config, topo: Topology, seq_length: int) -> torch.Tensor:
     """Indices into the full sequence of the tokens this rank holds, in local order."""
+    if cfg.parallel.cp_comm_type == "fpdt":  # strided chunks (issue 4), also for cp == 1 with SP
+        from ..attention.fpdt_layout import check_fpdt_layout, fpdt_token_index, sp_degree
+
+        return fpdt_token_index(seq_length, topo.cp, topo.cp_rank, check_fpdt_layout(cfg), sp_degree(cfg))
     if topo.cp == 1:
         return torch.arange(seq_length)
     kind = cfg.parallel.cp_comm_type
@@ -56,13 +62,12 @@ def local_token_index(cfg: Config, topo: Topology, seq_length: int) -> torch.Ten
         # p2p: ulysses = 1 (pure zigzag); a2a: ring = 1 (zigzag of 2 chunks = whole sequence, then contiguous).
         part = zigzag_index(seq_length, topo.ring, topo.ring_rank) if topo.ring > 1 else torch.arange(seq_length)
         return part[contiguous_index(part.numel(), topo.ulysses, topo.ulysses_rank)]
-    # ---- fpdt: strided chunk layout goes here (FPDT helper) -------------------------------------------------
     raise ConfigError(f"sequence layout for cp_comm_type {kind} is not implemented yet")
 
 
 def shard_batch(batch: dict, cfg: Config, topo: Topology) -> dict:
     """Keep this cp rank's tokens of every per-token tensor of ``batch`` (``[b, s]`` -> ``[b, s_local]``)."""
-    if topo.cp == 1:
+    if topo.cp == 1 and cfg.parallel.cp_comm_type != "fpdt":
         return batch
     idx = local_token_index(cfg, topo, batch["tokens"].shape[1])
     return {k: (v.index_select(1, idx).contiguous() if k in SEQ_KEYS else v) for k, v in batch.items()}
