@@ -31,6 +31,20 @@ def test_memo_and_full_recompute_cp2():
         assert rank_out[2]["attn_calls"] == 2
 
 
+def test_memo_and_full_recompute_fpdt_cp2():
+    """FPDT replaces the attention block whole (chunked QKV/attention/out-proj with its own offload): block mode,
+    the token split applies to norm 1 and residual + MLP, the block's saved tensors are kept whole."""
+    F = ["parallel.cp_comm_type=fpdt", "memory.fpdt_chunk_size=8"]
+    cases = [memo_overrides(0.25) + F, ["memory.recompute_granularity=full"] + F,
+             memo_overrides(0.5) + F + ["memory.fpdt_offload=false"]]
+    out = run_dist(2, dist_cases_offload.memo_parity_cases, cases, 1, 2)
+    for rank_out in out:
+        s = rank_out[0]["stats"][0]
+        assert (s["tokens"], s["tokens_kept"]) == (16, 4)
+        assert s["bytes_other_kept"] * 3 == s["bytes_other_recomputed"]  # 4 kept, 12 recomputed tokens
+        assert rank_out[1]["attn_calls"] == 2  # 2 layers, the block ran once each
+
+
 def test_memo_four_ranks_tp2_cp2_and_hybrid_cp4():
     """tp=2 x cp=2 (ring, SP) and cp=4 = ulysses 2 x ring 2 (a2a+p2p) with one kv head (replicated for Ulysses)."""
     cases = [(memo_overrides(0.25) + SP + ["parallel.cp_comm_type=p2p"], 2, 2),

@@ -28,7 +28,8 @@ from ..parallel.topology import Topology
 from .alpha import AlphaInputs, HostMemoryError, check_fixed_alpha, solve_alpha
 from .attention_io import lse_attention
 from .offload import ALIGN, MemoRuntime
-from .recompute import MemoExecutor, SelectiveExecutor
+from .executor import MemoExecutor
+from .recompute import SelectiveExecutor
 
 log = logging.getLogger("megatron_lc")
 
@@ -58,7 +59,9 @@ def install_recompute(model: nn.Module, cfg: Config, topo: Topology) -> None:
     G = topo.tp if (cfg.parallel.sequence_parallel and topo.tp > 1) else 1
     fixed = None if m.offload_fraction == "auto" else float(m.offload_fraction)
     rt = MemoRuntime(len(model.layers), alpha=fixed if fixed is not None else 0.0, offload=offload, device=device)
-    ios = [lse_attention(layer.self_attention.core_attention, cfg.parallel.attention_backend, feature)
+    # block mode (io None) when the attention block has no separate core attention (FPDT replaces it whole)
+    ios = [None if getattr(layer.self_attention, "core_attention", None) is None else
+           lse_attention(layer.self_attention.core_attention, cfg.parallel.attention_backend, feature)
            for layer in model.layers]
     for layer, io in zip(model.layers, ios):
         layer.executor = MemoExecutor(rt, io, G)

@@ -119,7 +119,7 @@ def synthetic_input(model, layer, cfg, topo, device):
 def skeletal_sizes(layer, x, rope, io, sp_groups: int) -> dict:
     """Bytes by kind of one layer's skeletal tensors (alpha = 1: every token kept), measured by storage."""
     from .offload import MemoRuntime
-    from .recompute import MemoExecutor
+    from .executor import MemoExecutor
 
     rt = MemoRuntime(num_layers=3, alpha=1.0, offload=True, device=x.device, measure=True)
     ex = MemoExecutor(rt, io, sp_groups)

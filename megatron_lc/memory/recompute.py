@@ -63,10 +63,11 @@ class TokenSplit:
 class LayerStep:
     """Everything one layer's forward leaves for its backward (held by the autograd Functions' ctx)."""
 
-    def __init__(self, runtime: MemoRuntime, layer, io: LseAttention, slot: SkeletalSlot, split: TokenSplit,
-                 rope_d):
+    def __init__(self, runtime: MemoRuntime, layer, io: Optional[LseAttention], slot: SkeletalSlot,
+                 split: TokenSplit, rope_d, pre_fn, post_fn):
         self.runtime, self.layer, self.io, self.slot, self.split = runtime, layer, io, slot, split
         self.rope_d = rope_d
+        self.pre_fn, self.post_fn = pre_fn, post_fn  # token-wise parts: (x, rope) -> tuple, (x, attn) -> y
         # autocast state of the forward (bf16 on GPU), re-entered for the recompute, as torch.utils.checkpoint does
         self.autocast = [(dev, torch.get_autocast_dtype(dev)) for dev in ("cuda", "cpu")
                          if torch.is_autocast_enabled(dev)]
@@ -94,12 +95,13 @@ class LayerStep:
         return out, probe
 
     def recompute_pre(self):
-        """q, k, v of the dropped tokens, with their autograd graph (once per backward)."""
+        """The pre-attention outputs (q, k, v) of the dropped tokens, with their autograd graph (once)."""
         if self.pre_d is None:
             x = self.split.local(self.kept_input())[1].detach().requires_grad_()
-            qkv, probe = self._measure(self.layer.pre_attention, x, self.rope_d)
-            for t in qkv:  # the attention backward needs them: count them like the kept tokens' q, k, v
-                probe.keep("other", t.detach())
+            qkv, probe = self._measure(lambda *a: tuple(self.pre_fn(*a)), x, self.rope_d)
+            if self.io is not None:  # the attention backward needs them: count them like the kept q, k, v
+                for t in qkv:
+                    probe.keep("other", t.detach())
             probe.flush(None)
             self.slot.stats.bytes_recomputed += probe.stats.bytes["other"]
             self.runtime.account.acquire("memo.recompute", probe.stats.bytes["other"])
@@ -108,18 +110,18 @@ class LayerStep:
 
 
 class _PreDropped(torch.autograd.Function):
-    """q, k, v of the dropped tokens: computed without a graph; recomputed before their backward."""
+    """q, k, v (or the norm output, block mode) of the dropped tokens: no graph; recomputed before their backward."""
 
     @staticmethod
     def forward(ctx, st: LayerStep, x_d, always_grad):
         ctx.st = st
-        return st.layer.pre_attention(x_d, st.rope_d)
+        return tuple(st.pre_fn(x_d, st.rope_d))
 
     @staticmethod
-    def backward(ctx, dq, dk, dv):
+    def backward(ctx, *grads):
         st = ctx.st
         x, qkv, nbytes = st.recompute_pre()
-        pairs = [(t, g) for t, g in zip(qkv, (dq, dk, dv)) if g is not None]
+        pairs = [(t, g) for t, g in zip(qkv, grads) if g is not None]
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         st.pre_d = None
         st.runtime.account.release("memo.recompute", nbytes)
@@ -133,14 +135,14 @@ class _PostDropped(torch.autograd.Function):
     @staticmethod
     def forward(ctx, st: LayerStep, x_d, o_d, always_grad):
         ctx.st = st
-        return st.layer.post_attention(x_d, o_d)
+        return st.post_fn(x_d, o_d)
 
     @staticmethod
     def backward(ctx, dy):
         st = ctx.st
         x = st.split.local(st.kept_input())[1].detach().requires_grad_()
         o = st.kept_attn()[st.split.G * st.split.sA:].detach().requires_grad_()  # dropped rows come last
-        y, probe = st._measure(st.layer.post_attention, x, o)
+        y, probe = st._measure(st.post_fn, x, o)
         probe.flush(None)
         st.slot.stats.bytes_recomputed += probe.stats.bytes["other"]
         st.runtime.account.acquire("memo.recompute", probe.stats.bytes["other"])
@@ -188,64 +190,6 @@ class _Attention(torch.autograd.Function):
         if not sp.sD:
             st.runtime.layer_backward_done(slot)
         return (None, grads[0][0], grads[1][0], grads[2][0], grads[0][1], grads[1][1], grads[2][1])
-
-
-def _param_storages(layer) -> set:
-    return {p.untyped_storage().data_ptr() for p in layer.parameters()}
-
-
-class MemoExecutor:
-    """``TransformerLayer.executor`` for token-wise recompute (``offload=False``) and Memo (``offload=True``)."""
-
-    def __init__(self, runtime: MemoRuntime, io: LseAttention, sp_groups: int):
-        self.runtime, self.io, self.G = runtime, io, sp_groups
-        self._rope_key = None
-        self._rope_split = None
-        # passed to the dropped-token Functions so their outputs require grad (and parameter grads flow) even
-        # when the layer input does not
-        self._always_grad = torch.empty(0, requires_grad=True)
-
-    def rope_parts(self, rope, split: TokenSplit):
-        """RoPE tables of the kept and dropped tokens (computed once per model forward, shared by the layers)."""
-        if rope is None:
-            return None, None, set()
-        key = (id(rope[0]), rope[0].data_ptr(), split.S, split.sA)
-        if key != self._rope_key:
-            cos_a, cos_d = split.gathered(rope[0])
-            sin_a, sin_d = split.gathered(rope[1])
-            self._rope_key, self._rope_split = key, ((cos_a, sin_a), (cos_d, sin_d), rope)
-        a, d, _ = self._rope_split
-        return a, d, {t.untyped_storage().data_ptr() for pair in (a, d, rope) for t in pair}
-
-    def __call__(self, layer, x: torch.Tensor, rope) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            q, k, v = layer.pre_attention(x, rope)
-            return layer.post_attention(x, layer.self_attention.core_attention(q, k, v))
-        rt = self.runtime
-        x = x.contiguous()
-        S = x.shape[0]
-        split = TokenSplit(S, rt.kept_tokens(S), self.G)
-        rope_a, rope_d, rope_refs = self.rope_parts(rope, split)
-        slot = rt.new_slot(layer.layer_number, _param_storages(layer) | rope_refs)
-        slot.stats.tokens, slot.stats.tokens_kept, slot.stats.tokens_recomputed = S, split.sA, split.sD
-        st = LayerStep(rt, layer, self.io, slot, split, rope_d)
-        st.h_input = slot.keep("input", x)
-        x_a, x_d = split.local(x)
-        with torch.autograd.graph.saved_tensors_hooks(slot.pack, slot.unpack):
-            qa, ka, va = layer.pre_attention(x_a, rope_a) if split.sA else (None, None, None)
-            qd, kd, vd = _PreDropped.apply(st, x_d, self._always_grad) if split.sD else (None, None, None)
-            out = _Attention.apply(st, qa, ka, va, qd, kd, vd)
-            n = split.G * split.sA
-            ys = []
-            if split.sA:
-                ys.append(layer.post_attention(x_a, out[:n]))
-            if split.sD:
-                ys.append(_PostDropped.apply(st, x_d, out[n:], self._always_grad))
-            y = torch.cat(ys) if len(ys) > 1 else ys[0]
-        rt.after_forward(slot)
-        if y.requires_grad:
-            y.register_hook(lambda g, slot=slot: (rt.before_backward(slot), g)[1])
-        return y
 
 
 class SelectiveExecutor:

@@ -113,6 +113,7 @@ class SkeletalSlot:
         self.stats = SlotStats()
         self.flushed = False
         self.buffer = None  # the RoundingBuffer holding the groups after flush
+        self.default_kind = "other"  # kind of groups first seen by ``pack`` (``attn`` while a whole block runs)
         self.generation = -1
 
     # ---- forward -------------------------------------------------------------------------------------------
@@ -125,7 +126,7 @@ class SkeletalSlot:
             self.groups[key] = g
         else:
             g.start, g.end = min(g.start, start), max(g.end, end)
-            if kind != "other":
+            if kind != "other" and g.kind == "other":
                 g.kind = kind
         return g
 
@@ -137,7 +138,7 @@ class SkeletalSlot:
         if self.flushed:
             raise RuntimeError(f"layer {self.layer}: a tensor was saved after the layer's skeletal tensors were "
                                f"flushed to the rounding buffer")
-        g = self._group_for(t, "other")
+        g = self._group_for(t, self.default_kind)
         offset, size, stride = t.storage_offset() * t.element_size(), tuple(t.shape), tuple(t.stride())
         index = g.add_view(offset, size, stride, t.numel() * t.element_size())
         return _Handle(g, offset, size, stride, index, ref=t if self.mode == "measure" else None)
