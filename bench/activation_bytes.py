@@ -5,6 +5,10 @@ Hugging Face ``LlamaForCausalLM`` (with and without gradient checkpointing), sam
     python bench/activation_bytes.py --rows none,mst,hf_gc --seqs 1024,2048   # a quick look
     python bench/activation_bytes.py --row "memo_a05=memory.activation_offload=memo,memory.offload_fraction=0.5"
 
+Memo rows (issue 6) also report ``host_bytes_per_token`` (the framework's count of its host copies) and
+``device_activation_bytes_per_token`` = activation bytes per token - host bytes per token: on CPU the host copies
+are in RSS, on GPU they would not be on the device.
+
 Model: the tiny Llama (hidden 256, 4 layers, 8 heads, 2 kv heads, FFN 896, vocab 32000, untied), fp32, batch 1.
 Each (row, sequence) is measured in a **fresh process** that builds the model, runs ``--steps`` training steps
 (forward, backward, grad clip, AdamW; the framework through its own ``Trainer.train_step``) and reports its peak
@@ -56,7 +60,7 @@ class Row:
 ROWS = {
     "none": Row("framework", [], note="no memory features"),
     "full_recompute": Row("framework", ["memory.recompute_granularity=full"],
-                          note="issue 6: keeps layer input + attention output, recomputes the rest"),
+                          note="issue 6: keeps layer input + attention output + lse, recomputes the token-wise rest"),
     "mst": Row("framework", ["memory.mst=true"], note="MsT: mini-sequence MLP and LM head + loss (defaults)"),
     "mst+full_recompute": Row("framework", ["memory.mst=true", "memory.recompute_granularity=full"]),
     "tmp_layer_checkpoint": Row("framework", [], layer_checkpoint=True,
@@ -64,6 +68,16 @@ ROWS = {
                                      "(keeps the layer input, recomputes the whole layer incl. attention)"),
     "mst+tmp_layer_checkpoint": Row("framework", ["memory.mst=true"], layer_checkpoint=True,
                                     note="MsT + the temporary per-layer checkpoint"),
+    # ---- issue 6: Memo offload (device-resident bytes: RSS minus the host copies, which live in RSS on CPU) ----
+    "memo_a0": Row("framework", ["memory.activation_offload=memo", "memory.offload_fraction=0"],
+                   note="Memo: input + attention out offloaded, every other token recomputed"),
+    "memo_a0.5": Row("framework", ["memory.activation_offload=memo", "memory.offload_fraction=0.5"],
+                     note="Memo: half the tokens of the other skeletal tensors offloaded, half recomputed"),
+    "memo_a1": Row("framework", ["memory.activation_offload=memo", "memory.offload_fraction=1"],
+                   note="Memo: every skeletal tensor offloaded, nothing recomputed"),
+    "mst+memo_a0": Row("framework", ["memory.mst=true", "memory.activation_offload=memo",
+                                     "memory.offload_fraction=0"]),
+    # ---- end issue 6 ---------------------------------------------------------------------------------------
     "hf": Row("hf", [], note="transformers LlamaForCausalLM, sdpa attention"),
     "hf_gc": Row("hf", ["gradient_checkpointing=true"], note="... with gradient_checkpointing_enable()"),
 }
@@ -141,7 +155,11 @@ def _framework_steps(row: Row, seq: int, steps: int, metrics_file: str, rec: Ste
         _checkpoint_layers(trainer.model)
     fwd_bwd = trainer.forward_backward
 
+    rt = getattr(trainer.model, "memo_runtime", None)  # issue 6: Memo's own accounting, when present
+
     def measured_fwd_bwd(batches):  # Trainer.train_step calls self.forward_backward: bracket it
+        if rt is not None:
+            rt.account.reset_peak()
         rec.start_fwd_bwd()
         out = fwd_bwd(batches)
         rec.end_fwd_bwd()
@@ -152,6 +170,9 @@ def _framework_steps(row: Row, seq: int, steps: int, metrics_file: str, rec: Ste
         rec.start_step()
         out = trainer.train_step(step)
         rec.end_step(out["loss"])
+    if rt is not None:
+        rec.memo = {"host_bytes": rt.host_bytes(), "accounted_peak_bytes": rt.account.peak, "alpha": rt.alpha,
+                    "rounding_buffer_bytes": 2 * rt.buffers[0].capacity if rt.buffers[0] is not None else 0}
     return None
 
 
@@ -217,7 +238,7 @@ def worker(spec: dict) -> dict:
             "peak_step": max(last["peak_fwd_bwd"], last["peak_optimizer"]),
             "peak_process": max(rec.meter.lifetime, PeakMeter.peak()),
             "peak_resettable": rec.meter.resettable, "steps": rec.steps,
-            "tokens_per_s": spec["seq"] / min(s[clock] for s in timed)}
+            "tokens_per_s": spec["seq"] / min(s[clock] for s in timed), "memo": getattr(rec, "memo", None)}
 
 
 # ---- driver ------------------------------------------------------------------------------------------------------
@@ -259,6 +280,10 @@ def summarise(rows: dict, results: dict, lo: int, hi: int) -> dict:
                 entry[metric] = (r_hi[key] - r_lo[key]) / (hi - lo)
                 entry[key] = {lo: r_lo[key], hi: r_hi[key]}
             entry.update(tokens_per_s=r_lo["tokens_per_s"], steps_at_lo=r_lo["steps"], steps_at_hi=r_hi["steps"])
+            if r_lo.get("memo") and r_hi.get("memo"):  # issue 6: on CPU the host copies are part of RSS
+                host = (r_hi["memo"]["host_bytes"] - r_lo["memo"]["host_bytes"]) / (hi - lo)
+                entry.update(memo={lo: r_lo["memo"], hi: r_hi["memo"]}, host_bytes_per_token=host,
+                             device_activation_bytes_per_token=entry["activation_bytes_per_token"] - host)
         else:
             entry.update(available=False, reason=(r_lo if not r_lo.get("available") else r_hi).get("reason"))
         table[name] = entry
