@@ -65,6 +65,31 @@ def test_sharded_bf16_export_with_padded_vocab(tmp_path):
     assert next(bf.parameters()).dtype == torch.bfloat16
 
 
+def test_tokenizer_is_copied_with_its_special_ids(tmp_path):
+    """The SentencePiece model lands as tokenizer.model, bos/eos ids in config.json. (Loading it through
+    transformers.AutoTokenizer is not checked here: this venv's protobuf is older than transformers' generated
+    sentencepiece proto, so transformers cannot read any SentencePiece model on this machine.)"""
+    import sentencepiece as spm
+
+    from megatron_lc.data.tokenizer import train_sentencepiece
+
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(300)))
+    model = train_sentencepiece([str(text)], str(tmp_path / "sp"), 300)
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "hf")
+    run_dist(1, dist_cases_export.train_and_logits, TRAIN + [f"checkpoint.save={ck}", "train.train_iters=1"],
+             torch.zeros(1, 4, dtype=torch.long))
+    convert_to_hf.convert(ck, out, tokenizer=model)
+    sp = spm.SentencePieceProcessor()
+    sp.Load(os.path.join(out, "tokenizer.model"))
+    assert sp.EncodeAsIds("def f3(x):") and sp.GetPieceSize() == 300
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (2, 3)
+    with open(os.path.join(out, "tokenizer_config.json")) as f:
+        assert json.load(f)["eos_token"] == "</s>"
+
+
 def test_non_llama_checkpoint_is_refused(tmp_path, capsys):
     ck = str(tmp_path / "ck")
     run_dist(1, dist_cases_export.train_and_logits,
