@@ -51,16 +51,16 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
 
 
 def test_torchrun_forwards_sigusr1_to_workers(tmp_path):
-    """What the SLURM scripts rely on: torchrun --signals-to-handle ...SIGUSR1 forwards the signal to its workers,
-    which checkpoint and exit 0."""
+    """What the SLURM scripts rely on: with PET_SIGNALS_TO_HANDLE (exported by scripts/slurm/launch.sh) torchrun
+    forwards SIGUSR1 to its workers, which checkpoint and exit."""
     ck, mfile = tmp_path / "ck", tmp_path / "m.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()),
-           "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "pretrain_gpt.py",
+           "pretrain_gpt.py",
            *_run_args(tmp_path, "train.train_iters=100000", "train.global_batch_size=4", f"checkpoint.save={ck}",
                       f"logging.metrics_file={mfile}")]
-    agent = subprocess.Popen(cmd, cwd=ROOT, env=env_for(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True)
+    env = dict(env_for(), PET_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: len(metrics(mfile)) >= 2, what="two steps", procs=[agent])
         agent.send_signal(signal.SIGUSR1)
