@@ -19,6 +19,7 @@ Only Llama-style models export (RMSNorm, SwiGLU, RoPE); anything else is refused
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_lc.config import Config, ConfigError  # noqa: E402
+from megatron_lc.config import Config, ConfigError, ParallelConfig  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,9 +41,11 @@ def partitions(cfg: Config, tp: int) -> dict:
     from megatron_lc.parallel.parallelize import ModelParts
     from megatron_lc.parallel.topology import Topology
 
+    plain = copy.deepcopy(cfg)  # only tp shapes the parameters; cp, SP and memory features do not
+    plain.parallel = ParallelConfig(tensor_model_parallel_size=tp)
     topo = Topology(world_size=tp, rank=0, tp=tp)
     with torch.device("meta"):
-        model = GPTModel(cfg.model, ModelParts(cfg, topo))
+        model = GPTModel(plain.model, ModelParts(plain, topo))
     return {n: (p.partition if getattr(p, "tensor_model_parallel", False) else None)
             for n, p in model.named_parameters()}
 
