@@ -154,3 +154,20 @@ def test_broken_data_files_give_one_line_error_before_training(tmp_path, damage)
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(expect), err
     assert not mfile.exists() and not (tmp_path / "ck").exists()  # stopped before any step
+
+
+def test_resave_killed_between_its_two_renames_keeps_the_old_copy(tmp_path):
+    """Re-saving iteration N moves iter_N to iter_N.old, then renames iter_N.tmp to iter_N; killed in between,
+    only iter_N.old (and iter_N.tmp) exist: the .old copy is loaded (and kept: it is the only copy of N), and the
+    next save removes the stale .tmp."""
+    ck = tmp_path / "ck"
+    common = ["train.train_iters=2", "train.global_batch_size=2", f"checkpoint.save={ck}",
+              f"logging.metrics_file={tmp_path / 'm.jsonl'}"]
+    Trainer(small_config(common), Topology()).train()
+    os.replace(ck / "iter_0000002", ck / "iter_0000002.old")  # the state a kill between the renames leaves
+    (ck / "iter_0000002.tmp").mkdir()
+    assert find_latest(str(ck)) == str(ck / "iter_0000002.old")
+    resumed = Trainer(small_config(common + ["train.train_iters=3", f"checkpoint.load={ck}"]), Topology())
+    assert resumed.state.iteration == 2
+    resumed.train()
+    assert sorted(os.listdir(ck)) == ["iter_0000002.old", "iter_0000003", "latest_checkpointed_iteration.txt"]
