@@ -146,7 +146,7 @@ def test_broken_data_files_give_one_line_error_before_training(tmp_path, damage)
             f.write(b"NOTANIDX!")
         expect = f"error: {prefix}.idx: wrong header b'NOTANIDX!'"
     mfile = tmp_path / "m.jsonl"
-    procs = launch(_run_args(tmp_path, "data.mock_data=false", f"data.data_path={prefix}", "data.tokenizer_type='null'",
+    procs = launch(_run_args(tmp_path, "data.mock_data=false", f"data.data_path={prefix}", "data.tokenizer_type=NullTokenizer",
                              f"logging.metrics_file={mfile}", f"checkpoint.save={tmp_path / 'ck'}"))
     code, err = finish(procs)[0]
     assert code == 2
