@@ -113,14 +113,14 @@ def plan_bilevel(trace: Trace, *, solver: str = "cpsat", time_limit: float = 10.
     inst = Rects(item, st, en, hh, ne + len(pseudo_blocks))
     names = [r.id for r in external] + [f"block{b}({blocks[b].phase} layer {blocks[b].layer})"
                                         for b in pseudo_blocks]
-    left = max(time_limit - (time.perf_counter() - t0), 0.5)
+    left = max(time_limit - (time.perf_counter() - t0) - 0.5, 0.1)  # 0.5 s for composing and validating
     sol2 = solve_dsa(inst, solver=solver, time_limit=left, workers=workers, names=names)
     off2, peak2 = sol2.offsets, sol2.peak
 
     # baselines: blocks kept apart from the externals
     if ne:
         ext = Rects.flat([size[r.id] for r in external], [r.start for r in external], [r.end for r in external])
-        ext_off, ext_peak, _ = best_greedy(ext)
+        ext_off, ext_peak, _ = best_greedy(ext, orders=("size",))
     else:
         ext_off, ext_peak = np.zeros(0, dtype=np.int64), 0
     block_peaks = [first[b][1] for b in pseudo_blocks]

@@ -77,30 +77,41 @@ class Rects:
 
 def greedy(inst: Rects, order: np.ndarray) -> tuple[np.ndarray, int]:
     """Place items in ``order``, each at the lowest base where none of its rectangles overlaps a placed rectangle
-    live at the same time (first fit). Returns (item offsets, peak)."""
+    live at the same time (first fit). Returns (item offsets, peak).
+
+    For item rectangle k and a placed rectangle j overlapping it in time, the base b is forbidden in the open
+    interval (off_j - h_k, off_j + h_j); the answer is the smallest b >= 0 outside all of them (one sort)."""
     off = np.zeros(inst.n, dtype=np.int64)
-    placed = np.zeros(len(inst.item), dtype=bool)
     rects_of = np.split(np.argsort(inst.item, kind="stable"), np.cumsum(np.bincount(inst.item, minlength=inst.n))[:-1])
-    st, en, h = inst.start, inst.end, inst.height
+    R = len(inst.item)
+    ps, pe, plo, phi = (np.zeros(R, dtype=np.int64) for _ in range(4))  # placed rectangles, compact
+    p = 0
     for i in order:
-        lo_parts, hi_parts = [], []
-        for k in rects_of[i]:
-            if h[k] == 0:
-                continue
-            idx = np.flatnonzero(placed & (st < en[k]) & (en > st[k]))
-            if idx.size:
-                o = off[inst.item[idx]]
-                lo_parts.append(o - h[k])  # base is forbidden in the open interval (o - h_k, o + h_idx)
-                hi_parts.append(o + h[idx])
-        if lo_parts:
-            lo, hi = np.concatenate(lo_parts), np.concatenate(hi_parts)
+        ks = rects_of[i]
+        ks = ks[inst.height[ks] > 0]
+        if not len(ks):
+            continue
+        st, en, h = inst.start[ks], inst.end[ks], inst.height[ks]
+        if p:
+            if len(ks) == 1:
+                idx = np.flatnonzero((ps[:p] < en[0]) & (pe[:p] > st[0]))
+                lo, hi = plo[idx] - h[0], phi[idx]
+            else:
+                m = (ps[None, :p] < en[:, None]) & (pe[None, :p] > st[:, None])
+                kk, idx = np.nonzero(m)
+                lo, hi = plo[idx] - h[kk], phi[idx]
+        else:
+            lo = hi = np.zeros(0, dtype=np.int64)
+        if lo.size:
             srt = np.argsort(lo, kind="stable")
             lo, hi = lo[srt], hi[srt]
             pm = np.maximum.accumulate(hi)
             prev = np.concatenate(([0], pm[:-1]))
             ok = np.flatnonzero(lo >= prev)
             off[i] = prev[ok[0]] if ok.size else max(int(pm[-1]), 0)
-        placed[rects_of[i]] = True
+        q = p + len(ks)
+        ps[p:q], pe[p:q], plo[p:q], phi[p:q] = st, en, off[i], off[i] + h
+        p = q
     return off, inst.peak(off)
 
 
@@ -118,14 +129,18 @@ def greedy_orders(inst: Rects) -> dict:
     }
 
 
-def best_greedy(inst: Rects, orders=("size", "area", "lifetime", "start")) -> tuple[np.ndarray, int, str]:
-    """The best of the greedy orders: (item offsets, peak, order name)."""
+def best_greedy(inst: Rects, orders=("size", "area", "lifetime", "start"),
+                lower_bound: Optional[int] = None) -> tuple[np.ndarray, int, str]:
+    """The best of the greedy orders: (item offsets, peak, order name); stops at the first order that reaches
+    ``lower_bound``."""
     all_orders = greedy_orders(inst)
     best = None
     for name in orders:
         off, peak = greedy(inst, all_orders[name])
         if best is None or peak < best[1]:
             best = (off, peak, name)
+        if lower_bound is not None and peak <= lower_bound:
+            break
     return best
 
 
@@ -155,6 +170,8 @@ def cpsat(inst: Rects, *, lower_bound: int, upper_bound: int, hint: Optional[np.
         if hint is not None:
             m.AddHint(base[i], int(hint[i]) // unit)
     m.AddNoOverlap2D(xs, ys)
+    if hint is not None:  # a complete hint (the peak too), so the hinted placement is a first solution
+        m.AddHint(peak, max(int((hint[inst.item] + inst.height).max(initial=0)) // unit, -(-lower_bound // unit)))
     if capacity is None:
         m.Minimize(peak)
     solver = cp_model.CpSolver()
