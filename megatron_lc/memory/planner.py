@@ -45,14 +45,14 @@ class Solution:
 
 
 def solve_dsa(inst: Rects, *, solver: str = "cpsat", time_limit: float = 10.0, workers: int = 2,
-              names=None) -> Solution:
+              names=None, orders=("size", "area", "lifetime", "start")) -> Solution:
     """Plan one DSA instance: greedy warm start; stop if it meets the max-live bound; else improve with ``solver``
     within ``time_limit`` seconds. The result is validated (``names``: item names for the error message)."""
     if solver not in SOLVERS:
         raise ValueError(f"solver {solver!r} is not one of {SOLVERS}")
     t0 = time.perf_counter()
     lb = inst.lower_bound()
-    off, peak, order = best_greedy(inst, lower_bound=lb)
+    off, peak, order = best_greedy(inst, orders, lower_bound=lb, time_limit=0.3 * time_limit)
     status, used = ("optimal" if peak == lb else "feasible"), f"greedy-{order}"
     build = CPSAT_BUILD_SECONDS_PER_RECT * len(inst.item)  # model building is not covered by the solver's limit
     left = time_limit - (time.perf_counter() - t0)
@@ -94,6 +94,7 @@ class Plan:
     tags: dict = field(default_factory=dict)
     persistent: dict = field(default_factory=dict)
     levels: dict = field(default_factory=dict)
+    arena: dict = field(default_factory=dict)  # framework buffers only: see plan_arena
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "peak_bytes": self.peak_bytes, "lower_bound_bytes": self.lower_bound_bytes,
@@ -101,7 +102,7 @@ class Plan:
                 "alignment": self.alignment, "offsets": {str(k): int(v) for k, v in self.offsets.items()},
                 "sizes": {str(k): int(v) for k, v in self.sizes.items()}, "order": [int(i) for i in self.order],
                 "tags": {str(k): v for k, v in self.tags.items()}, "persistent": dict(self.persistent),
-                "levels": self.levels}
+                "levels": self.levels, "arena": self.arena}
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
@@ -116,7 +117,7 @@ class Plan:
                    int(d["lower_bound_bytes"]), d.get("status", "unknown"), d.get("solver", "unknown"),
                    float(d.get("solve_seconds", 0.0)), int(d.get("alignment", ALIGNMENT)),
                    {int(k): v for k, v in d.get("tags", {}).items()}, dict(d.get("persistent", {})),
-                   d.get("levels", {}))
+                   d.get("levels", {}), d.get("arena", {}))
 
     @classmethod
     def load(cls, path: str) -> "Plan":
@@ -152,12 +153,13 @@ def align_size(n: int, alignment: int) -> int:
 
 
 def plan_flat(trace: Trace, *, solver: str = "cpsat", time_limit: float = 10.0, alignment: int = ALIGNMENT,
-              workers: int = 2) -> Plan:
+              workers: int = 2, orders=("size", "area", "lifetime", "start")) -> Plan:
     """The whole trace as one DSA problem."""
     reqs = trace.requests()
     sizes = np.array([align_size(r.size, alignment) for r in reqs], dtype=np.int64)
     inst = Rects.flat(sizes, [r.start for r in reqs], [r.end for r in reqs])
-    sol = solve_dsa(inst, solver=solver, time_limit=time_limit, workers=workers, names=[r.id for r in reqs])
+    sol = solve_dsa(inst, solver=solver, time_limit=time_limit, workers=workers, names=[r.id for r in reqs],
+                    orders=orders)
     return Plan({r.id: int(o) for r, o in zip(reqs, sol.offsets)}, {r.id: int(s) for r, s in zip(reqs, sizes)},
                 [r.id for r in reqs], sol.peak, sol.lower_bound, sol.status, sol.solver, sol.seconds, alignment,
                 {r.id: r.tag for r in reqs if r.tag}, dict(trace.meta.get("persistent", {})),
@@ -181,9 +183,44 @@ def plan_trace(trace: Trace, *, mode: str = "auto", solver: str = "cpsat", time_
     reqs = trace.requests()
     plan.lower_bound_bytes = Rects.flat([align_size(r.size, alignment) for r in reqs], [r.start for r in reqs],
                                         [r.end for r in reqs]).lower_bound()
+    if mode == "auto" and plan.levels.get("mode") == "bilevel" and plan.peak_bytes > plan.lower_bound_bytes:
+        t0 = time.perf_counter()  # a flat greedy is cheap (~1 s for 10,000 requests): keep the better plan
+        flat = plan_flat(trace, solver="greedy", alignment=alignment, orders=("size",))
+        plan.solve_seconds += time.perf_counter() - t0
+        plan.levels["flat_greedy_peak_bytes"] = flat.peak_bytes
+        if flat.peak_bytes < plan.peak_bytes:
+            flat.levels, flat.solve_seconds = {**plan.levels, "chosen": "flat-greedy"}, plan.solve_seconds
+            flat.lower_bound_bytes, plan = plan.lower_bound_bytes, flat
     if plan.peak_bytes == plan.lower_bound_bytes:
         plan.status = "optimal"
     elif plan.levels.get("mode") == "bilevel":
         plan.status = "feasible"  # each level may be optimal; the composition is not proved
     plan.validate(trace)
+    plan.arena = plan_arena(trace, alignment)
     return plan
+
+
+def plan_arena(trace: Trace, alignment: int = ALIGNMENT) -> dict:
+    """The ``arena`` section: the framework buffers of the trace (``tag``ged requests, planned compactly on their
+    own -- on CPU only they live in the arena) and the persistent buffers (``trace.meta["persistent"]``, after
+    the planned region). ``{"size_bytes": N, "slots": [[tag, k, offset, nbytes], ...], "persistent": [[tag,
+    offset, nbytes], ...]}``; slot ``(tag, k)`` serves the k-th request of ``tag`` in an iteration."""
+    tagged = [r for r in trace.requests() if r.tag]
+    persistent = trace.meta.get("persistent", {})
+    if not tagged and not persistent:
+        return {}
+    size = 0
+    slots = []
+    if tagged:
+        sub = plan_flat(trace.subset(r.id for r in tagged), solver="cpsat", time_limit=2.0, alignment=alignment)
+        seen: dict = {}
+        for r in tagged:
+            k = seen.get(r.tag, 0)
+            seen[r.tag] = k + 1
+            slots.append([r.tag, k, sub.offsets[r.id], sub.sizes[r.id]])
+        size = sub.peak_bytes
+    pers = []
+    for tag, n in sorted(persistent.items()):
+        pers.append([tag, size, align_size(int(n), alignment)])
+        size += align_size(int(n), alignment)
+    return {"size_bytes": size, "slots": slots, "persistent": pers}

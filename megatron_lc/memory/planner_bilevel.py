@@ -35,15 +35,22 @@ def _block_index(trace: Trace, blocks: list) -> np.ndarray:
     return pos
 
 
-def skyline(starts: np.ndarray, ends: np.ndarray, tops: np.ndarray, t0: int, t1: int) -> list:
+def skyline(starts: np.ndarray, ends: np.ndarray, tops: np.ndarray, t0: int, t1: int, max_runs: int = 32) -> list:
     """Runs ``(start, end, height)`` of the block's first-level top address over time ``[t0, t1)``: height(t) =
-    max(offset + size) of its requests live at t. Zero-height runs are dropped."""
+    max(offset + size) of its requests live at t. At most ``max_runs`` runs: beyond that, the adjacent pair whose
+    merge (at the higher height) adds the least area is merged, repeatedly -- a coarser, still safe shape."""
     h = np.zeros(t1 - t0, dtype=np.int64)
     for s, e, top in zip(starts, ends, tops):
         np.maximum(h[s:e], top, out=h[s:e])
     cut = np.flatnonzero(np.diff(h)) + 1
     edges = np.concatenate(([0], cut, [len(h)]))
-    return [(t0 + int(a), t0 + int(b), int(h[a])) for a, b in zip(edges[:-1], edges[1:]) if h[a] > 0]
+    runs = [[int(a), int(b), int(h[a])] for a, b in zip(edges[:-1], edges[1:])]
+    while len(runs) > max_runs:
+        cost = [max(x[2], y[2]) * (y[1] - x[0]) - x[2] * (x[1] - x[0]) - y[2] * (y[1] - y[0])
+                for x, y in zip(runs, runs[1:])]
+        k = int(np.argmin(cost))
+        runs[k:k + 2] = [[runs[k][0], runs[k + 1][1], max(runs[k][2], runs[k + 1][2])]]
+    return [(t0 + a, t0 + b, hh) for a, b, hh in runs if hh > 0]
 
 
 def plan_bilevel(trace: Trace, *, solver: str = "cpsat", time_limit: float = 10.0, alignment: int = 512,
@@ -67,31 +74,46 @@ def plan_bilevel(trace: Trace, *, solver: str = "cpsat", time_limit: float = 10.
         else:
             external.append(r)
 
+    # external bytes live at each event position: the first level of a block keeps its transients low where the
+    # externals are high, so that block + externals stay near the max-live bound at the second level
+    d = np.zeros(n_ev + 1, dtype=np.int64)
+    for r in external:
+        d[r.start] += size[r.id]
+        d[r.end] -= size[r.id]
+    ext = np.cumsum(d)[:n_ev]
+
     # ---- first level: one DSA instance per distinct internal request sequence -------------------------------
     groups: dict = {}  # signature -> list of block indices
-    local: dict = {}  # block index -> (requests in malloc order, local starts, local ends)
+    local: dict = {}  # block index -> (requests in malloc order, local starts, local ends, event positions)
     for b, rs in internal.items():
         ids = {r.id for r in rs}
-        seq = [(e.op, e.id) for e in trace.events[blocks[b].start:blocks[b].end] if e.id in ids]
+        pos = [n for n in range(blocks[b].start, blocks[b].end) if trace.events[n].id in ids]
+        seq = [(trace.events[n].op, trace.events[n].id) for n in pos]
         rank = {rid: k for k, rid in enumerate(r.id for r in rs)}
         starts = np.zeros(len(rs), dtype=np.int64)
         ends = np.zeros(len(rs), dtype=np.int64)
         for t, (op, rid) in enumerate(seq):
             (starts if op == "malloc" else ends)[rank[rid]] = t
-        local[b] = (rs, starts, ends)
+        local[b] = (rs, starts, ends, np.array(pos + [blocks[b].end], dtype=np.int64))
         sig = (blocks[b].phase, tuple((op, rank[rid], size[rid]) for op, rid in seq))
         groups.setdefault(sig, []).append(b)
-    first = {}  # block index -> (offsets, peak)
+    first = {}  # block index -> (offsets, block height)
     first_info = []
     budget = 0.4 * time_limit / max(len(groups), 1)
     for sig, bs in groups.items():
-        rs, starts, ends = local[bs[0]]
-        sol = solve_dsa(Rects.flat([size[r.id] for r in rs], starts, ends), solver=solver, time_limit=budget,
-                        workers=workers, names=[r.id for r in rs])
+        crit = max(bs, key=lambda b: int(ext[blocks[b].start:blocks[b].end].max(initial=0)))
+        rs, starts, ends, pos = local[crit]
+        base = int(ext[blocks[crit].start:blocks[crit].end].min(initial=0))
+        bg = np.array([ext[a:max(b, a + 1)].max() - base for a, b in zip(pos[:-1], pos[1:])], dtype=np.int64)
+        inst = Rects.flat([size[r.id] for r in rs], starts, ends, background=bg if pseudo == "skyline" else None)
+        sol = solve_dsa(inst, solver=solver, time_limit=budget, workers=workers, names=[r.id for r in rs])
+        height = inst.top(sol.offsets)
         for b in bs:
-            first[b] = (sol.offsets, sol.peak)
+            first[b] = (sol.offsets, height)
+        plain_lb = Rects.flat([size[r.id] for r in rs], starts, ends).lower_bound()
         first_info.append({"phase": sig[0], "layers": [blocks[b].layer for b in bs], "requests": len(rs),
-                           "peak_bytes": sol.peak, "lower_bound_bytes": sol.lower_bound, "status": sol.status,
+                           "peak_bytes": height, "lower_bound_bytes": plain_lb, "status": sol.status,
+                           "with_externals_bytes": sol.peak, "with_externals_lower_bound": sol.lower_bound,
                            "solver": sol.solver, "seconds": round(sol.seconds, 4)})
 
     # ---- second level: external requests + one pseudo item per block ----------------------------------------
@@ -100,7 +122,7 @@ def plan_bilevel(trace: Trace, *, solver: str = "cpsat", time_limit: float = 10.
     for k, r in enumerate(external):
         item.append(k); st.append(r.start); en.append(r.end); hh.append(size[r.id])
     for k, b in enumerate(pseudo_blocks):
-        rs, _, _ = local[b]
+        rs = local[b][0]
         if pseudo == "rectangle":
             runs = [(blocks[b].start, blocks[b].end, first[b][1])]
         else:

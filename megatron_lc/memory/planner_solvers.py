@@ -41,23 +41,35 @@ class Rects:
     ``[base + 0, base + height[k])``. A plain request is one rectangle; a bi-level block is its skyline (its
     first-level peak over time), one rectangle per run of equal height."""
 
-    def __init__(self, item, start, end, height, n_items: Optional[int] = None):
+    def __init__(self, item, start, end, height, n_items: Optional[int] = None,
+                 background: Optional[np.ndarray] = None):
         self.item, self.start, self.end, self.height = (np.asarray(a, dtype=np.int64) for a in
                                                         (item, start, end, height))
         self.n = int(n_items if n_items is not None else (self.item.max() + 1 if len(self.item) else 0))
+        # optional load on top at each time (bytes, indexed by time): the objective becomes
+        # max over rectangles of (base + height + max background over the rectangle's span)
+        self.background = background
+        self.extra = np.zeros(len(self.item), dtype=np.int64)
+        if background is not None and len(self.item):
+            self.extra = np.array([background[a:b].max(initial=0) for a, b in zip(self.start, self.end)],
+                                  dtype=np.int64)
 
     @classmethod
-    def flat(cls, sizes, starts, ends) -> "Rects":
-        return cls(np.arange(len(sizes)), starts, ends, sizes, len(sizes))
+    def flat(cls, sizes, starts, ends, background=None) -> "Rects":
+        return cls(np.arange(len(sizes)), starts, ends, sizes, len(sizes), background)
 
     def lower_bound(self) -> int:
-        """Max over time of the live heights (the max-live bound of the instance)."""
+        """Max over time of the live heights plus the background (the max-live bound of the instance)."""
         if not len(self.height):
             return 0
-        t = np.concatenate([self.start, self.end])
-        d = np.concatenate([self.height, -self.height])
-        srt = np.lexsort((d, t))  # at equal times frees (negative) first: intervals are half open
-        return int(max(np.cumsum(d[srt]).max(), 0))
+        T = int(self.end.max()) + 1
+        d = np.zeros(T + 1, dtype=np.int64)
+        np.add.at(d, self.start, self.height)
+        np.add.at(d, self.end, -self.height)
+        live = np.cumsum(d)[:T]
+        if self.background is not None:
+            live = live + np.pad(self.background, (0, max(T - len(self.background), 0)))[:T]
+        return int(max(live.max(), 0))
 
     def item_height(self) -> np.ndarray:
         h = np.zeros(self.n, dtype=np.int64)
@@ -72,6 +84,11 @@ class Rects:
         return s, e
 
     def peak(self, offsets: np.ndarray) -> int:
+        """The objective: max of base + height (+ background on top) over the rectangles."""
+        return int((offsets[self.item] + self.height + self.extra).max(initial=0))
+
+    def top(self, offsets: np.ndarray) -> int:
+        """The highest address used (no background)."""
         return int((offsets[self.item] + self.height).max(initial=0))
 
 
@@ -129,10 +146,11 @@ def greedy_orders(inst: Rects) -> dict:
     }
 
 
-def best_greedy(inst: Rects, orders=("size", "area", "lifetime", "start"),
-                lower_bound: Optional[int] = None) -> tuple[np.ndarray, int, str]:
+def best_greedy(inst: Rects, orders=("size", "area", "lifetime", "start"), lower_bound: Optional[int] = None,
+                time_limit: Optional[float] = None) -> tuple[np.ndarray, int, str]:
     """The best of the greedy orders: (item offsets, peak, order name); stops at the first order that reaches
-    ``lower_bound``."""
+    ``lower_bound``, and tries no further order once ``time_limit`` seconds have passed."""
+    t0 = time.perf_counter()
     all_orders = greedy_orders(inst)
     best = None
     for name in orders:
@@ -140,6 +158,8 @@ def best_greedy(inst: Rects, orders=("size", "area", "lifetime", "start"),
         if best is None or peak < best[1]:
             best = (off, peak, name)
         if lower_bound is not None and peak <= lower_bound:
+            break
+        if time_limit is not None and time.perf_counter() - t0 > time_limit:
             break
     return best
 
@@ -165,13 +185,15 @@ def cpsat(inst: Rects, *, lower_bound: int, upper_bound: int, hint: Optional[np.
         i = int(inst.item[k])
         xs.append(m.NewFixedSizeIntervalVar(int(inst.start[k]), int(inst.end[k] - inst.start[k]), f"t{k}"))
         ys.append(m.NewFixedSizeIntervalVar(base[i], hk, f"a{k}"))
+        if inst.background is not None:
+            m.Add(base[i] + hk + -(-int(inst.extra[k]) // unit) <= peak)
     for i in range(inst.n):
         m.Add(base[i] + int(ih[i]) <= peak)
         if hint is not None:
             m.AddHint(base[i], int(hint[i]) // unit)
     m.AddNoOverlap2D(xs, ys)
     if hint is not None:  # a complete hint (the peak too), so the hinted placement is a first solution
-        m.AddHint(peak, max(int((hint[inst.item] + inst.height).max(initial=0)) // unit, -(-lower_bound // unit)))
+        m.AddHint(peak, max(-(-inst.peak(hint) // unit), -(-lower_bound // unit)))
     if capacity is None:
         m.Minimize(peak)
     solver = cp_model.CpSolver()
@@ -238,11 +260,17 @@ def mip(inst: Rects, *, lower_bound: int, upper_bound: int, time_limit: float
             need[(i, j)] = (max(hi, int(H[k])), max(hj, int(H[l])))
     pairs = list(need)
     ih = inst.item_height() // unit
+    if inst.background is not None:
+        top = np.zeros(n, dtype=np.int64)
+        np.maximum.at(top, inst.item, inst.height + inst.extra)
+        ih_peak = -(-top // unit)
+    else:
+        ih_peak = ih
     nv = n + 1 + len(pairs)  # A_0..A_{n-1}, M, z_e
     rows, cols, vals, lo, hi = [], [], [], [], []
     r = 0
     for i in range(n):  # A_i - M <= -S_i
-        rows += [r, r]; cols += [i, n]; vals += [1, -1]; lo.append(-np.inf); hi.append(-ih[i]); r += 1
+        rows += [r, r]; cols += [i, n]; vals += [1, -1]; lo.append(-np.inf); hi.append(-ih_peak[i]); r += 1
     for e, (i, j) in enumerate(pairs):
         si, sj = need[(i, j)]
         z = n + 1 + e
