@@ -12,12 +12,15 @@ class _ChunkedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, mod):
         out = torch.empty(x.shape[:-1] + (w2.shape[0],), dtype=x.dtype, device=x.device)
+        zs = []  # all chunks' buffers live at once, so an arena that aliased them would corrupt the result
         for lo, hi in mod.bounds(x.shape[0]):
             z = mod.arena.buffer("toy.fc1", (hi - lo,) + tuple(x.shape[1:-1]) + (w1.shape[0],), x.dtype,
                                  device=x.device)
             torch.matmul(x[lo:hi], w1.t(), out=z)
+            zs.append(z)
+        for (lo, hi), z in zip(mod.bounds(x.shape[0]), zs):
             torch.matmul(mod.mlp.activation(z), w2.t(), out=out[lo:hi])
-            del z
+        del zs, z
         ctx.save_for_backward(x, w1, w2)
         ctx.mod = mod
         return out

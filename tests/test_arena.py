@@ -130,3 +130,42 @@ def test_bad_plan_settings_are_config_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read plan"):
         build_model(small_config([f"memory.plan={bad}"]), Topology(), torch.device("cpu"))
+
+
+def test_plan_replay_allocator_host_twin():
+    """The C replay behind the GPU pluggable allocator, built with host malloc, driven with a trace's requests."""
+    import shutil
+
+    from megatron_lc.memory.arena_cuda import PlanReplay
+    from tests.test_planner import random_trace
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    t = random_trace(30, 2)
+    plan = plan_trace(t, mode="flat", solver="greedy")
+    rp = PlanReplay.host_twin(plan)
+    base = rp.base()
+    outside = rp.malloc(100)  # before any iteration: the backend serves it
+    for _ in range(2):
+        rp.begin_iteration()
+        ptr = {}
+        for e in t.events:
+            if e.op == "malloc":
+                ptr[e.id] = rp.malloc(e.size)
+                assert ptr[e.id] - base == plan.offsets[e.id]  # exactly the planned address, every iteration
+            else:
+                rp.free(ptr.pop(e.id))
+        for p in ptr.values():  # tensors live to the end of the iteration
+            rp.free(p)
+    n = len(plan.order)
+    assert rp.stats() == {"hits": 2 * n, "fallbacks": 0, "outside_iteration": 1, "live_planned": 0}
+    rp.free(outside)
+    # divergence: the third request asks for more than planned -> it and the rest of the iteration fall back
+    rp.begin_iteration()
+    sizes = [e.size for e in t.events if e.op == "malloc"]
+    got = [rp.malloc(s + (4096 if k == 2 else 0)) for k, s in enumerate(sizes[:5])]
+    assert [g - base for g in got[:2]] == [plan.offsets[i] for i in plan.order[:2]]
+    assert all(not (base <= g < base + plan.peak_bytes) for g in got[2:])
+    assert rp.stats()["fallbacks"] == 3
+    for g in got:
+        rp.free(g)
