@@ -33,12 +33,14 @@ def test_round_trip_and_intervals(tmp_path):
 
 
 @pytest.mark.parametrize("lines,msg", [
-    ([{"op": "free", "id": 1, "size": 8}, {"op": "malloc", "id": 1, "size": 8}], "line 1: free of id 1 before its malloc at line 2"),
+    ([{"op": "free", "id": 1, "size": 8}, {"op": "malloc", "id": 1, "size": 8}],
+     "line 1: free of id 1 before its malloc at line 2"),
     ([{"op": "malloc", "id": 1, "size": 8}, {"op": "free", "id": 2, "size": 8}], "line 2: free of unknown id 2"),
     ([{"op": "malloc", "id": 1, "size": 8}, {"op": "free", "id": 1, "size": 8}, {"op": "free", "id": 1, "size": 8}],
      "line 3: double free of id 1 (already freed at line 2)"),
     ([{"op": "malloc", "id": 1, "size": 8}, {"op": "malloc", "id": 1, "size": 8}], "line 2: id 1 allocated twice"),
-    ([{"op": "malloc", "id": 1, "size": 8}, {"op": "free", "id": 1, "size": 16}], "says 16 bytes, its malloc at line 1 said 8"),
+    ([{"op": "malloc", "id": 1, "size": 8}, {"op": "free", "id": 1, "size": 16}],
+     "says 16 bytes, its malloc at line 1 said 8"),
     ([{"op": "alloc", "id": 1, "size": 8}], "line 1: op 'alloc' is not"),
     ([{"op": "malloc", "id": 1}], "line 1: 'size' must be an integer"),
     (["{not json"], "line 1: not JSON"),

@@ -24,6 +24,8 @@ def main(argv=None) -> int:
     p.add_argument("--pseudo", default="skyline", choices=["skyline", "rectangle"],
                    help="how a layer block enters the second level (rectangle: the paper's pseudo request)")
     p.add_argument("--alignment", type=int, default=512, help="bytes; sizes and offsets are multiples")
+    p.add_argument("--gap", type=float, default=0.0,
+                   help="relative gap to the lower bound at which no solver time is spent (default 0: try to prove)")
     args = p.parse_args(argv)
 
     from megatron_lc.memory.cachesim import simulate
@@ -34,7 +36,7 @@ def main(argv=None) -> int:
     try:
         trace = Trace.load(args.trace)
         plan = plan_trace(trace, mode=args.mode, solver=args.solver, time_limit=args.time_limit,
-                          alignment=args.alignment, pseudo=args.pseudo)
+                          alignment=args.alignment, pseudo=args.pseudo, gap=args.gap)
         plan.write(args.out, trace)
     except (OSError, TraceError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -26,7 +26,8 @@ from typing import Optional
 import numpy as np
 
 from .arena import ALIGNMENT
-from .planner_solvers import PlanError, Rects, best_greedy, cpsat, cpsat_bisect, mip, validate
+from .planner_mip import mip
+from .planner_solvers import PlanError, Rects, best_greedy, cpsat, cpsat_bisect, validate
 from .trace import Trace
 
 FORMAT = "megatron_lc.plan/1"
@@ -45,9 +46,10 @@ class Solution:
 
 
 def solve_dsa(inst: Rects, *, solver: str = "cpsat", time_limit: float = 10.0, workers: int = 2,
-              names=None, orders=("size", "area", "lifetime", "start")) -> Solution:
-    """Plan one DSA instance: greedy warm start; stop if it meets the max-live bound; else improve with ``solver``
-    within ``time_limit`` seconds. The result is validated (``names``: item names for the error message)."""
+              names=None, orders=("size", "area", "lifetime", "start"), gap: float = 0.0) -> Solution:
+    """Plan one DSA instance: greedy warm start; stop if it is within ``gap`` (relative) of the max-live bound; else
+    improve with ``solver`` within ``time_limit`` seconds. The result is validated (``names``: item names for the
+    error message)."""
     if solver not in SOLVERS:
         raise ValueError(f"solver {solver!r} is not one of {SOLVERS}")
     t0 = time.perf_counter()
@@ -56,7 +58,7 @@ def solve_dsa(inst: Rects, *, solver: str = "cpsat", time_limit: float = 10.0, w
     status, used = ("optimal" if peak == lb else "feasible"), f"greedy-{order}"
     build = CPSAT_BUILD_SECONDS_PER_RECT * len(inst.item)  # model building is not covered by the solver's limit
     left = time_limit - (time.perf_counter() - t0)
-    if status != "optimal" and solver != "greedy" and inst.n and left > 2 * build + 0.1:
+    if peak > lb * (1 + gap) and solver != "greedy" and inst.n and left > 2 * build + 0.1:
         if solver == "cpsat":
             o, p, st = cpsat(inst, lower_bound=lb, upper_bound=peak, hint=off, time_limit=(left - build) / 2,
                              workers=workers)
@@ -153,13 +155,13 @@ def align_size(n: int, alignment: int) -> int:
 
 
 def plan_flat(trace: Trace, *, solver: str = "cpsat", time_limit: float = 10.0, alignment: int = ALIGNMENT,
-              workers: int = 2, orders=("size", "area", "lifetime", "start")) -> Plan:
+              workers: int = 2, orders=("size", "area", "lifetime", "start"), gap: float = 0.0) -> Plan:
     """The whole trace as one DSA problem."""
     reqs = trace.requests()
     sizes = np.array([align_size(r.size, alignment) for r in reqs], dtype=np.int64)
     inst = Rects.flat(sizes, [r.start for r in reqs], [r.end for r in reqs])
     sol = solve_dsa(inst, solver=solver, time_limit=time_limit, workers=workers, names=[r.id for r in reqs],
-                    orders=orders)
+                    orders=orders, gap=gap)
     return Plan({r.id: int(o) for r, o in zip(reqs, sol.offsets)}, {r.id: int(s) for r, s in zip(reqs, sizes)},
                 [r.id for r in reqs], sol.peak, sol.lower_bound, sol.status, sol.solver, sol.seconds, alignment,
                 {r.id: r.tag for r in reqs if r.tag}, dict(trace.meta.get("persistent", {})),
@@ -167,23 +169,24 @@ def plan_flat(trace: Trace, *, solver: str = "cpsat", time_limit: float = 10.0, 
 
 
 def plan_trace(trace: Trace, *, mode: str = "auto", solver: str = "cpsat", time_limit: float = 10.0,
-               alignment: int = ALIGNMENT, workers: int = 2, pseudo: str = "skyline") -> Plan:
+               alignment: int = ALIGNMENT, workers: int = 2, pseudo: str = "skyline", gap: float = 0.0) -> Plan:
     """Plan a trace. ``mode``: "bilevel" (needs layer marks), "flat", or "auto" (bi-level when the trace has
     layer blocks, flat otherwise); ``pseudo``: how a block enters the second level ("skyline" or the paper's
-    "rectangle"). The plan is validated against the trace."""
+    "rectangle"); ``gap``: no solver time is spent on an instance whose greedy plan is within this relative gap of
+    its lower bound. The plan is validated against the trace."""
     from .planner_bilevel import plan_bilevel
 
     if mode not in ("auto", "bilevel", "flat"):
         raise ValueError(f"mode {mode!r} is not 'auto', 'bilevel' or 'flat'")
     if mode == "flat" or (mode == "auto" and not trace.blocks()):
-        plan = plan_flat(trace, solver=solver, time_limit=time_limit, alignment=alignment, workers=workers)
+        plan = plan_flat(trace, solver=solver, time_limit=time_limit, alignment=alignment, workers=workers, gap=gap)
     else:
         plan = plan_bilevel(trace, solver=solver, time_limit=time_limit, alignment=alignment, workers=workers,
-                            pseudo=pseudo)
+                            pseudo=pseudo, gap=gap)
     reqs = trace.requests()
     plan.lower_bound_bytes = Rects.flat([align_size(r.size, alignment) for r in reqs], [r.start for r in reqs],
                                         [r.end for r in reqs]).lower_bound()
-    if mode == "auto" and plan.levels.get("mode") == "bilevel" and plan.peak_bytes > plan.lower_bound_bytes:
+    if mode == "auto" and plan.levels.get("mode") == "bilevel" and plan.peak_bytes > plan.lower_bound_bytes * (1 + gap):
         t0 = time.perf_counter()  # a flat greedy is cheap (~1 s for 10,000 requests): keep the better plan
         flat = plan_flat(trace, solver="greedy", alignment=alignment, orders=("size",))
         plan.solve_seconds += time.perf_counter() - t0

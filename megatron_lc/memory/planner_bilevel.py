@@ -54,7 +54,7 @@ def skyline(starts: np.ndarray, ends: np.ndarray, tops: np.ndarray, t0: int, t1:
 
 
 def plan_bilevel(trace: Trace, *, solver: str = "cpsat", time_limit: float = 10.0, alignment: int = 512,
-                 workers: int = 2, pseudo: str = "skyline") -> Plan:
+                 workers: int = 2, pseudo: str = "skyline", gap: float = 0.0) -> Plan:
     """Plan ``trace`` level by level; see the module docstring. ``pseudo``: "rectangle" (the paper: a block is one
     request of its first-level peak) or "skyline" (a block is a rigid shape of its first-level top over time)."""
     if pseudo not in ("skyline", "rectangle"):
@@ -106,7 +106,7 @@ def plan_bilevel(trace: Trace, *, solver: str = "cpsat", time_limit: float = 10.
         base = int(ext[blocks[crit].start:blocks[crit].end].min(initial=0))
         bg = np.array([ext[a:max(b, a + 1)].max() - base for a, b in zip(pos[:-1], pos[1:])], dtype=np.int64)
         inst = Rects.flat([size[r.id] for r in rs], starts, ends, background=bg if pseudo == "skyline" else None)
-        sol = solve_dsa(inst, solver=solver, time_limit=budget, workers=workers, names=[r.id for r in rs])
+        sol = solve_dsa(inst, solver=solver, time_limit=budget, workers=workers, names=[r.id for r in rs], gap=gap)
         height = inst.top(sol.offsets)
         for b in bs:
             first[b] = (sol.offsets, height)
@@ -136,7 +136,7 @@ def plan_bilevel(trace: Trace, *, solver: str = "cpsat", time_limit: float = 10.
     names = [r.id for r in external] + [f"block{b}({blocks[b].phase} layer {blocks[b].layer})"
                                         for b in pseudo_blocks]
     left = max(time_limit - (time.perf_counter() - t0) - 0.5, 0.1)  # 0.5 s for composing and validating
-    sol2 = solve_dsa(inst, solver=solver, time_limit=left, workers=workers, names=names)
+    sol2 = solve_dsa(inst, solver=solver, time_limit=left, workers=workers, names=names, gap=gap)
     off2, peak2 = sol2.offsets, sol2.peak
 
     # baselines: blocks kept apart from the externals

@@ -3,7 +3,8 @@
 - ``off``: framework buffers are plain allocations (the default ``Arena`` of each module).
 - ``auto``: before step 1, one forward + backward of the first micro-batch is traced (``capture_iteration``; the
   RNG state is restored and the gradients cleared, so training is unchanged), planned (``plan_trace``, time limit
-  ``memory.plan_time_limit``), logged (planning seconds, peak, lower bound, simulated caching-allocator reserved),
+  ``memory.plan_time_limit``, no solver time once within 0.1% of the lower bound), logged (planning seconds,
+  peak, lower bound, simulated caching-allocator reserved),
   and the framework buffers are served from a ``PlannedArena`` built from the plan's ``arena`` section.
 - ``<plan.json>``: a plan written by ``tools/plan_memory.py`` or an earlier ``auto`` run; its ``arena`` section
   is installed the same way. (On GPU, ``memory.arena_cuda`` can replay the whole plan through a pluggable
@@ -26,6 +27,7 @@ from .planner import Plan, plan_trace
 from .planner_solvers import PlanError
 
 log = logging.getLogger("megatron_lc")
+AUTO_GAP = 1e-3  # auto: a plan within 0.1% of the lower bound is not worth solver time before step 1
 
 
 def check_plan_setting(value: str) -> Optional[Plan]:
@@ -80,7 +82,7 @@ def prepare_memory_plan(trainer) -> Optional[PlannedArena]:
     rank = trainer.topo.rank
     if m.plan == "auto":
         trace, prof_s = _profile(trainer)
-        plan = plan_trace(trace, time_limit=m.plan_time_limit)
+        plan = plan_trace(trace, time_limit=m.plan_time_limit, gap=AUTO_GAP)
         sim = simulate(trace)
         log.info("memory plan (auto): profiled %d requests in %.2fs, planned in %.2fs: peak %.2f MiB, lower bound "
                  "%.2f MiB (x%.4f), %s, %s; caching allocator would reserve %.2f MiB (x%.3f of the plan)",
