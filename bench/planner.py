@@ -8,6 +8,7 @@ Traces:
 - ``tiny-L{n}[-recompute]``: captured from the tiny Llama (tests' small_config: hidden 64, 8 heads, 4 kv heads,
   seq 32, micro-batch 2) with the dispatch-level tracer, one micro-batch forward + backward; recompute = torch
   checkpoint around each layer.
+- ``tiny_cpu.yaml``: the demo model (hidden 256, 4 layers, vocab 8000, seq 256, micro-batch 4), captured the same way.
 - ``llama3-8b-layer``: one Llama3-8B layer's forward + backward generated from shapes (seq 32768, bf16).
 - ``llama3-8b-iter-*``: 32 layers + LM head generated from shapes: full recompute + MsT (MLP in 16
   mini-sequences, head in 32) at seq 65536 -- 12,033 requests -- and no recompute at seq 32768.
@@ -25,25 +26,30 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 
-def tiny_trace(layers: int, recompute: bool):
+def tiny_trace(layers: int, recompute: bool, config: str = ""):
     import torch
     from torch.utils.checkpoint import checkpoint
 
+    from megatron_lc.config import load_config
     from megatron_lc.memory.trace_capture import capture_iteration
     from megatron_lc.parallel.parallelize import build_model
     from megatron_lc.parallel.topology import Topology
     from tests.parity import batch_for, small_config
 
-    cfg = small_config([f"model.num_layers={layers}"])
+    if config:  # the demo model (configs/tiny_cpu.yaml), one micro-batch of random tokens
+        cfg = load_config(config, ["data.mock_data=true", "train.device=cpu"])
+    else:
+        cfg = small_config([f"model.num_layers={layers}"])
     model = build_model(cfg, Topology(), torch.device("cpu"))
     if recompute:
         for layer in model.layers:
             fwd = layer.forward
             layer.forward = lambda x, rope, f=fwd: checkpoint(f, x, rope, use_reentrant=False)
-    return capture_iteration(model, batch_for(cfg))
+    return capture_iteration(model, batch_for(cfg, batch=cfg.train.micro_batch_size))
 
 
 def run_variant(trace, name: str, time_limit: float) -> dict:
@@ -71,6 +77,7 @@ def main(argv=None) -> int:
     tl = args.time_limit
     traces = [("tiny-L1", lambda: tiny_trace(1, False)), ("tiny-L4", lambda: tiny_trace(4, False)),
               ("tiny-L4-recompute", lambda: tiny_trace(4, True)),
+              ("tiny_cpu.yaml", lambda: tiny_trace(4, False, os.path.join(ROOT, "configs", "tiny_cpu.yaml"))),
               ("llama3-8b-layer", lambda: llama_layer_trace(LlamaShape.llama3_8b(32768)))]
     if args.quick:
         traces.append(("llama3-8b-iter-recompute-mst-s16k-L8", lambda: llama_iteration_trace(
