@@ -169,3 +169,19 @@ def test_plan_replay_allocator_host_twin():
     assert rp.stats()["fallbacks"] == 3
     for g in got:
         rp.free(g)
+
+
+def test_fpdt_chunk_buffers_come_from_the_arena():
+    """FPDT (P=2 Ulysses ranks, u=4 chunks, offload on): with memory.plan=auto its chunk buffers (fetched kv/q
+    chunks, dk/dv accumulators) are arena views, no fresh allocation after the plan, same losses as plan=off."""
+    from tests import dist_cases_plan
+    from tests.dist import run_dist
+
+    off = run_dist(2, dist_cases_plan.fpdt_train, ["memory.plan=off"])
+    auto = run_dist(2, dist_cases_plan.fpdt_train, ["memory.plan=auto"])
+    for r in range(2):
+        assert auto[r][0] == off[r][0]  # bitwise: the buffers hold the same values at other addresses
+        stats, size = auto[r][1], auto[r][2]
+        assert stats["fresh_allocations"] == 0 and stats["fallbacks"] == 0
+        assert stats["planned"] > 0 and {"fpdt.fetch_kv", "fpdt.chunk"} <= set(stats["by_tag"])
+        assert size > 0

@@ -25,7 +25,10 @@ Rules of the API:
 and hands out views at planned offsets; a request that diverges from the plan (unknown tag or occurrence, larger
 size, or its slot still in use by a live buffer) falls back to a fresh allocation with a warning and a counter.
 Each planned view gets its own storage object aliasing the arena memory, so its liveness (storage death) is tracked
-exactly like an allocation's and a slot is never handed out while an earlier buffer in it is alive.
+exactly like an allocation's and a slot is never handed out while an earlier buffer in it is alive. On GPU, a
+buffer used on a side stream must be declared with ``arena.record_stream(t, stream)`` (the caching allocator's
+``record_stream`` does not see arena memory): when it dies an event is recorded on that stream, and the next
+buffer handed out over the same bytes makes the compute stream wait for it (never executed here: no GPU).
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
+
+from ..device import DeviceAdapter
 
 log = logging.getLogger("megatron_lc")
 
@@ -100,6 +105,11 @@ class Arena:
     def begin_iteration(self) -> None:
         """Start a new iteration: the next request of each tag is its occurrence 0 again."""
         self._occurrence.clear()
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """``tensor`` (from this arena) is used on side ``stream``: its memory must not be handed out again before
+        that work ran. Plain allocations rely on the caching allocator (``DeviceAdapter.record_stream``)."""
+        return None
 
     # ---- overridden by planned / recording arenas ----------------------------------------------------------
     def _transient(self, tag: str, k: int, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -164,7 +174,11 @@ class PlannedArena(Arena):
         layout.check()
         self.layout = layout
         self.base = torch.empty(layout.size_bytes, dtype=torch.uint8, device=self.device or torch.device("cpu"))
+        self.dev = DeviceAdapter.for_device(self.base.device)
         self._live: dict = {}  # serial -> (offset, end)
+        self._serial_of: dict = {}  # id(storage) -> serial, while alive
+        self._streams: dict = {}  # serial -> side streams the buffer was used on
+        self._pending: list = []  # (offset, end, event): released slots whose side-stream work may still run
         self._serial = 0
         self._warned: set = set()
 
@@ -187,13 +201,36 @@ class PlannedArena(Arena):
         for o, e in self._live.values():
             if o < end and slot.offset < e:
                 return self._fallback(tag, "its slot is still in use", shape, dtype, device)
+        self._wait_pending(slot.offset, end)
         t = _alias(self.base, slot.offset, shape, dtype)
         serial = self._serial
         self._serial += 1
         self._live[serial] = (slot.offset, end)
-        weakref.finalize(t.untyped_storage(), self._live.pop, serial, None)
+        st = t.untyped_storage()
+        self._serial_of[id(st)] = serial
+        weakref.finalize(st, self._release, serial, id(st))
         self.stats.count(tag, planned=True)
         return t
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        serial = self._serial_of.get(id(tensor.untyped_storage()))
+        if serial is not None and stream is not None:
+            self._streams.setdefault(serial, []).append(stream)
+
+    def _release(self, serial: int, key: int) -> None:
+        o, e = self._live.pop(serial)
+        self._serial_of.pop(key, None)
+        for s in self._streams.pop(serial, ()):  # GPU: the slot is free once the side stream's queued work ran
+            self._pending.append((o, e, self.dev.record_event(s)))
+
+    def _wait_pending(self, lo: int, hi: int) -> None:
+        keep = []
+        for o, e, ev in self._pending:
+            if o < hi and lo < e:
+                self.dev.wait_event(ev)  # the compute stream (and what it later signals) waits for that work
+            else:
+                keep.append((o, e, ev))
+        self._pending = keep
 
     def _transient(self, tag, k, shape, dtype, device) -> torch.Tensor:
         slot = self.layout.slots.get((tag, k))
