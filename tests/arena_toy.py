@@ -21,6 +21,8 @@ class _ChunkedMLP(torch.autograd.Function):
         for (lo, hi), z in zip(mod.bounds(x.shape[0]), zs):
             torch.matmul(mod.mlp.activation(z), w2.t(), out=out[lo:hi])
         del zs, z
+        one = mod.arena.buffer("toy.persist", (1,), x.dtype, device=x.device, persistent=True)  # a static buffer
+        out.mul_(one.fill_(1.0))  # exact: x 1.0
         ctx.save_for_backward(x, w1, w2)
         ctx.mod = mod
         return out

@@ -92,7 +92,10 @@ def test_toy_framework_buffers_from_the_plan_are_exact():
         loss, grads = _step(model, b)
         # same ops on the same values, only the buffers' addresses differ: bitwise equal to the unplanned run
         assert loss == off_loss and all(torch.equal(grads[k], off_grads[k]) for k in grads)
-    assert arena.stats.fresh_allocations == 0 and arena.stats.planned == 16
+    assert arena.stats.fresh_allocations == 0 and arena.stats.planned == 16 + 1  # + the persistent buffer, once
+    lay = layout_from_plan(plan)
+    pers = lay.persistent["toy.persist"]  # static region after the planned slots, one 512-byte granule
+    assert pers.offset >= max(sl.offset + sl.nbytes for sl in lay.slots.values()) and pers.nbytes == 512
     # the chunked toy against the plain model: the project's contract (loss 1e-5 relative, grads 1e-4; fp32
     # chunking only reorders sums of <= 64 terms, error ~1e-7)
     assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss)
@@ -116,7 +119,7 @@ def test_training_with_plan_auto_gives_the_same_losses(tmp_path, toy):
     assert auto == off  # profiling restores the RNG and clears the grads; planned buffers hold the same values
     stats = trainer.arena.stats
     assert stats.fresh_allocations == 0  # after the plan is installed (before step 1), nothing is allocated fresh
-    assert stats.planned == (3 * 8 if toy else 0)  # 3 steps x (2 layers x 2 chunks x fwd+bwd)
+    assert stats.planned == (3 * 8 + 1 if toy else 0)  # 3 steps x (2 layers x 2 chunks x fwd+bwd) + persistent
     plan_path = os.path.join(save, "memory_plan_rank0.json")
     assert os.path.isfile(plan_path) and os.path.isfile(os.path.join(save, "memory_trace_rank0.jsonl"))
     again, trainer = _train([f"memory.plan={plan_path}"], toy=toy)  # the written plan, loaded from the file

@@ -199,11 +199,11 @@ def plan_trace(trace: Trace, *, mode: str = "auto", solver: str = "cpsat", time_
     elif plan.levels.get("mode") == "bilevel":
         plan.status = "feasible"  # each level may be optimal; the composition is not proved
     plan.validate(trace)
-    plan.arena = plan_arena(trace, alignment)
+    plan.arena = plan_arena(trace, alignment, gap)
     return plan
 
 
-def plan_arena(trace: Trace, alignment: int = ALIGNMENT) -> dict:
+def plan_arena(trace: Trace, alignment: int = ALIGNMENT, gap: float = 0.0) -> dict:
     """The ``arena`` section: the framework buffers of the trace (``tag``ged requests, planned compactly on their
     own -- on CPU only they live in the arena) and the persistent buffers (``trace.meta["persistent"]``, after
     the planned region). ``{"size_bytes": N, "slots": [[tag, k, offset, nbytes], ...], "persistent": [[tag,
@@ -215,7 +215,8 @@ def plan_arena(trace: Trace, alignment: int = ALIGNMENT) -> dict:
     size = 0
     slots = []
     if tagged:
-        sub = plan_flat(trace.subset(r.id for r in tagged), solver="cpsat", time_limit=2.0, alignment=alignment)
+        sub = plan_flat(trace.subset(r.id for r in tagged), solver="cpsat", time_limit=2.0, alignment=alignment,
+                        gap=gap)
         seen: dict = {}
         for r in tagged:
             k = seen.get(r.tag, 0)
