@@ -17,8 +17,11 @@ def apply_memory_features(model: nn.Module, cfg: Config, topo: Topology) -> nn.M
         unsupported.append(f"memory.recompute_granularity={m.recompute_granularity}")
     if m.activation_offload != "none":
         unsupported.append(f"memory.activation_offload={m.activation_offload}")
-    if m.plan != "off":
-        unsupported.append(f"memory.plan={m.plan}")
+    # --- memory.plan (issue 7): off | auto | plan.json; checked here, applied by the loop before step 1 ---------
+    from .planning import check_plan_setting
+
+    check_plan_setting(m.plan)
+    # ---------------------------------------------------------------------------------------------------------
     if unsupported:
         raise ConfigError(f"not implemented yet: {', '.join(unsupported)}")
     return model

@@ -129,6 +129,11 @@ class Trainer:
         c = self.cfg
         last_saved = self.state.iteration
         self.stop.install()
+        # --- memory.plan (issue 7): profile + plan before step 1 (auto) or load a plan; installs the arena ---
+        from ..memory.planning import prepare_memory_plan
+
+        self.arena = prepare_memory_plan(self)
+        # -----------------------------------------------------------------------------------------------------
         try:
             while self.state.iteration < c.train.train_iters:
                 step = self.state.iteration + 1
