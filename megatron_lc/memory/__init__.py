@@ -11,8 +11,11 @@ def apply_memory_features(model: nn.Module, cfg: Config, topo: Topology) -> nn.M
     """Wrap or replace the model's parts according to ``cfg.memory``; returns the model."""
     m = cfg.memory
     unsupported = []
-    if m.plan != "off":
-        unsupported.append(f"memory.plan={m.plan}")
+    # --- memory.plan (issue 7): off | auto | plan.json; checked here, applied by the loop before step 1 ---------
+    from .planning import check_plan_setting
+
+    check_plan_setting(m.plan)
+    # ---------------------------------------------------------------------------------------------------------
     if unsupported:
         raise ConfigError(f"not implemented yet: {', '.join(unsupported)}")
     # ---- MsT (issue 5): mini-sequence MLP and LM head + loss -------------------------------------------------
