@@ -47,8 +47,8 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         if self.executor is not None:
             return self.executor(self, x, rope)
-        q, k, v = self.pre_attention(x, rope)
-        return self.post_attention(x, self.self_attention.core_attention(q, k, v))
+        x = x + self.self_attention(self.input_layernorm(x), rope)  # the block may be replaced whole (FPDT)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
 
 
 class GPTModel(nn.Module):
