@@ -34,3 +34,8 @@ def test_tiny_cpu_10_steps_same_losses_for_every_alpha():
         assert sum(s["bytes_to_host"] for s in rt.stats()) > 0  # layers 0 and 1 of 4 went through host
         for step, (a, b) in enumerate(zip(got, ref)):
             assert abs(a - b) <= 1e-5 * abs(b), f"alpha {alpha} step {step}: loss {a} vs {b}"
+    # composed with MsT and the planned arena (memory.plan=auto traces one forward/backward before step 1)
+    got, rt = losses(["memory.activation_offload=memo", "memory.offload_fraction=0.5", "memory.mst=true",
+                      "memory.plan=auto", "train.train_iters=3"])
+    for step, (a, b) in enumerate(zip(got, ref[:3])):
+        assert abs(a - b) <= 1e-5 * abs(b), f"memo+mst+plan step {step}: loss {a} vs {b}"
