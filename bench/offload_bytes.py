@@ -13,8 +13,7 @@ the bytes autograd saves inside the layers, counted by storage with a saved-tens
              none/selective: every tensor the layers saved; full: n x (input + attention out + lse);
              memo: the two rounding buffers
     peak     steady + the largest transient of the memory technique: the recomputed tokens' tensors of one layer
-             during its backward (full, memo), autograd's originals of one layer before they are copied into a
-             rounding buffer (memo)
+             during its backward (full, memo)
     host     bytes held in host memory (memo: n-2 layers)
 
 Plus, per step: tokens recomputed, core-attention forwards (recompute never adds one), and wall time / none's.
@@ -107,7 +106,7 @@ def run_row(name: str, overrides: list, seq: int, steps: int) -> dict:
         out.update(steady_bytes=steady, peak_bytes=steady, host_bytes=0)
         return out
     acc = rt.account.peak_by_tag
-    transient = max(acc.get("memo.recompute", 0), acc.get("memo.staging", 0))
+    transient = acc.get("memo.recompute", 0)
     stats = rt.stats()
     out.update(steady_bytes=steady, peak_bytes=steady + transient, host_bytes=rt.host_bytes(), alpha=rt.alpha,
                tokens_recomputed=sum(s["tokens_recomputed"] for s in stats),

@@ -101,9 +101,9 @@ def prepare_offload(model, cfg: Config, topo: Topology, rt: MemoRuntime, io, G: 
     rt.profile, rt.alpha_result = prof, result
     S = prof.tokens
     kept = rt.kept_tokens(S)
-    groups = 32  # generous count of copied regions per layer, each padded to ALIGN
+    regions = 32  # generous count of placed regions per layer, each padded to ALIGN
     need = prof.s_input + prof.s_attn + math.ceil(prof.s_others * kept / max(S, 1))  # "other" scales with tokens
-    rt.allocate(need + groups * ALIGN)
+    rt.allocate(need + regions * ALIGN)
     log.info("memo offload: %s", json.dumps({
         "alpha": rt.alpha, "alpha_this_rank": result.alpha, "binding": result.binding, "hidden": result.hidden,
         "kept_tokens": kept, "tokens": S, "inputs": inp.as_dict(), "profile": prof.as_dict(),

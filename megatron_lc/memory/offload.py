@@ -15,8 +15,7 @@ On CPU (``DeviceAdapter`` twin) streams are no-ops and copies synchronous, so th
 host tensors are pinned and the copies asynchronous (never executed in this project: no GPU).
 
 ``MemoRuntime`` also carries the per-layer counters (``stats()``) and the framework's accounting of these device
-buffers (``account``, a ``BufferAccount``: tags ``memo.rounding``, ``memo.staging``, ``memo.recompute``,
-``memo.kept``).
+buffers (``account``, a ``BufferAccount``: tags ``memo.rounding``, ``memo.recompute``, ``memo.kept``).
 """
 from __future__ import annotations
 
@@ -49,10 +48,13 @@ class RoundingBuffer:
         return self.data.numel()
 
     def grow(self, nbytes: int) -> None:
+        """A bigger buffer with the bytes placed so far (only when the input shape changed after profiling)."""
         log.warning("memo: rounding buffer %d grows from %d to %d bytes (input shape changed?)", self.index,
                     self.capacity, nbytes)
         self.account.release("memo.rounding", self.capacity)
-        self.data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        data[:self.cursor].copy_(self.data[:self.cursor])
+        self.data = data
         self.account.acquire("memo.rounding", nbytes)
 
     def reset(self) -> None:
@@ -62,7 +64,7 @@ class RoundingBuffer:
         off = self.cursor
         self.cursor = off + (nbytes + ALIGN - 1) // ALIGN * ALIGN
         if self.cursor > self.capacity:
-            raise RuntimeError(f"rounding buffer {self.index}: {self.cursor} bytes needed, {self.capacity} allocated")
+            self.grow(max(self.cursor, self.capacity * 5 // 4))
         return off
 
     def check_owner(self, slot: SkeletalSlot) -> None:
@@ -121,33 +123,33 @@ class MemoRuntime:
 
     # ---- forward -------------------------------------------------------------------------------------------
     def new_slot(self, layer: int, refs: set) -> SkeletalSlot:
+        """The slot of ``layer``'s forward; with offload it places into buffer ``layer % 2`` from now on."""
         if layer == 0:
             self.generation += 1
         slot = SkeletalSlot(layer, "measure" if self.measure else "rounding" if self.offload else "device", refs)
         slot.generation = self.generation
         self.slots[layer] = slot
+        if slot.mode == "rounding":
+            if self.buffers[0] is None:
+                self.allocate(ALIGN)  # not profiled (a runtime built by hand): the buffers grow on first use
+            buf = self.buffers[layer % 2]
+            if buf.offload_event is not None:  # layer i-2's bytes must have left before we overwrite them
+                self.dev.wait_event(buf.offload_event)
+                buf.offload_event = None
+            slot.begin(buf)
+            buf.owner = slot
         return slot
 
     def after_forward(self, slot: SkeletalSlot) -> None:
-        """Layer forward done: move its skeletal tensors into buffer ``layer % 2`` and start the copy to host."""
+        """Layer forward done: start the copy of buffer ``layer % 2`` to host (swapped layers)."""
+        slot.flush()
         if self.measure:
-            slot.flush(None)
             return
         if not self.offload:
-            slot.flush(None)
             self.account.acquire("memo.kept", sum(slot.stats.bytes.values()))
             return
-        need = slot.used_bytes(ALIGN)
-        self.allocate(need)
-        buf = self.buffers[slot.layer % 2]
-        if buf.offload_event is not None:  # layer i-2's bytes must have left before we overwrite them
-            self.dev.wait_event(buf.offload_event)
-            buf.offload_event = None
-        staging = sum(g.nbytes for g in slot.groups.values())
-        self.account.acquire("memo.staging", staging)  # autograd's originals, alive until copied in
-        slot.flush(buf)
-        self.account.release("memo.staging", staging)
-        buf.owner = slot
+        buf = slot.buffer
+        slot.used = buf.cursor
         if not self.swapped(slot.layer):
             return
         host = self.host.get(slot.layer)
@@ -160,7 +162,6 @@ class MemoRuntime:
             buf.offload_event = self.dev.record_event(self.offload_stream)
         self.host_owner[slot.layer] = slot
         slot.stats.bytes_to_host += sum(slot.stats.bytes.values())
-        slot.used = buf.cursor
 
     # ---- backward ------------------------------------------------------------------------------------------
     def _fetch(self, slot: SkeletalSlot, stream) -> None:

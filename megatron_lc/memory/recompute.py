@@ -102,7 +102,7 @@ class LayerStep:
             if self.io is not None:  # the attention backward needs them: count them like the kept q, k, v
                 for t in qkv:
                     probe.keep("other", t.detach())
-            probe.flush(None)
+            probe.flush()
             self.slot.stats.bytes_recomputed += probe.stats.bytes["other"]
             self.runtime.account.acquire("memo.recompute", probe.stats.bytes["other"])
             self.pre_d = (x, qkv, probe.stats.bytes["other"])
@@ -143,7 +143,7 @@ class _PostDropped(torch.autograd.Function):
         x = st.split.local(st.kept_input())[1].detach().requires_grad_()
         o = st.kept_attn()[st.split.G * st.split.sA:].detach().requires_grad_()  # dropped rows come last
         y, probe = st._measure(st.post_fn, x, o)
-        probe.flush(None)
+        probe.flush()
         st.slot.stats.bytes_recomputed += probe.stats.bytes["other"]
         st.runtime.account.acquire("memo.recompute", probe.stats.bytes["other"])
         torch.autograd.backward(y, dy)

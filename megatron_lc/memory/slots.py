@@ -1,20 +1,22 @@
-"""One layer's skeletal tensors: what its backward needs, collected during its forward.
+"""One layer's skeletal tensors: what its backward needs, placed in a rounding buffer while its forward runs.
 
 A ``SkeletalSlot`` is filled two ways during a layer's forward:
 
 * ``keep(kind, t)``: the executor names the tensors Memo always keeps whole -- the layer ``input``, the
-  attention output (``attn``) and its ``lse`` -- and the attention's q/k/v (``other``);
+  attention output (``attn``) and its ``lse`` -- and the attention's q/k/v of the kept tokens (``other``);
 * ``pack(t)``: the ``saved_tensors_hooks`` pack hook, for every tensor autograd saves in the layer's token-wise
-  parts (norm inputs and outputs, linear inputs, RoPE inputs, MLP activations...). Parameters and the shared RoPE
-  tables come back as references; everything else is grouped by the storage it lives in.
+  parts (norm inputs and outputs, linear inputs, MLP activations...). Parameters (and autograd's casts of them) and
+  the shared RoPE tables come back as references.
 
-Grouping by storage: several saved tensors are views of one storage (q and k before RoPE and v are views of the
-fused QKV output; the layer input is saved by the first norm as a view). Each storage is copied once, over the byte
-range that covers all its saved views, and every view is rebuilt from that copy with its own size/stride/offset.
+Placement (rounding mode): each saved tensor is copied into the layer's rounding buffer *when it is saved*, so
+autograd's own allocation is freed as soon as the forward is done with it -- the layer's skeletal tensors live in
+the buffer, as in Memo. A tensor whose elements fill a byte range of its storage (dense: the layer input, a linear
+input) is copied as that range, and later views inside the range reuse it (the first norm saves a view of the kept
+input; the out-projection saves a 2-D view of the attention output). A strided view (v out of the fused QKV
+output, the gate half of the SwiGLU input) is copied alone, contiguous -- never the rest of its storage.
 
-``flush(buffer)`` copies the groups into a rounding buffer (``offload.RoundingBuffer``) and drops the references
-to the originals, so autograd's own allocations are freed. In ``device`` mode nothing is copied: tensors are kept
-by reference (plain ``recompute_granularity: full``). ``unpack`` rebuilds a saved tensor from the buffer.
+``measure`` mode places nothing (the profiler and the recompute counters use the same byte rule); ``device`` mode
+keeps references (plain ``recompute_granularity: full``). ``unpack`` rebuilds a saved tensor from the buffer.
 """
 from __future__ import annotations
 
@@ -22,50 +24,30 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 KINDS = ("input", "attn", "lse", "other")
 
 
 @dataclass
-class _Group:
-    """Saved views of one storage. Copied as one byte range when the views cover it (``dense``), else view by
-    view (e.g. v alone out of the fused QKV output: its rows are strided, the range would drag q and k along)."""
+class _Region:
+    """A copy in the rounding buffer: a byte range ``[start, end)`` of a storage (dense) or one view (start -1)."""
 
     kind: str
-    storage: Optional[torch.UntypedStorage]
-    device: torch.device
     dtype: torch.dtype
-    start: int  # bytes, into the storage
-    end: int
-    views: dict = field(default_factory=dict)  # (offset, size, stride) -> index
-    view_bytes: list = field(default_factory=list)
-    region: Optional[int] = None  # byte offset of the range copy in the rounding buffer (dense)
-    view_regions: list = field(default_factory=list)  # byte offsets of the view copies (not dense)
-
-    @property
-    def dense(self) -> bool:
-        return sum(self.view_bytes) >= self.end - self.start
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start if self.dense else sum(self.view_bytes)
-
-    def add_view(self, offset: int, size: tuple, stride: tuple, nbytes: int) -> int:
-        key = (offset, size, stride)
-        if key not in self.views:
-            self.views[key] = len(self.views)
-            self.view_bytes.append(nbytes)
-        return self.views[key]
+    nbytes: int
+    start: int = -1
+    end: int = -1
+    offset: Optional[int] = None  # byte offset in the rounding buffer
 
 
 @dataclass
 class _Handle:
-    group: Optional[_Group]
-    offset: int = 0  # bytes into the storage
+    region: Optional[_Region]
+    offset: int = 0  # bytes into the source storage (dense regions)
     size: tuple = ()
     stride: tuple = ()
-    index: int = 0  # which view of the group
-    ref: Optional[torch.Tensor] = None  # kept by reference (parameters, RoPE tables, device mode)
+    ref: Optional[torch.Tensor] = None  # kept by reference (parameters, RoPE tables, device and measure modes)
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -91,13 +73,13 @@ def _from_parameter(t: torch.Tensor, depth: int = 4) -> bool:
 
 @dataclass
 class SlotStats:
-    """Bytes of the groups by kind (union extents, not padded) and token counts of one layer."""
+    """Bytes by kind (placed regions, not padded) and token counts of one layer."""
 
     bytes: dict = field(default_factory=lambda: {k: 0 for k in KINDS})
     tokens: int = 0
     tokens_kept: int = 0  # first tokens of every ``other`` tensor, offloaded (or kept) instead of recomputed
     tokens_recomputed: int = 0
-    bytes_recomputed: int = 0  # bytes of the recomputed tokens' skeletal tensors (the same grouping)
+    bytes_recomputed: int = 0  # bytes of the recomputed tokens' skeletal tensors (the same byte rule)
     bytes_to_host: int = 0
     bytes_from_host: int = 0
 
@@ -109,83 +91,80 @@ class SkeletalSlot:
         assert mode in ("device", "rounding", "measure")
         self.layer, self.mode = layer, mode
         self.refs = refs  # storage data_ptrs kept by reference
-        self.groups: dict = {}
+        self.regions: list = []
+        self._ranges: dict = {}  # (storage ptr, dtype) -> dense regions of that storage
+        self._views: dict = {}  # (storage ptr, dtype, offset, size, stride) -> view region
+        self._alive: dict = {}  # storage ptr -> weak reference to the storage placed from it
         self.stats = SlotStats()
         self.flushed = False
-        self.buffer = None  # the RoundingBuffer holding the groups after flush
-        self.default_kind = "other"  # kind of groups first seen by ``pack`` (``attn`` while a whole block runs)
+        self.buffer = None  # the RoundingBuffer holding the regions (rounding mode)
+        self.default_kind = "other"  # kind of regions placed by ``pack`` (``attn`` while a whole block runs)
         self.generation = -1
 
     # ---- forward -------------------------------------------------------------------------------------------
-    def _group_for(self, t: torch.Tensor, kind: str) -> _Group:
-        key = (t.untyped_storage().data_ptr(), t.dtype)
+    def begin(self, buffer) -> None:
+        """Rounding mode: place into ``buffer`` from its start (the caller waited for its previous offload)."""
+        self.buffer = buffer
+        buffer.reset()
+
+    def _place(self, t: torch.Tensor, kind: str) -> _Handle:
+        ptr, es = t.untyped_storage().data_ptr(), t.element_size()
+        offset, size, stride = t.storage_offset() * es, tuple(t.shape), tuple(t.stride())
         start, end = _extent(t)
-        g = self.groups.get(key)
-        if g is None:
-            g = _Group(kind, t.untyped_storage(), t.device, t.dtype, start, end)
-            self.groups[key] = g
-        else:
-            g.start, g.end = min(g.start, start), max(g.end, end)
-            if kind != "other" and g.kind == "other":
-                g.kind = kind
-        return g
+        ref = t if self.mode == "measure" else None
+        # the storage of an earlier saved tensor may have been freed and its address reused by this one: forget
+        # what was placed from a dead storage (its bytes are still in the buffer, its handles still valid)
+        alive = self._alive.get(ptr)
+        if alive is not None and alive.expired():
+            self._ranges = {k: v for k, v in self._ranges.items() if k[0] != ptr}
+            self._views = {k: v for k, v in self._views.items() if k[0] != ptr}
+        self._alive[ptr] = StorageWeakRef(t.untyped_storage())
+        for r in self._ranges.get((ptr, t.dtype), ()):
+            if r.start <= start and end <= r.end:
+                r.kind = kind if r.kind == "other" else r.kind
+                return _Handle(r, offset, size, stride, ref=ref)
+        vkey = (ptr, t.dtype, offset, size, stride)
+        if vkey in self._views:
+            return _Handle(self._views[vkey], offset, size, stride, ref=ref)
+        dense = end - start == t.numel() * es
+        r = _Region(kind, t.dtype, end - start if dense else t.numel() * es, start if dense else -1,
+                    end if dense else -1)
+        (self._ranges.setdefault((ptr, t.dtype), []) if dense else []).append(r)
+        if not dense:
+            self._views[vkey] = r
+        self.regions.append(r)
+        if self.mode == "rounding":
+            r.offset = self.buffer.alloc(r.nbytes)
+            dst = self.buffer.data[r.offset:r.offset + r.nbytes]
+            if dense:
+                src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), 0,
+                                                                              (t.untyped_storage().nbytes(),), (1,))
+                dst.copy_(src[start:end], non_blocking=True)
+            else:
+                dst.view(t.dtype).view(size).copy_(t, non_blocking=True)
+        return _Handle(r, offset, size, stride, ref=ref)
 
     def pack(self, t: torch.Tensor) -> _Handle:
-        """saved_tensors_hooks pack: a handle for ``t`` (must be called before ``flush``)."""
+        """saved_tensors_hooks pack: a handle for ``t``."""
         if self.mode == "device" or t.numel() == 0 or t.untyped_storage().data_ptr() in self.refs \
                 or (t.requires_grad and _from_parameter(t)):
             return _Handle(None, ref=t)
         if self.flushed:
-            raise RuntimeError(f"layer {self.layer}: a tensor was saved after the layer's skeletal tensors were "
-                               f"flushed to the rounding buffer")
-        g = self._group_for(t, self.default_kind)
-        offset, size, stride = t.storage_offset() * t.element_size(), tuple(t.shape), tuple(t.stride())
-        index = g.add_view(offset, size, stride, t.numel() * t.element_size())
-        return _Handle(g, offset, size, stride, index, ref=t if self.mode == "measure" else None)
+            raise RuntimeError(f"layer {self.layer}: a tensor was saved after the layer's forward ended")
+        return self._place(t.detach(), self.default_kind)
 
     def keep(self, kind: str, t: torch.Tensor) -> _Handle:
         """Keep ``t`` whole as ``kind`` (input | attn | lse | other)."""
         if self.mode == "device":
             self.stats.bytes[kind] += t.numel() * t.element_size()
             return _Handle(None, ref=t.detach())
-        h = self.pack(t.detach())
-        if h.group is not None and kind != "other":
-            h.group.kind = kind
-        return h
+        return self._place(t.detach(), kind)
 
-    def group_bytes(self) -> dict:
-        out = {k: 0 for k in KINDS}
-        for g in self.groups.values():
-            out[g.kind] += g.nbytes
-        return out
-
-    def flush(self, buffer) -> None:
-        """Copy every group into ``buffer`` (rounding mode) and release the originals; count bytes by kind."""
-        if self.mode == "device":
-            self.flushed = True
-            return
-        by_kind = self.group_bytes()
-        for k in KINDS:
-            self.stats.bytes[k] += by_kind[k]
-        if self.mode == "rounding":
-            buffer.reset()
-            for g in self.groups.values():
-                src = torch.empty(0, dtype=torch.uint8, device=g.device).set_(g.storage, 0, (g.storage.nbytes(),),
-                                                                              (1,))
-                if g.dense:
-                    g.region = buffer.alloc(g.nbytes)
-                    buffer.data[g.region:g.region + g.nbytes].copy_(src[g.start:g.end], non_blocking=True)
-                    continue
-                typed = src.view(g.dtype)
-                es = typed.element_size()
-                for (offset, size, stride), nbytes in zip(g.views, g.view_bytes):
-                    r = buffer.alloc(nbytes)
-                    g.view_regions.append(r)
-                    dst = buffer.data[r:r + nbytes].view(g.dtype).view(size)
-                    dst.copy_(typed.as_strided(size, stride, offset // es), non_blocking=True)
-            self.buffer = buffer
-            for g in self.groups.values():
-                g.storage = None
+    def flush(self) -> None:
+        """The layer's forward is over: count the placed bytes by kind."""
+        if self.mode != "device":
+            for r in self.regions:
+                self.stats.bytes[r.kind] += r.nbytes
         self.flushed = True
 
     # ---- backward ------------------------------------------------------------------------------------------
@@ -193,18 +172,10 @@ class SkeletalSlot:
         """saved_tensors_hooks unpack: the saved tensor, rebuilt from the rounding buffer when it was copied."""
         if h.ref is not None:
             return h.ref
-        g = h.group
-        if self.buffer is None or (g.region is None and not g.view_regions):
-            raise RuntimeError(f"layer {self.layer}: skeletal tensors were never flushed to a rounding buffer")
+        r = h.region
         self.buffer.check_owner(self)
-        if not g.dense:
-            r = g.view_regions[h.index]
-            return self.buffer.data[r:r + g.view_bytes[h.index]].view(g.dtype).view(h.size)
-        es = torch.empty((), dtype=g.dtype).element_size()
-        typed = self.buffer.data[g.region:g.region + g.nbytes].view(g.dtype)
-        return typed.as_strided(h.size, h.stride, typed.storage_offset() + (h.offset - g.start) // es)
-
-    def used_bytes(self, align: int) -> int:
-        """Bytes this slot needs in a rounding buffer (each group aligned)."""
-        pad = lambda n: (n + align - 1) // align * align  # noqa: E731
-        return sum(pad(g.nbytes) if g.dense else sum(pad(n) for n in g.view_bytes) for g in self.groups.values())
+        typed = self.buffer.data[r.offset:r.offset + r.nbytes].view(r.dtype)
+        if r.start < 0:
+            return typed.view(h.size)
+        es = typed.element_size()
+        return typed.as_strided(h.size, h.stride, typed.storage_offset() + (h.offset - r.start) // es)
