@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 
 
@@ -57,14 +58,22 @@ def _activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
     return F.gelu(h, approximate="tanh")
 
 
-def _activation_backward(da: torch.Tensor, h: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    """d(loss)/dh from d(loss)/d(activation(h))."""
-    if swiglu:
-        gate, up = h.chunk(2, dim=-1)
-        d_up = da * F.silu(gate)
-        d_gate = torch.ops.aten.silu_backward(da * up, gate)
-        return torch.cat([d_gate, d_up], dim=-1)
-    return torch.ops.aten.gelu_backward(da, h, approximate="tanh")
+def _activation_and_grad_fn(h: torch.Tensor, swiglu: bool):
+    """``act(h)`` and a function mapping d(loss)/d(act) to d(loss)/dh (silu(gate) computed once, dh written into
+    one buffer: no concatenation)."""
+    if not swiglu:
+        return F.gelu(h, approximate="tanh"), lambda da: torch.ops.aten.gelu_backward(da, h, approximate="tanh")
+    gate, up = h.chunk(2, dim=-1)
+    s = F.silu(gate)
+
+    def grad_fn(da: torch.Tensor) -> torch.Tensor:
+        dh = torch.empty_like(h)
+        d_gate, d_up = dh.chunk(2, dim=-1)
+        torch.mul(da, s, out=d_up)
+        torch.ops.aten.silu_backward.grad_input(da * up, gate, grad_input=d_gate)
+        return dh
+
+    return s * up, grad_fn
 
 
 class _MiniSequenceMLP(torch.autograd.Function):
@@ -86,6 +95,7 @@ class _MiniSequenceMLP(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         x, w1, b1, w2 = ctx.saved_tensors
         dtype, swiglu = ctx.dtype, ctx.swiglu
@@ -99,10 +109,12 @@ class _MiniSequenceMLP(torch.autograd.Function):
             for i0, i1 in chunk_bounds(x.shape[0], ctx.chunk):
                 xi, gi = xc_[i0:i1], g[i0:i1]
                 h = F.linear(xi, w1c, b1c)  # recomputed: [n, f1] lives for this chunk only
+                a, act_grad = _activation_and_grad_fn(h, swiglu)
                 if dw2 is not None:
-                    _accumulate_mm(dw2, gi.t(), _activation(h, swiglu))
-                dh = _activation_backward(gi.mm(w2c), h, swiglu)
-                del h
+                    _accumulate_mm(dw2, gi.t(), a)
+                del a
+                dh = act_grad(gi.mm(w2c))
+                del h, act_grad
                 if dw1 is not None:
                     _accumulate_mm(dw1, dh.t(), xi)
                 if db1 is not None:

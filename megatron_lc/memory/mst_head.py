@@ -21,6 +21,7 @@ Without autograd (``torch.no_grad`` / eval) only the loss is computed.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..parallel.collectives import all_reduce
 from ..parallel.topology import Axis, Topology
@@ -34,11 +35,12 @@ def _target(labels: torch.Tensor, per: int, start: int, ignore_index: int):
     return local.clamp(0, per - 1).unsqueeze(-1), in_shard
 
 
-def _subtract_onehot_(p: torch.Tensor, labels: torch.Tensor, per: int, start: int, ignore_index: int) -> torch.Tensor:
-    """In place: softmax rows ``p`` -> d(token loss)/d(logits) = softmax - onehot, zero rows for ignored labels."""
-    idx, in_shard = _target(labels, per, start, ignore_index)
-    p.scatter_add_(-1, idx, -in_shard.to(p.dtype).unsqueeze(-1))
-    return p.mul_((labels != ignore_index).to(p.dtype).unsqueeze(-1))
+def _grad_from_exp_(e: torch.Tensor, row_scale: torch.Tensor, onehot: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """In place: ``e * row_scale - onehot_at(idx)`` -- with e = exp(logits - m), row_scale = f / sum(exp) and
+    onehot = f * [label in this shard], that is f * (softmax - onehot), f the per-token factor (0 if ignored).
+    One pass over the chunk plus a scatter of n values."""
+    e.mul_(row_scale.unsqueeze(-1))
+    return e.scatter_add_(-1, idx, -onehot.to(e.dtype).unsqueeze(-1))
 
 
 class _MiniSequenceLinearCE(torch.autograd.Function):
@@ -59,19 +61,19 @@ class _MiniSequenceLinearCE(torch.autograd.Function):
             xc_, wc = _cast(x, dtype), _cast(weight, dtype)
             for i0, i1 in chunk_bounds(n, chunk):
                 lab = labels[i0:i1]
+                valid = lab != ignore_index
                 z = xc_[i0:i1].mm(wc.t()).float()  # the chunk's logits: the one [n, V/tp] buffer, reused in place
-                vmax = z.max(dim=-1).values
+                vmax = torch.amax(z, dim=-1)  # (max(dim=-1) also computes indices: 3.5x slower on CPU)
                 all_reduce(vmax, topo, Axis.TP, op=torch.distributed.ReduceOp.MAX)
                 z.sub_(vmax.unsqueeze(-1))
                 idx, in_shard = _target(lab, per, start, ignore_index)
                 sums = torch.stack([torch.gather(z, -1, idx).squeeze(-1) * in_shard, z.exp_().sum(dim=-1)])
                 all_reduce(sums, topo, Axis.TP)  # [target logit, sum of exp] over the vocab shards
                 log_z = torch.log(sums[1])
-                loss[i0:i1] = (log_z - sums[0]) * (lab != ignore_index)
+                loss[i0:i1] = (log_z - sums[0]) * valid
                 lse[i0:i1] = log_z + vmax
                 if want_u or want_dw:
-                    grad = _cast(_subtract_onehot_(z.div_(sums[1].unsqueeze(-1)), lab, per, start, ignore_index),
-                                 dtype)
+                    grad = _cast(_grad_from_exp_(z, valid / sums[1], in_shard, idx), dtype)
                     if want_u:
                         torch.mm(grad, wc, out=u[i0:i1])
                     if want_dw:
@@ -84,6 +86,7 @@ class _MiniSequenceLinearCE(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         x, weight, labels, lse = ctx.saved_tensors
         valid = labels != ctx.ignore_index
@@ -116,8 +119,9 @@ def _recompute_backward(ctx, x, weight, labels, lse, scale, need_x: bool, need_w
         for i0, i1 in chunk_bounds(x.shape[0], ctx.chunk):
             xi = xc_[i0:i1]
             p = xi.mm(wc.t()).float().sub_(lse[i0:i1].unsqueeze(-1)).exp_()  # softmax from the saved lse
-            grad = _subtract_onehot_(p, labels[i0:i1], per, ctx.start, ctx.ignore_index)
-            grad = _cast(grad.mul_(scale[i0:i1].unsqueeze(-1)), dtype)
+            idx, in_shard = _target(labels[i0:i1], per, ctx.start, ctx.ignore_index)
+            f = scale[i0:i1]
+            grad = _cast(_grad_from_exp_(p, f, in_shard * f, idx), dtype)
             if dw is not None:
                 _accumulate_mm(dw, grad.t(), xi)
             if dx is not None:
