@@ -29,8 +29,8 @@ def main(argv=None) -> int:
 
         run(cfg)
     except (ConfigError, DataError) as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+        # every rank prints: under torchrun the launcher stops the others as soon as one exits
+        print(f"{'' if rank == 0 else f'[rank {rank}] '}error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0
 

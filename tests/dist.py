@@ -24,7 +24,8 @@ def _preload() -> None:
     of 3-4 s); the server never runs torch ops, so forking it is safe."""
     global _PRELOADED
     if not _PRELOADED:
-        mp.set_forkserver_preload(["torch", "torch.distributed", "tests.dist", "megatron_lc.config"])
+        mp.set_forkserver_preload(["torch", "torch.distributed", "tests.dist", "megatron_lc.config",
+                                   "torch._dynamo"])  # torch.optim imports dynamo: ~5 s per child otherwise
         _PRELOADED = True
 
 

@@ -11,6 +11,7 @@ Backends:
   * ``torch``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (CPU; what the tests run).
   * ``math``: plain matmul/softmax on any device (reference, and fallback on GPU without flash-attn).
   * ``flash``: flash-attn 2's ``_flash_attn_forward/_flash_attn_backward`` (GPU; never executed here).
+  * ``te``: TransformerEngine's ``fused_attn_fwd/fused_attn_bwd`` (GPU; never executed here).
 """
 from __future__ import annotations
 
@@ -52,14 +53,27 @@ class MathBackend:
         lse = torch.logsumexp(s, dim=-1)
         return torch.exp(s - lse.unsqueeze(-1)), lse, scale
 
+    def _block_probs(self, q, k, lse, causal, scale):
+        nq = q.shape[1]
+        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        s = torch.matmul(q.float(), self._expand(k, nq).float().transpose(-1, -2)) * scale
+        if causal:
+            sq, sk = s.shape[-2:]
+            s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        lse = lse.float().unsqueeze(-1)
+        return torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
+
     def forward(self, q, k, v, causal: bool, scale: Optional[float] = None):
         p, lse, _ = self._probs(q, k, causal, scale)
         out = torch.matmul(p, self._expand(v, q.shape[1]).float())
         return out.to(q.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None):
+        # The probabilities come from the *given* lse (the merged lse over every key block when ring/FPDT call
+        # this per block), not from this block's own softmax: P_blk = exp(S_blk - lse_total).
         nq, nkv = q.shape[1], k.shape[1]
-        p, _, scale = self._probs(q, k, causal, scale)
+        p = self._block_probs(q, k, lse, causal, scale)
+        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         do = dout.float()
         ve = self._expand(v, nq).float()
         dv = torch.matmul(p.transpose(-1, -2), do)
@@ -103,6 +117,46 @@ class FlashAttnBackend:
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
+class TEBackend:
+    """TransformerEngine's fused attention (cuDNN; GPU, fp16/bf16 only). Never executed on this project's machines
+    (no GPU, TE not installed): written against TE 2.x ``transformer_engine.pytorch.cpp_extensions.fused_attn``
+    (``fused_attn_fwd`` / ``fused_attn_bwd``, bshd layout, the F16_arbitrary_seqlen backend whose first auxiliary
+    tensor is the softmax log-sum-exp ``[b, n, sq, 1]``). Its argument lists change between TE releases: check
+    them against the installed version before relying on this adapter."""
+
+    name = "te"
+
+    def __init__(self):
+        from transformer_engine.pytorch.constants import TE_DType  # noqa: F401 - import guard
+        from transformer_engine.pytorch.cpp_extensions import fused_attn as tefa
+
+        self.tefa, self.TE_DType = tefa, TE_DType
+
+    @staticmethod
+    def _cu(b, s, device):
+        return torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
+
+    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None):
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [b, s, n, d]
+        b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+        out, aux = self.tefa.fused_attn_fwd(
+            True, sq, sk, self._cu(b, sq, q.device), self._cu(b, sk, q.device), qt, kt, vt, q.dtype,
+            self.tefa.FusedAttnBackend["F16_arbitrary_seqlen"], attn_scale=scale, dropout=0.0,
+            qkv_layout="bshd_bshd_bshd", attn_mask_type="causal" if causal else "no_mask")
+        return out.transpose(1, 2), aux[0].squeeze(-1).float()
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None):
+        qt, kt, vt, ot, dot = (t.transpose(1, 2).contiguous() for t in (q, k, v, out, dout))
+        b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+        rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)  # dropout is 0: the state is not read
+        dq, dk, dv = self.tefa.fused_attn_bwd(
+            sq, sk, self._cu(b, sq, q.device), self._cu(b, sk, q.device), qt, kt, vt, ot, dot, q.dtype,
+            self.TE_DType[q.dtype], [lse.unsqueeze(-1).contiguous(), rng_state],
+            self.tefa.FusedAttnBackend["F16_arbitrary_seqlen"], attn_scale=scale, dropout=0.0,
+            qkv_layout="bshd_bshd_bshd", attn_mask_type="causal" if causal else "no_mask")[:3]
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
 def get_backend(name: str = "auto", device: Optional[torch.device] = None):
     """``auto``: flash on CUDA when installed, else math on CUDA; torch on CPU."""
     dev = device.type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,4 +173,6 @@ def get_backend(name: str = "auto", device: Optional[torch.device] = None):
         return MathBackend()
     if name == "flash":
         return FlashAttnBackend()
-    raise ValueError(f"unknown attention backend {name!r} (auto, torch, math, flash)")
+    if name == "te":
+        return TEBackend()
+    raise ValueError(f"unknown attention backend {name!r} (auto, torch, math, flash, te)")

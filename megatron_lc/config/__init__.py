@@ -100,6 +100,10 @@ class Config:
         check(self.data.seq_length % mult == 0,
               f"data.seq_length ({self.data.seq_length}) must be divisible by {mult} for cp "
               f"({p.context_parallel_size}, {p.cp_comm_type}) x tp ({tp}, sequence_parallel={p.sequence_parallel})")
+        if p.cp_comm_type == "fpdt":  # FPDT chunk rules (issue 4): chunk divides the sequence and cp x sp-tp
+            from ..attention.fpdt_layout import check_fpdt_layout
+
+            check_fpdt_layout(self)
         check(self.data.seq_length <= m.max_position_embeddings or m.position_embedding_type == "rope",
               f"data.seq_length ({self.data.seq_length}) exceeds model.max_position_embeddings "
               f"({m.max_position_embeddings})")

@@ -11,7 +11,7 @@ from .base import check
 class DataConfig:
     seq_length: int = 512
     data_path: Optional[str] = None  # prefix of a Megatron .bin/.idx pair
-    tokenizer_type: Literal["sentencepiece", "null"] = "sentencepiece"
+    tokenizer_type: Literal["SentencePieceTokenizer", "NullTokenizer"] = "SentencePieceTokenizer"  # Megatron names
     tokenizer_model: Optional[str] = None  # SentencePiece .model file
     mock_data: bool = False  # random tokens, no files (Megatron's --mock-data)
     prepare_demo_data: bool = False  # build tokenizer + .bin/.idx from the Python stdlib sources if missing

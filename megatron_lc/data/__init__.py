@@ -18,7 +18,7 @@ def build_dataset(cfg: Config):
     from .indexed import open_indexed
     from .tokenizer import SentencePieceTokenizer
 
-    if d.tokenizer_type == "sentencepiece":
+    if d.tokenizer_type == "SentencePieceTokenizer":
         if d.tokenizer_model is None:
             raise DataError("data.tokenizer_model is not set (a SentencePiece .model file)")
         tok = SentencePieceTokenizer(d.tokenizer_model)

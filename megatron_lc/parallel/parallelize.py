@@ -36,6 +36,10 @@ class ModelParts:
                                       init_std=std)
 
     def core_attention(self, layer_number: int) -> nn.Module:
+        if self.cfg.parallel.cp_comm_type == "fpdt":  # FPDT (issue 4): the whole block is replaced in build_model
+            from ..attention.fpdt import FPDTCoreAttentionPlaceholder
+
+            return FPDTCoreAttentionPlaceholder()
         from ..attention import build_core_attention
 
         return build_core_attention(self.cfg, self.topo, layer_number)
@@ -49,5 +53,9 @@ def build_model(cfg: Config, topo: Topology, device: torch.device) -> nn.Module:
 
     model = GPTModel(cfg.model, ModelParts(cfg, topo))
     init_model(model, cfg.train.seed, topo)
+    if cfg.parallel.cp_comm_type == "fpdt":  # FPDT (issue 4): chunked attention blocks, same parameters
+        from ..attention.fpdt import apply_fpdt
+
+        apply_fpdt(model, cfg, topo)
     model = apply_memory_features(model, cfg, topo)
     return model.to(device)

@@ -1,0 +1,196 @@
+"""Device/host buffers of the FPDT block: accounting, offload to host, double-buffered prefetch, all-to-all.
+
+Everything goes through ``device.DeviceAdapter`` (pinned host buffers, a device-to-host and a host-to-device side
+stream, events); on CPU the same code runs with real, synchronous copies. Every device buffer the block creates is
+acquired/released in a ``device.BufferAccount`` under one of these tags, so "device-resident bytes" is the
+framework's own accounting (on CPU host and device are one memory; the figure stands for what a GPU would hold)::
+
+    fpdt.proj        local q, k, v of the chunk being projected (before the all-to-all)
+    fpdt.a2a         all-to-all send/receive buffers and layout copies (transient)
+    fpdt.chunk       current gathered q/k/v chunk (forward); dq of the finished chunk, dk/dv accumulators (backward)
+    fpdt.acc         fp32 output / lse accumulators of the q chunk (forward); one block's dq/dk/dv (backward)
+    fpdt.fetch_kv    k/v chunks fetched back from host (double buffer: the one in use and the next)
+    fpdt.fetch_q     q/out/dout/lse/dq chunks fetched back from host in the backward (double buffer)
+    fpdt.saved       chunks kept on the device for later (only without offload)
+    fpdt.proj_saved  what the chunk projection's autograd graph saved, when it lives on the device
+    fpdt.grad_local  a finished chunk's dq/dk/dv after the all-to-all back (projection backward input)
+
+Not counted: kernels' internal workspace (flash-attention keeps O(chunk) temporaries), the online-softmax merge's
+temporaries, and the block's input/output tensors (same size for every chunk count, reported separately).
+
+GPU ordering rules followed (never executed here, no GPU): a side stream waits on an event of the compute stream
+before it touches a tensor the compute stream produced or a buffer it allocated; a copy's source is marked with
+``record_stream`` so the allocator keeps it until the copy ran; the compute stream waits on a fetch's event before use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..device import BufferAccount, DeviceAdapter
+from ..parallel.collectives import all_to_all
+from ..parallel.topology import Axis, Topology
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class Hosted:
+    """A host copy and the event of the device-to-host copy that fills it (None on CPU)."""
+
+    host: torch.Tensor
+    done: object = None
+
+
+@dataclass
+class Pending:
+    """Tensors fetched (or about to be) to the device; ``owned`` ones are released by ``FPDTBuffers.release``."""
+
+    tensors: list
+    event: object = None
+    owned: list = field(default_factory=list)
+
+
+class FPDTBuffers:
+    """Accounting + transfers for one device; shared by the FPDT blocks of a model (one ``BufferAccount``)."""
+
+    def __init__(self, device: torch.device, account: BufferAccount, host_account: Optional[BufferAccount] = None):
+        self.device, self.account = device, account
+        self.host_account = host_account if host_account is not None else BufferAccount()  # bytes parked on host
+        self.dev = DeviceAdapter.for_device(device)
+        self.d2h = self.dev.new_stream()
+        self.h2d = self.dev.new_stream()
+
+    # ---- accounting ----------------------------------------------------------------------------------------
+    def track(self, tag: str, *ts: Optional[torch.Tensor]) -> None:
+        for t in ts:
+            if t is not None:
+                self.account.acquire(tag, nbytes(t))
+
+    def untrack(self, tag: str, *ts: Optional[torch.Tensor]) -> None:
+        for t in ts:
+            if t is not None:
+                self.account.release(tag, nbytes(t))
+
+    def zeros(self, tag: str, shape, dtype) -> torch.Tensor:
+        t = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.track(tag, t)
+        return t
+
+    # ---- host copies ---------------------------------------------------------------------------------------
+    def to_host(self, t: torch.Tensor, into: Optional[Hosted] = None) -> Hosted:
+        """Copy ``t`` to a (pinned) host buffer on the d2h stream; the caller may drop ``t`` right after."""
+        dev = self.dev
+        if into is None:
+            into = Hosted(dev.host_empty(t.shape, t.dtype))
+            self.host_account.acquire("fpdt.host", nbytes(t))
+        h = into
+        dev.wait_event(dev.record_event(), self.d2h)  # the copy starts after the producer of t
+        with dev.stream(self.d2h):
+            h.host.copy_(t, non_blocking=True)
+        dev.record_stream(t, self.d2h)  # t's memory is not reused before the copy ran
+        h.done = dev.record_event(self.d2h)
+        return h
+
+    def drop_host(self, h: Hosted) -> None:
+        """Forget a host copy (its memory goes back to the host allocator)."""
+        self.host_account.release("fpdt.host", nbytes(h.host))
+
+    def fetch(self, hosted: list, tag: str) -> Pending:
+        """Issue host-to-device copies of ``hosted`` into fresh device buffers (accounted under ``tag``)."""
+        dev = self.dev
+        bufs = [torch.empty(h.host.shape, dtype=h.host.dtype, device=self.device) for h in hosted]
+        self.track(tag, *bufs)
+        dev.wait_event(dev.record_event(), self.h2d)  # buffers may reuse memory the compute stream just freed
+        for h, b in zip(hosted, bufs):
+            if h.done is not None:
+                dev.wait_event(h.done, self.h2d)  # the host copy is complete
+            with dev.stream(self.h2d):
+                b.copy_(h.host, non_blocking=True)
+            dev.record_stream(b, self.h2d)  # written on the side stream: not reused before that copy ran
+        return Pending(bufs, dev.record_event(self.h2d), [(tag, b) for b in bufs])
+
+    def wait(self, p: Pending) -> list:
+        """The fetched tensors, after the compute stream waited for their copies."""
+        if p.event is not None:
+            self.dev.wait_event(p.event)
+        return p.tensors
+
+    def release(self, p: Optional[Pending]) -> None:
+        if p is None:
+            return
+        for tag, t in p.owned:
+            self.untrack(tag, t)
+        p.owned, p.tensors = [], []
+
+    def retag(self, p: Pending, t: torch.Tensor, tag: str) -> None:
+        """Move ``t`` out of ``p`` (it outlives the others) and account it under ``tag``."""
+        for i, (old, b) in enumerate(p.owned):
+            if b is t:
+                self.untrack(old, b)
+                p.owned.pop(i)
+                break
+        self.track(tag, t)
+
+    # ---- all-to-all ------------------------------------------------------------------------------------------
+    def a2a(self, t: torch.Tensor, topo: Topology, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        """``collectives.all_to_all`` over the Ulysses axis; its send and receive buffers counted as transient."""
+        if topo.size(Axis.ULYSSES) == 1:
+            return t
+        self.account.acquire("fpdt.a2a", 2 * nbytes(t))
+        out = all_to_all(t, topo, Axis.ULYSSES, scatter_dim, gather_dim)
+        self.account.release("fpdt.a2a", 2 * nbytes(t))
+        return out
+
+
+class ChunkStore:
+    """Per-chunk tensors kept for later, keyed like ``("k", 3)``: on the host (offload) or on the device.
+
+    Offload: ``put`` copies to host (the caller then drops the device tensor), ``prefetch`` issues the copies back
+    into fresh device buffers (counted under the given tag), ``FPDTBuffers.wait`` makes the compute stream wait,
+    ``FPDTBuffers.release`` frees them.
+    No offload: the device tensor itself is kept (``fpdt.saved``) and prefetch/wait return it without copies."""
+
+    def __init__(self, bufs: FPDTBuffers, offload: bool):
+        self.bufs, self.offload = bufs, offload
+        self.items: dict = {}
+
+    def put(self, key, t: torch.Tensor) -> None:
+        if self.offload:
+            self.items[key] = self.bufs.to_host(t)
+        else:
+            self.items[key] = t
+            self.bufs.track("fpdt.saved", t)
+
+    def put_zeros(self, key, shape, dtype) -> None:
+        """An accumulator that starts at zero (host zeros when offloading: no device memory until fetched)."""
+        if self.offload:
+            self.items[key] = Hosted(self.bufs.dev.host_empty(shape, dtype).zero_())
+            self.bufs.host_account.acquire("fpdt.host", nbytes(self.items[key].host))
+        else:
+            self.items[key] = self.bufs.zeros("fpdt.saved", shape, dtype)
+
+    def prefetch(self, keys: list, tag: str) -> Pending:
+        if self.offload:
+            return self.bufs.fetch([self.items[k] for k in keys], tag)
+        return Pending([self.items[k] for k in keys])
+
+    def write_back(self, key, t: torch.Tensor) -> None:
+        """After an in-place update of a fetched accumulator: copy it back to its host buffer (no-op on device)."""
+        if self.offload:
+            self.bufs.to_host(t, into=self.items[key])
+
+    def drop(self, *keys) -> None:
+        for key in keys:
+            item = self.items.pop(key)
+            if self.offload:
+                self.bufs.drop_host(item)
+            else:
+                self.bufs.untrack("fpdt.saved", item)
+
+    def clear(self) -> None:
+        self.drop(*list(self.items))

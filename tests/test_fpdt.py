@@ -1,0 +1,139 @@
+"""FPDT (chunked Ulysses attention with host offload): layout, config errors, block and model parity, training.
+
+Every parity test compares forward AND backward with the plain single-process computation (tolerances:
+tests/dist_cases_fpdt.py and tests/parity.py)."""
+import pytest
+import torch
+
+from megatron_lc.attention.fpdt import kv_replication
+from megatron_lc.attention.fpdt_layout import chunk_rows, fpdt_token_index
+from megatron_lc.config import ConfigError
+from tests import dist_cases_fpdt as cases
+from tests.dist import run_dist
+from tests.parity import small_config
+
+HEADS = [(8, 8), (8, 2), (8, 1)]  # MHA; GQA (kv heads < P=4: replicated); MQA (kv heads < P=2, 4)
+
+
+# ---- layout --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("P,u,spt", [(1, 4, 1), (2, 2, 1), (4, 2, 1), (2, 4, 2), (1, 2, 2)])
+def test_strided_layout_gathers_global_ranges(P, u, spt):
+    s = 64
+    idx = [fpdt_token_index(s, P, r, u, spt) for r in range(P)]
+    assert torch.equal(torch.sort(torch.cat(idx)).values, torch.arange(s))  # a partition of the sequence
+    rows = chunk_rows(s // P, u, spt)
+    for i in range(u):  # chunk i: tp all-gather (rows in gathered order), then all-to-all in rank order
+        gathered = torch.cat([idx[r][rows[i]] for r in range(P)])
+        assert torch.equal(gathered, torch.arange(i * s // u, (i + 1) * s // u)), (P, u, spt, i)
+
+
+def test_layout_example_from_docs():
+    assert fpdt_token_index(16, 2, 0, 2).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert fpdt_token_index(16, 2, 1, 2).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert fpdt_token_index(16, 1, 0, 2, 2).tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def test_kv_replication():
+    assert kv_replication(8, 8, 4) == 1 and kv_replication(8, 4, 4) == 1
+    assert kv_replication(8, 2, 4) == 2 and kv_replication(8, 1, 4) == 4 and kv_replication(8, 1, 2) == 2
+    assert kv_replication(12, 3, 2) == 2  # neither divides the other: q heads 0-5 -> kv copies 0-2 of 6
+    with pytest.raises(ConfigError, match="divisible by the Ulysses size"):
+        kv_replication(6, 2, 4)
+
+
+# ---- config errors -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("over,msg", [
+    (["memory.fpdt_chunk_size=12"], r"memory.fpdt_chunk_size \(12\) must divide data.seq_length \(32\)"),
+    (["memory.fpdt_chunk_size=64"], r"memory.fpdt_chunk_size \(64\) must divide data.seq_length \(32\)"),
+    (["memory.fpdt_chunk_size=2", "parallel.context_parallel_size=4"],
+     r"memory.fpdt_chunk_size \(2\) must be divisible by cp \(4\)"),
+    (["memory.fpdt_chunk_size=2", "parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=2",
+      "parallel.sequence_parallel=true"], r"must be divisible by cp \(2\) x tp \(2\) with sequence_parallel = 4"),
+])
+def test_config_errors(over, msg):
+    cfg = small_config(["parallel.cp_comm_type=fpdt"] + over)
+    world = cfg.parallel.context_parallel_size * cfg.parallel.tensor_model_parallel_size
+    with pytest.raises(ConfigError, match=msg):
+        cfg.check_layout(world)
+
+
+# ---- one attention block vs single-process attention -----------------------------------------------------------------
+@pytest.mark.parametrize("P", [1, 2, 4])
+def test_block_matches_single_process(P):
+    grid = [(u, nq, nkv, off, "auto") for u in (1, 2, 4) for nq, nkv in HEADS for off in (True, False)]
+    results = run_dist(P, cases.block_parity, grid)
+    assert len(results[0]) == len(grid)
+    peaks = {c[:4]: r["peak"] for c, r in zip(grid, results[0])}
+    for nq, nkv in HEADS:  # with offload, the block's device bytes fall with the chunk count (bench: figures)
+        assert peaks[(4, nq, nkv, True)] < peaks[(2, nq, nkv, True)] < peaks[(1, nq, nkv, True)]
+        assert peaks[(4, nq, nkv, True)] <= 0.5 * peaks[(1, nq, nkv, True)], peaks
+
+
+# ---- the whole model -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world,tp,over", [
+    (2, 1, ["memory.fpdt_chunk_size=8", "memory.fpdt_offload=true"]),      # P=2, u=4, offload
+    (2, 1, ["memory.fpdt_chunk_size=8", "memory.fpdt_offload=false"]),     # P=2, u=4, no offload
+    (1, 1, ["memory.fpdt_chunk_size=8"]),                                  # P=1, u=4
+    (4, 2, ["memory.fpdt_chunk_size=16", "parallel.sequence_parallel=false"]),  # tp=2 x P=2, u=2
+    (4, 2, ["memory.fpdt_chunk_size=8", "parallel.sequence_parallel=true"]),    # tp=2 (SP) x P=2, u=4
+    (2, 2, ["memory.fpdt_chunk_size=8", "parallel.sequence_parallel=true"]),    # tp=2 (SP), P=1, u=4
+    (2, 1, ["memory.fpdt_chunk_size=16", "model.normalization=LayerNorm", "model.swiglu=false",  # GPT: learned
+            "model.position_embedding_type=learned_absolute", "model.add_bias_linear=true",    # positions, biases,
+            "model.untie_embeddings_and_output_weights=false", "model.max_position_embeddings=64"]),  # tied head
+])
+def test_model_matches_single_process(world, tp, over):
+    losses = run_dist(world, cases.model_parity, over, tp)
+    assert len(set(losses)) == 1
+
+
+def test_training_fpdt_p2_u4_matches_cp1():
+    """5 steps of the real loop: FPDT (P=2, u=4, offload) vs cp=1 on one rank; same losses."""
+    common = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.vocab_size=256",
+              "model.make_vocab_size_divisible_by=64", "data.seq_length=64", "data.mock_data=true",
+              "data.prepare_demo_data=false", "train.train_iters=5", "train.micro_batch_size=2",
+              "train.global_batch_size=4", "train.lr_warmup_iters=1", "checkpoint.save=null",
+              "checkpoint.save_interval=null", "logging.metrics_file=/dev/null"]
+    fpdt = run_dist(2, cases.train_losses, common + ["memory.fpdt_chunk_size=16"])
+    base = run_dist(1, cases.train_losses, common + ["parallel.context_parallel_size=1",
+                                                     "parallel.cp_comm_type=p2p", "parallel.ulysses_size=1"])
+    assert fpdt[0] == fpdt[1]
+    assert len(base[0]) == 5
+    for step, (a, b) in enumerate(zip(fpdt[0], base[0])):
+        # 1e-5 relative: the contract; the two runs differ only in summation order (see dist_cases_fpdt.py)
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step + 1}: fpdt {a!r} vs cp=1 {b!r}"
+
+
+# ---- in-process (P = 1) details --------------------------------------------------------------------------------------
+def _p1_block(u=4, offload=True):
+    from megatron_lc.attention.fpdt import FPDTSelfAttention
+    from megatron_lc.model.attention import SelfAttention
+    from megatron_lc.parallel.parallelize import ModelParts
+    from megatron_lc.parallel.topology import Topology
+
+    cfg = small_config(["parallel.cp_comm_type=fpdt", f"memory.fpdt_chunk_size={32 // u}",
+                        f"memory.fpdt_offload={offload}"])
+    torch.manual_seed(0)
+    ref = SelfAttention(cfg.model, ModelParts(small_config(), Topology()), 0, 0.02)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return FPDTSelfAttention(ref, cfg, Topology()), cfg
+
+
+def test_no_grad_forward_matches_and_keeps_nothing():
+    from megatron_lc.model.rope import RotaryEmbedding
+
+    block, cfg = _p1_block()
+    x = torch.randn(32, 2, cfg.model.hidden_size)
+    rope = RotaryEmbedding(cfg.model.kv_channels, 10000.0)(torch.arange(32).view(32, 1).expand(32, 2))
+    with torch.no_grad():
+        y0 = block(x, rope)
+    assert block.fpdt_account.current == 0 and block.fpdt_host_account.current == 0
+    y1 = block(x.requires_grad_(), rope)
+    assert torch.equal(y0, y1.detach())  # same arithmetic with and without the autograd graph
+
+
+def test_wrong_runtime_length_is_a_clear_error():
+    block, cfg = _p1_block(u=4)
+    x = torch.randn(30, 2, cfg.model.hidden_size)
+    with pytest.raises(ConfigError, match=r"local sequence \(30 tokens on this rank\) is not divisible into 4 chunks"):
+        block(x, None)
