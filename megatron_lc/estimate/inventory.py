@@ -13,6 +13,7 @@ autocast) and lse/softmax/statistics are fp32.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -109,13 +110,23 @@ class Dims:
         return self.V // self.tp
 
     @property
+    def fpdt(self) -> bool:
+        """FPDT's chunked block replaces attention whenever ``cp_comm_type: fpdt`` (cp = 1: chunks only)."""
+        return self.cp_type == "fpdt"
+
+    @property
     def uses_a2a(self) -> bool:
         return self.cp > 1 and self.cp_type in ("a2a", "a2a+p2p", "fpdt")
 
     @property
     def kv_heads_after_a2a(self) -> int:
-        """kv heads x ranks after the Ulysses all-to-all: kv heads are replicated when fewer than ranks."""
-        return max(self.nkv_l, self.ulysses) if self.uses_a2a else self.nkv_l
+        """kv heads per tp rank after replication for the all-to-all (elements per local token / d): Ulysses
+        replicates to lcm(nkv, U) heads (attention/ulysses.py), FPDT to nq / gcd(nq/nkv, nq/P) (attention/fpdt.py)."""
+        if not self.uses_a2a:
+            return self.nkv_l
+        if self.cp_type == "fpdt":
+            return self.nq_l // math.gcd(self.nq_l // self.nkv_l, self.nq_l // self.ulysses)
+        return math.lcm(self.nkv_l, self.ulysses)
 
     @property
     def norm_decomposed(self) -> bool:
@@ -171,18 +182,22 @@ def zero1_partition(shards: list[tuple[str, int, bool]], ranks: int) -> list[int
 def attention_skeletal(x: Dims, fpdt_offload: bool) -> list[Item]:
     """Tensors core attention keeps for backward, by implementation.
 
-    local / ring (p2p): the fused QKV output stays alive (v is a view of it) + rotated q and k + out + lse.
+    local (cp = 1): the fused QKV output stays alive (v is a view of it) + rotated q and k + out + lse.
+    ring (p2p): contiguous copies of q, k, v + out + lse + the copy of out that ``linear_proj`` saves.
     Ulysses (a2a, a2a+p2p) and FPDT without offload: q, k, v after the all-to-all (kv heads replicated when fewer
     than ranks), out before and after the reverse all-to-all (the second is ``linear_proj``'s input), lse.
     FPDT with offload: q/k/v/out/lse chunks live in host memory; only ``linear_proj``'s input stays."""
     t, d, a = x.tokens, x.d, x.act
     lse = Item("core_attention lse [b, nq/tp, s/cp] fp32", t * x.nq_l * 4, "attn")
     out = Item("core_attention out [s/cp, b, nq/tp, d]", t * x.nq_l * d * a, "attn")
-    if not x.uses_a2a:
+    if x.cp == 1 and not x.fpdt:  # SDPA on permuted views: the QKV output stays alive through v
         return [Item("linear_qkv out (kept by the v view)", t * (x.nq_l + 2 * x.nkv_l) * d * a),
                 Item("rotated q", t * x.nq_l * d * a), Item("rotated k", t * x.nkv_l * d * a), out, lse]
     proj_in = Item("linear_proj input (out after reverse all-to-all)", t * x.nq_l * d * a, "attn")
-    if x.cp_type == "fpdt" and fpdt_offload:
+    if not x.uses_a2a:  # ring: contiguous [b, n, s, d] copies of q, k, v are saved; out is copied for linear_proj
+        return [Item("q (contiguous copy)", t * x.nq_l * d * a), Item("k, v (contiguous copies)", 2 * t * x.nkv_l * d * a),
+                out, Item("linear_proj input (copy of out)", t * x.nq_l * d * a, "attn"), lse]
+    if x.fpdt and fpdt_offload:
         return [proj_in]
     kv = x.kv_heads_after_a2a
     return [Item("q after all-to-all", t * x.nq_l * d * a), Item("k, v after all-to-all", 2 * t * kv * d * a),
@@ -199,7 +214,12 @@ def layer_skeletal(x: Dims, mst: bool, fpdt_offload: bool) -> list[Item]:
     else:
         norm_extra = [Item("norm rstd/mean", tr * 4 * (1 if x.rmsnorm else 2))]
     items += norm_extra
-    items.append(Item("linear_qkv input (norm out, all-gathered with SP)", t * h * a))
+    if x.fpdt and fpdt_offload:
+        # the projection's saved chunk inputs go to the host, but each chunk's detached leaf (a view) keeps the
+        # block input itself alive on the device (attention/fpdt_project.py: ChunkProjection.x_leaf)
+        items.append(Item("FPDT block input (norm out, held by the chunk projections)", tr * h * r))
+    else:
+        items.append(Item("linear_qkv input (norm out, all-gathered with SP)", t * h * a))
     items += attention_skeletal(x, fpdt_offload)
     items.append(Item("residual after attention (pre_mlp_layernorm's input)", tr * h * r))
     items += norm_extra

@@ -103,7 +103,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     seconds, used to solve α when ``memory.offload_fraction`` is ``auto``). ``activation_peak_override``: the
     activation peak from a memory plan or trace (replaces the formulas for activations)."""
     mem = cfg.memory
-    fpdt = x.cp_type == "fpdt" and x.cp > 1
+    fpdt = x.fpdt
     items = layer_skeletal(x, mem.mst, mem.fpdt_offload and fpdt)
     g = group_bytes(items)
     full = sum(g.values())
@@ -133,8 +133,10 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         keep = full
         recompute = 0.0
     if fpdt and mem.fpdt_offload:
+        # per layer on the host until its backward: the projection's saved chunk inputs, q^, k^, v^, o^, lse
         kv = x.kv_heads_after_a2a
-        host_rank += x.L * x.tokens * ((2 * x.nq_l + 2 * kv) * x.d * x.act + x.nq_l * 4)
+        host_rank += x.L * x.tokens * (x.h * x.act + (2 * x.nq_l + 2 * kv) * x.d * x.act + x.nq_l * 4)
+    on_host = host_rank if hw.device == "cpu" else 0.0  # on CPU "host" copies live in the same memory
 
     # ---- the four moments ----------------------------------------------------------------------------------
     ms = model_state_bytes(cfg, x)
@@ -143,10 +145,10 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     shared = sum(i.bytes for i in shared_skeletal(x)) + x.n_micro * x.tokens * 28.0  # + the micro-batches
     layers_kept = x.L * keep + rounding
     acts = {
-        "layer forward": layers_kept + T.layer_forward(cfg, x) + shared,
-        "head forward": layers_kept + (final - softmax) + T.head_forward(cfg, x) + shared,
-        "head backward": layers_kept + final + T.head_backward(cfg, x) + shared,
-        "layer backward": layers_kept + recompute + T.layer_backward(cfg, x) + shared,
+        "layer forward": layers_kept + T.layer_forward(cfg, x) + shared + on_host,
+        "head forward": layers_kept + (final - softmax) + T.head_forward(cfg, x) + shared + on_host,
+        "head backward": layers_kept + final + T.head_backward(cfg, x) + shared + on_host,
+        "layer backward": layers_kept + recompute + T.layer_backward(cfg, x) + shared + on_host,
     }
     act_peak_formula = max(acts.values())
     act_peak = activation_peak_override if activation_peak_override is not None else act_peak_formula

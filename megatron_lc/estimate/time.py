@@ -64,7 +64,7 @@ def layer_comm(cfg: Config, x: Dims, hw: HardwareProfile, attn_fwd_s: float, att
         step_f, step_b = attn_fwd_s / ring, attn_bwd_s / ring
         out["cp_fwd"] += (ring - 1) * max(0.0, kv_bytes / bw - step_f)
         out["cp_bwd"] += (ring - 1) * max(0.0, (kv_bytes + 2 * x.tokens * kv * d * 4) / bw - step_b)
-    if x.cp_type == "fpdt" and x.cp > 1 and cfg.memory.fpdt_offload:
+    if x.fpdt and cfg.memory.fpdt_offload:
         n = fpdt_chunks(cfg, x)
         pcie = hw.pcie_gbps * 1e9
         kv_chunk = 2 * x.tokens / n * kv * d * a

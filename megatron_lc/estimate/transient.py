@@ -28,11 +28,19 @@ def mst_head_chunks(cfg: Config, x: Dims) -> int:
 
 
 def fpdt_chunks(cfg: Config, x: Dims) -> int:
-    """u: chunks per sequence. ``memory.fpdt_chunk_size`` counts tokens after the all-to-all (a slice of the whole
-    sequence gathered over the ulysses ranks); default 64K (FPDT §5.3)."""
-    gathered = x.b * x.s // (x.cp // x.ulysses)
-    c = cfg.memory.fpdt_chunk_size or 65536
-    return max(1, -(-gathered // c))
+    """u: chunks per sequence = ``data.seq_length / memory.fpdt_chunk_size`` (the chunk counts tokens after the
+    all-to-all); 1 when the chunk size is unset (attention/fpdt_layout.py)."""
+    c = cfg.memory.fpdt_chunk_size
+    return max(1, x.s // c) if c else 1
+
+
+def fpdt_chunk_bytes(cfg: Config, x: Dims) -> dict:
+    """Per chunk and rank (FPDT §4, attention/fpdt_core.py): Q = q (or out, dout) in the compute dtype, Qf = an fp32
+    accumulator of q's shape, K = k (or v), Kf = fp32 dk (or dv), L = lse (fp32)."""
+    c = x.tokens / fpdt_chunks(cfg, x)
+    kv = x.kv_heads_after_a2a
+    return {"Q": c * x.nq_l * x.d * x.act, "Qf": c * x.nq_l * x.d * 4, "K": c * kv * x.d * x.act,
+            "Kf": c * kv * x.d * 4, "L": c * x.nq_l * 4}
 
 
 def layer_forward(cfg: Config, x: Dims) -> float:
@@ -45,12 +53,11 @@ def layer_forward(cfg: Config, x: Dims) -> float:
         out = max(out, 2 * 2 * t * kv * d * a + 2 * t * x.nq_l * d * 4)
     if x.uses_a2a and x.cp_type != "fpdt":
         out = max(out, 2 * t * x.nq_l * d * a)  # send stack + receive buffer of the largest all-to-all (q)
-    if x.cp_type == "fpdt" and x.cp > 1:
-        c = t / fpdt_chunks(cfg, x)  # local tokens per chunk (the gathered chunk has ulysses x as many)
-        kv = x.kv_heads_after_a2a
-        out = max(out, c * ((x.nq_l + 2 * kv) * d * a * 2  # chunk all-to-all send + receive
-                            + 2 * 2 * kv * d * a  # double-buffered kv chunks
-                            + x.nq_l * d * (4 + a) + x.nq_l * 4))  # fp32 output accumulator, chunk out, lse
+    if x.fpdt:
+        b = fpdt_chunk_bytes(cfg, x)
+        # one chunk's projection out + all-to-all send/receive + contiguous copies, the fp32 output accumulator and
+        # its merge temporaries, lse, two kv chunks fetched (double buffer)
+        out = max(out, 3 * (b["Q"] + 2 * b["K"]) + 3 * b["Qf"] + 2 * b["L"] + 4 * b["K"])
     if cfg.memory.mst:
         out = max(out, mst_mlp_chunk(cfg, x) * (4 if x.swiglu else 2) * x.f_l * a)
     return out
@@ -71,14 +78,17 @@ def layer_backward(cfg: Config, x: Dims) -> float:
         attn += t * x.nq_l * d * 4 + 2 * 2 * t * kv * d * 4 + 2 * 2 * t * kv * d * a
     if x.uses_a2a and x.cp_type != "fpdt":
         attn += 2 * t * x.nq_l * d * a
-    if x.cp_type == "fpdt" and x.cp > 1:
-        u = fpdt_chunks(cfg, x)
-        c = t / u
-        # chunked: one q-side chunk (q, out, dout, lse) double-buffered, kv chunk + its fp32 dk/dv accumulators,
-        # dq accumulators of the whole sequence (fp32; on the device unless offloaded with the chunks)
-        chunk = c * (2 * (3 * x.nq_l * d * a + x.nq_l * 4) + 2 * kv * d * (a + 4))
-        dq = 0 if cfg.memory.fpdt_offload else t * x.nq_l * d * 4
-        attn = t * (h + x.nq_l * d) * a + chunk + dq
+    if x.fpdt:
+        u, b = fpdt_chunks(cfg, x), fpdt_chunk_bytes(cfg, x)
+        qset = 3 * b["Q"] + b["Qf"] + b["L"]  # q, out, dout, dq accumulator, lse of one q chunk
+        grads = b["Q"] + 2 * b["K"]  # one block's dq, dk, dv
+        kv = 2 * b["K"] + 2 * b["Kf"]  # kv chunk in use + its fp32 dk/dv accumulators
+        if cfg.memory.fpdt_offload:  # bench/fpdt_memory.py: 10Q + 2L + 6K (u >= 3), 5Q + L + 6K (u = 1), fp32
+            block = kv + (2 * qset if u > 1 else qset) + b["Qf"] + grads
+        else:  # dout and the dq accumulators of the whole sequence stay on the device
+            block = u * (b["Q"] + b["Qf"]) + kv + grads
+        # + the block's output grad (linear_proj's input grad) and the input grad it fills
+        attn = t * x.nq_l * d * a + x.tokens_res * h * x.res + block
     sp = t * h * a if x.sp else 0  # the all-gather of the incoming grad for the row linear's backward
     return max(mlp, attn) + sp
 
