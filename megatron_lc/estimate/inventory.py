@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from typing import Optional
+
 from ..config import Config, ConfigError
 
 Group = Literal["input", "attn", "others"]
@@ -178,6 +180,33 @@ def zero1_partition(shards: list[tuple[str, int, bool]], ranks: int) -> list[int
     return sizes
 
 
+# ---- MsT chunking (memory/mst.py) -------------------------------------------------------------------------------
+MIN_HEAD_CHUNK = 256  # memory/mst.py: the default head chunk is never shorter than this (an explicit M is exact)
+
+
+def mst_mlp_chunk(cfg: Config, x: Dims) -> Optional[int]:
+    """Tokens per MLP mini-sequence (MsT §3.4: C = hidden size), or None when the MLP runs unchunked (MsT off, or
+    the rank's tokens fit in one chunk)."""
+    if not cfg.memory.mst:
+        return None
+    c = cfg.memory.mst_mlp_chunk_size or x.h
+    return c if x.tokens > c else None
+
+
+def mst_head_chunk(cfg: Config, x: Dims) -> Optional[int]:
+    """Tokens per LM-head mini-sequence (M = V / h chunks, default chunks >= 256 tokens), or None if unchunked."""
+    if not cfg.memory.mst:
+        return None
+    explicit = cfg.memory.mst_head_chunks is not None
+    m = cfg.memory.mst_head_chunks or -(-x.V // x.h)
+    c = -(-x.tokens // m)
+    if not explicit:
+        c = max(c, min(x.tokens, MIN_HEAD_CHUNK))
+        if c >= x.tokens:
+            return None
+    return c
+
+
 # ---- activations of one layer ---------------------------------------------------------------------------------
 def attention_skeletal(x: Dims, fpdt_offload: bool) -> list[Item]:
     """Tensors core attention keeps for backward, by implementation.
@@ -204,9 +233,10 @@ def attention_skeletal(x: Dims, fpdt_offload: bool) -> list[Item]:
             out, proj_in, lse]
 
 
-def layer_skeletal(x: Dims, mst: bool, fpdt_offload: bool) -> list[Item]:
-    """Every tensor one transformer layer keeps for its backward (no recompute, no offload)."""
-    tr, t, h, a, r = x.tokens_res, x.tokens, x.h, x.act, x.res
+def layer_skeletal(x: Dims, mlp_chunked: bool, fpdt_offload: bool, token_wise: bool = False) -> list[Item]:
+    """Every tensor one transformer layer keeps for its backward (no recompute, no offload); with MsT's chunked MLP
+    only its input is kept (``memory/mst_functions.py`` recomputes each chunk in backward)."""
+    tr, t, h, a, r, d = x.tokens_res, x.tokens, x.h, x.act, x.res, x.d
     items = [Item("layer input [s/cp/tp, b, h] (input_layernorm's input)", tr * h * r, "input")]
     norm_extra = []
     if x.norm_decomposed:
@@ -220,11 +250,18 @@ def layer_skeletal(x: Dims, mst: bool, fpdt_offload: bool) -> list[Item]:
         items.append(Item("FPDT block input (norm out, held by the chunk projections)", tr * h * r))
     else:
         items.append(Item("linear_qkv input (norm out, all-gathered with SP)", t * h * a))
-    items += attention_skeletal(x, fpdt_offload)
+    if token_wise and not x.fpdt:
+        # recompute full / Memo (memory/recompute.py): the layer's slot keeps the local q, k (after RoPE) and v
+        # (before any all-to-all), the local attention output and lse -- whatever the cp flavour
+        items += [Item("q, k (after RoPE), v (local)", t * (x.nq_l + 2 * x.nkv_l) * d * a),
+                  Item("attention output (local)", t * x.nq_l * d * a, "attn"),
+                  Item("lse", t * x.nq_l * 4, "attn")]
+    else:
+        items += attention_skeletal(x, fpdt_offload)
     items.append(Item("residual after attention (pre_mlp_layernorm's input)", tr * h * r))
     items += norm_extra
     items.append(Item("linear_fc1 input (norm out, all-gathered with SP)", t * h * a))
-    if not mst:
+    if not mlp_chunked:
         if x.swiglu:
             items += [Item("linear_fc1 out [gate; up]", t * 2 * x.f_l * a), Item("silu(gate)", t * x.f_l * a),
                       Item("silu(gate) * up (linear_fc2 input)", t * x.f_l * a)]
@@ -241,14 +278,16 @@ def group_bytes(items: list[Item]) -> dict[str, float]:
     return out
 
 
-def final_skeletal(x: Dims, mst: bool) -> list[Item]:
+def final_skeletal(x: Dims, head_chunked: bool) -> list[Item]:
     """Final norm + LM head tensors kept for backward (the last layer's output is the final norm's input)."""
     tr, t, h, a, r = x.tokens_res, x.tokens, x.h, x.act, x.res
     items = [Item("last layer output (final norm input)", tr * h * r)]
     if x.norm_decomposed:
         items.append(Item("final rms_norm normalised x", tr * h * r))
     items.append(Item("output_layer input (final norm out, all-gathered with SP)", t * h * a))
-    if not mst:
+    if head_chunked:
+        items.append(Item("per-token lse (MsT head)", t * 4))
+    else:
         items.append(Item("softmax [s/cp, b, V/tp] fp32 (vocab-parallel cross entropy)", t * x.V_l * 4))
     items.append(Item("labels, masks, per-token loss", t * 40))
     return items

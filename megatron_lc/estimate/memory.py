@@ -27,8 +27,8 @@ from typing import Optional
 from ..config import Config
 from . import transient as T
 from .hardware import HardwareProfile
-from .inventory import Dims, Item, final_skeletal, group_bytes, layer_skeletal, param_shards, shared_skeletal, \
-    zero1_partition
+from .inventory import Dims, final_skeletal, group_bytes, layer_skeletal, mst_head_chunk, mst_mlp_chunk, \
+    param_shards, shared_skeletal, zero1_partition
 
 
 @dataclass
@@ -104,7 +104,10 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     activation peak from a memory plan or trace (replaces the formulas for activations)."""
     mem = cfg.memory
     fpdt = x.fpdt
-    items = layer_skeletal(x, mem.mst, mem.fpdt_offload and fpdt)
+    mlp_chunked = mst_mlp_chunk(cfg, x) is not None
+    head_chunked = mst_head_chunk(cfg, x) is not None
+    token_wise = mem.activation_offload == "memo" or mem.recompute_granularity == "full"
+    items = layer_skeletal(x, mlp_chunked, mem.fpdt_offload and fpdt, token_wise)
     g = group_bytes(items)
     full = sum(g.values())
     notes: list[str] = []
@@ -140,8 +143,8 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
 
     # ---- the four moments ----------------------------------------------------------------------------------
     ms = model_state_bytes(cfg, x)
-    final = sum(i.bytes for i in final_skeletal(x, mem.mst))
-    softmax = 0.0 if mem.mst else x.tokens * x.V_l * 4.0
+    final = sum(i.bytes for i in final_skeletal(x, head_chunked))
+    softmax = 0.0 if head_chunked else x.tokens * x.V_l * 4.0
     shared = sum(i.bytes for i in shared_skeletal(x)) + x.n_micro * x.tokens * 28.0  # + the micro-batches
     layers_kept = x.L * keep + rounding
     acts = {
@@ -166,7 +169,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         "head backward": static + ms["autocast_copies"] + max(accum, ms["head_grad"]) + acts["head backward"] * scale
         + frag,
         "layer backward": static + ms["autocast_copies"] + bwd_grads + acts["layer backward"] * scale + frag,
-        "optimizer": static + ms["grads"] + T.optimizer_step(x, ms["numels"], ms["state_numel"]),
+        "optimizer": static + ms["grads"] + rounding + on_host + T.optimizer_step(x, ms["numels"], ms["state_numel"]),
     }
     peak_phase = max(phases, key=phases.get)
     parts = {"parameters (fp32)": ms["params"], "gradients (fp32)": ms["grads"],

@@ -27,7 +27,7 @@ from typing import Optional
 from ..config import Config
 from .flops import head_flops_fwd, layer_flops, model_flops_per_sample
 from .hardware import HardwareProfile
-from .inventory import Dims, group_bytes, layer_skeletal, param_shards
+from .inventory import Dims, group_bytes, layer_skeletal, mst_mlp_chunk, param_shards
 from .transient import fpdt_chunks
 
 
@@ -101,18 +101,19 @@ def estimate_time(cfg: Config, x: Dims, hw: HardwareProfile, alpha: Optional[flo
         recompute = lin_f + comm["tp_fwd"]
     elif mem.recompute_granularity == "selective":
         recompute = att_f
-    if mem.mst:
+    mlp_chunked = mst_mlp_chunk(cfg, x) is not None
+    if mlp_chunked:
         mlp_share = (3 if x.swiglu else 2) * x.f_l / ((x.nq_l + 2 * x.nkv_l) * x.d + x.nq_l * x.d
                                                      + (3 if x.swiglu else 2) * x.f_l)
         recompute += mlp_share * lin_f  # each chunk's intermediates are recomputed in its backward
     stall = 0.0
     if mem.activation_offload == "memo":
-        g = group_bytes(layer_skeletal(x, mem.mst, False))
+        g = group_bytes(layer_skeletal(x, mlp_chunked, False, token_wise=True))
         xfer = (g["input"] + g["attn"] + (alpha or 0.0) * g["others"]) / (hw.pcie_gbps * 1e9)
         stall = max(0.0, xfer - fwd) + max(0.0, xfer - (bwd + recompute))
     n_swapped = max(x.L - 2, 0)
     head_f = head_flops_fwd(x) / (peak * eff.gemm) * scale
-    head = 3 * head_f + (head_f if mem.mst else 0.0)
+    head = 3 * head_f  # MsT's head computes its gradient in forward: no recompute (memory/mst_head.py)
     micro = x.L * (fwd + bwd + recompute) + n_swapped * stall + head
     # gradient sync over dp x cp (fp32, ring all-reduce), ZeRO-1 parameter broadcast, AdamW (memory bound)
     numel = sum(n for _, n, _ in param_shards(x))
@@ -127,7 +128,7 @@ def estimate_time(cfg: Config, x: Dims, hw: HardwareProfile, alpha: Optional[flo
     parts = {
         "forward compute": x.n_micro * x.L * (lin_f + att_f) + x.n_micro * head_f,
         "backward compute": x.n_micro * x.L * (lin_b + att_b) + x.n_micro * 2 * head_f,
-        "recompute": x.n_micro * (x.L * recompute + (head_f if mem.mst else 0.0)),
+        "recompute": x.n_micro * x.L * recompute,
         "tp communication": x.n_micro * x.L * (comm["tp_fwd"] + comm["tp_bwd"]),
         "cp communication (exposed)": x.n_micro * x.L * (comm["cp_fwd"] + comm["cp_bwd"]),
         "host transfers (exposed)": x.n_micro * (x.L * (comm["host_fwd"] + comm["host_bwd"]) + n_swapped * stall),

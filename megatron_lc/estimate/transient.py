@@ -13,18 +13,7 @@ tracker of live storages on the tiny model (``tests/test_estimate_calibration.py
 from __future__ import annotations
 
 from ..config import Config
-from .inventory import Dims
-
-
-def mst_mlp_chunk(cfg: Config, x: Dims) -> int:
-    """Tokens per MLP mini-sequence (MsT §3.4: C = hidden size), never more than the local tokens."""
-    c = cfg.memory.mst_mlp_chunk_size or x.h
-    return min(c, x.tokens)
-
-
-def mst_head_chunks(cfg: Config, x: Dims) -> int:
-    """Chunks of the LM head + loss (MsT §3.4: M = V / h)."""
-    return cfg.memory.mst_head_chunks or max(1, -(-x.V // x.h))
+from .inventory import Dims, mst_head_chunk, mst_mlp_chunk
 
 
 def fpdt_chunks(cfg: Config, x: Dims) -> int:
@@ -58,17 +47,18 @@ def layer_forward(cfg: Config, x: Dims) -> float:
         # one chunk's projection out + all-to-all send/receive + contiguous copies, the fp32 output accumulator and
         # its merge temporaries, lse, two kv chunks fetched (double buffer)
         out = max(out, 3 * (b["Q"] + 2 * b["K"]) + 3 * b["Qf"] + 2 * b["L"] + 4 * b["K"])
-    if cfg.memory.mst:
-        out = max(out, mst_mlp_chunk(cfg, x) * (4 if x.swiglu else 2) * x.f_l * a)
+    c = mst_mlp_chunk(cfg, x)
+    if c:  # one chunk's fc1 output, activation (SwiGLU: silu and product) into the preallocated output
+        out = max(out, c * (4 if x.swiglu else 2) * x.f_l * a)
     return out
 
 
 def layer_backward(cfg: Config, x: Dims) -> float:
     """Peak transient bytes of one layer's backward (its skeletal tensors are counted elsewhere)."""
     t, h, a, d = x.tokens, x.h, x.act, x.d
-    if cfg.memory.mst:
-        c = mst_mlp_chunk(cfg, x)
-        mlp = t * h * a + c * (8 if x.swiglu else 5) * x.f_l * a  # input grad + one chunk recomputed and its grads
+    c = mst_mlp_chunk(cfg, x)
+    if c:  # input grad + the MLP's weight grads + one chunk recomputed and its grads
+        mlp = t * h * a + c * (8 if x.swiglu else 5) * x.f_l * a
     else:
         mlp = t * (2 * x.f_l if x.swiglu else x.f_l + h) * a
     kv = x.kv_heads_after_a2a
@@ -94,21 +84,23 @@ def layer_backward(cfg: Config, x: Dims) -> float:
 
 
 def head_forward(cfg: Config, x: Dims) -> float:
-    """Logits and the vocab-parallel cross entropy's fp32 copies (per chunk with MsT)."""
-    per_token = x.V_l * (x.act + 4 + (4 if x.act < 4 else 0))
+    """Logits and the vocab-parallel cross entropy's fp32 copies; with MsT per chunk, plus the gradient the MsT head
+    computes in forward (memory/mst_head.py: u = (softmax - onehot) W ``[N, h]`` and the weight-gradient sum
+    ``[V/tp, h]`` fp32, which becomes the weight's ``.grad``)."""
     small = 40
-    if cfg.memory.mst:
-        c = -(-x.tokens // mst_head_chunks(cfg, x))
-        return c * (per_token + x.V_l * 4) + x.tokens * small
-    return x.tokens * (per_token + small)
+    c = mst_head_chunk(cfg, x)
+    if c:
+        chunk = c * x.V_l * (4 + (x.act if x.act < 4 else 0))
+        return x.tokens * x.h * x.act + x.V_l * x.h * 4 + chunk + x.tokens * 12
+    return x.tokens * (x.V_l * (x.act + 4 + (4 if x.act < 4 else 0)) + small)
 
 
 def head_backward(cfg: Config, x: Dims) -> float:
-    """Above the saved softmax: its grad cast to the compute dtype, the grad of the hidden states."""
+    """Above the saved softmax: its grad cast to the compute dtype, the grad of the hidden states (MsT: u turns
+    into the input grad in place; nothing else)."""
+    if mst_head_chunk(cfg, x):
+        return x.tokens * x.h * x.act  # (the weight-gradient sum is the head grad, counted with the grads)
     cast = x.V_l * x.act if x.act < 4 else 0
-    if cfg.memory.mst:
-        c = -(-x.tokens // mst_head_chunks(cfg, x))
-        return c * (x.V_l * (x.act + 4 + 4) + cast) + x.tokens * x.h * x.res
     return x.tokens * (cast + x.h * x.res + 16)
 
 
