@@ -8,7 +8,12 @@ from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (id, ranks, overrides on top of base_overrides): one line per feature combination
+# A known difference between the model and the code, as of issue-6 @ 2f2afdd merged with this branch: after a step
+# with Memo offload about one layer of activations (~40 MiB at seq 2048 here) is still alive, referenced from C++
+# only (no Python referrer), so the measured peak exceeds the model by 13-17% (docs/estimator.md, "Calibration").
+MEMO_RETAINED = "Memo offload keeps ~one layer of activations alive after the backward (issue 6, under investigation)"
+
+# (id, ranks, overrides on top of base_overrides[, known issue -> xfail]): one line per feature combination
 CASES = [
     ("plain", 1, []),
     ("plain-2-microbatches", 1, ["train.global_batch_size=2"]),
@@ -24,8 +29,10 @@ CASES = [
     ("recompute-selective", 1, ["data.seq_length=2048", "memory.recompute_granularity=selective"]),
     ("mst", 1, ["data.seq_length=2048", "memory.mst=true"]),
     ("mst-recompute", 1, ["data.seq_length=2048", "memory.mst=true", "memory.recompute_granularity=full"]),
-    ("memo-alpha0", 1, ["data.seq_length=2048", "memory.activation_offload=memo", "memory.offload_fraction=0"]),
-    ("memo-alpha0.5", 1, ["data.seq_length=2048", "memory.activation_offload=memo", "memory.offload_fraction=0.5"]),
+    ("memo-alpha0", 1, ["data.seq_length=2048", "memory.activation_offload=memo", "memory.offload_fraction=0"],
+     MEMO_RETAINED),
+    ("memo-alpha0.5", 1, ["data.seq_length=2048", "memory.activation_offload=memo", "memory.offload_fraction=0.5"],
+     MEMO_RETAINED),
     ("memo-alpha1-mst", 1, ["data.seq_length=2048", "memory.activation_offload=memo", "memory.offload_fraction=1",
                             "memory.mst=true"]),
     # context parallel: 1024 tokens per rank, so activations (not the optimizer step) set the peak

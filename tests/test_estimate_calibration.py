@@ -18,7 +18,14 @@ from tests.dist import run_dist
 TOLERANCE = 0.10  # the target; the figures per case are in docs/estimator.md (bench/estimate_calibration.py)
 
 
-@pytest.mark.parametrize("name,world,overrides", estimate_cases.CASES, ids=[c[0] for c in estimate_cases.CASES])
+def _params():
+    for case in estimate_cases.CASES:
+        name, world, overrides = case[:3]
+        marks = [pytest.mark.xfail(reason=case[3], strict=False)] if len(case) > 3 else []
+        yield pytest.param(name, world, overrides, id=name, marks=marks)
+
+
+@pytest.mark.parametrize("name,world,overrides", list(_params()))
 def test_memory_model_matches_measured_peak(name, world, overrides):
     cfg = estimate_cases.case_config(world, overrides)
     reason = estimate_cases.missing_feature(cfg, world)

@@ -16,8 +16,10 @@ that autocast caches from the first forward use until the backward is done.
 Per-layer kept tensors depend on the memory features (``memory.*``):
 ``none``/``selective`` keep all skeletal tensors; ``recompute_granularity: full`` keeps the layer input and the
 attention output (+ lse) and rematerialises the rest at the layer's backward; ``activation_offload: memo``
-keeps nothing per layer on the device: two rounding buffers hold the skeletal tensors of the layer in flight (one
-buffer for the "others" when α = 0), and host memory gets input + attention output + α·others of n-2 layers.
+keeps nothing per layer on the device: two rounding buffers hold the kept skeletal tensors (input + attention
+output + α·others) of the layers in flight, the dropped (1-α)·others are rematerialised during one layer's
+backward (memory/offload.py; the paper's buffers hold 2·(input + attention + others)), and host memory gets the
+kept bytes of n-2 layers.
 """
 from __future__ import annotations
 
@@ -114,7 +116,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
 
     # ---- what each layer keeps on the device, and the rounding buffers -------------------------------------
     alpha: Optional[float] = None
-    rounding = 0.0
+    rounding = staging = 0.0
     host_rank = 0.0
     if mem.activation_offload == "memo":
         ranks_per_node = min(hw.gpus_per_node, x.world)
@@ -126,9 +128,14 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         else:
             alpha = float(mem.offload_fraction)
         keep = 0.0
-        rounding = 2 * full if alpha > 0 else 2 * (g["input"] + g["attn"]) + g["others"]
-        host_rank = max(x.L - 2, 0) * (g["input"] + g["attn"] + alpha * g["others"])
-        recompute = 0.0  # the rounding buffer of the layer already holds the rematerialised tensors
+        kept = g["input"] + g["attn"] + alpha * g["others"]
+        # memory/offload.py: two buffers of the kept bytes (+ 32 aligned groups); the dropped tokens' tensors are
+        # rematerialised into autograd's allocations during one layer's backward; a finished layer's kept tensors
+        # exist once more (autograd's originals) until they are copied into its buffer (staging)
+        rounding = 2 * (kept + 32 * 256)
+        staging = kept
+        host_rank = max(x.L - 2, 0) * kept
+        recompute = (1.0 - alpha) * g["others"]
     elif mem.recompute_granularity == "full":
         keep = g["input"] + g["attn"]
         recompute = full - keep
@@ -148,7 +155,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     shared = sum(i.bytes for i in shared_skeletal(x)) + x.n_micro * x.tokens * 28.0  # + the micro-batches
     layers_kept = x.L * keep + rounding
     acts = {
-        "layer forward": layers_kept + T.layer_forward(cfg, x) + shared + on_host,
+        "layer forward": layers_kept + staging + T.layer_forward(cfg, x) + shared + on_host,
         "head forward": layers_kept + (final - softmax) + T.head_forward(cfg, x) + shared + on_host,
         "head backward": layers_kept + final + T.head_backward(cfg, x) + shared + on_host,
         "layer backward": layers_kept + recompute + T.layer_backward(cfg, x) + shared + on_host,
