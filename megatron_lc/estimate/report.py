@@ -58,11 +58,14 @@ def estimate_table(est: Estimate) -> str:
     return "\n".join(lines)
 
 
-def search_table(cands: list[Candidate], top: int) -> str:
-    rows = [f"{'#':>2} {'layout':52s} {'peak/GPU':>9} {'host/node':>10} {'step s':>9} {'TGS':>8} {'MFU':>6}"]
-    for i, c in enumerate(cands[:top], 1):
+def search_table(cands: list[Candidate], top: int, best: Optional[Candidate] = None) -> str:
+    """The ``top`` layouts, fastest first; ``*`` marks ``best``."""
+    rows = [f"{'#':>3} {'layout':52s} {'peak/GPU':>9} {'host/node':>10} {'step s':>9} {'TGS':>8} {'MFU':>6}"]
+    shown = cands[:top] + ([best] if best is not None and best not in cands[:top] else [])
+    for i, c in enumerate(shown, 1):
         e = c.est
-        rows.append(f"{i:>2} {c.label():52s} {e.memory.peak / GIB:7.1f}Gi {e.memory.host_per_node / GIB:8.1f}Gi "
+        mark = "*" if c is best else " "
+        rows.append(f"{mark}{i:>2} {c.label():52s} {e.memory.peak / GIB:7.1f}Gi {e.memory.host_per_node / GIB:8.1f}Gi "
                     f"{e.time.step_seconds:9.2f} {e.time.tokens_per_gpu_per_s:8.1f} {e.time.mfu:6.1%}")
     return "\n".join(rows)
 

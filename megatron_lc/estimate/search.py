@@ -22,7 +22,6 @@ estimator's LP solution; the framework re-solves it from its own profiler at sta
 from __future__ import annotations
 
 import copy
-import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -146,10 +145,23 @@ def search_layouts(cfg: Config, hw: HardwareProfile, world_size: int, top: Optio
                     ov["memory.offload_fraction"] = round(est.memory.alpha, 4)
                     ov["memory.offload_fraction_source"] = "auto"
                 out.append(Candidate(ov, est))
-    out.sort(key=lambda c: (c.est.status != "fits", c.step_seconds, c.est.memory.peak))
+    out.sort(key=lambda c: (c.est.status != "fits", c.step_seconds, c.est.memory.host_per_node, c.est.memory.peak))
     return out[:top] if top else out
 
 
+def pick_best(cands: list[Candidate], tolerance: float = 0.005) -> Candidate:
+    """Among the layouts within ``tolerance`` of the fastest step, the one with the most headroom: least host
+    memory, then least device memory (a 0.3% faster layout is not worth filling the host to the last GiB)."""
+    fits = [c for c in cands if c.est.status == "fits"] or cands
+    fastest = min(c.step_seconds for c in fits)
+    near = [c for c in fits if c.step_seconds <= fastest * (1 + tolerance)]
+    return min(near, key=lambda c: (c.est.memory.host_per_node / c.est.memory.host_capacity
+                                    + c.est.memory.peak / c.est.memory.capacity, c.step_seconds))
+
+
 def config_overrides(c: Candidate) -> dict:
-    """The overrides to write into a config (drops the bookkeeping keys)."""
-    return {k: v for k, v in c.overrides.items() if not k.endswith("_source")}
+    """The overrides to write into a config: the parallel keys, the memory switches, FPDT's keys only for FPDT
+    (drops the bookkeeping keys)."""
+    fpdt = c.overrides["parallel.cp_comm_type"] == "fpdt"
+    return {k: v for k, v in c.overrides.items()
+            if not k.endswith("_source") and (fpdt or not k.startswith("memory.fpdt_"))}
