@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "activation arena")
     p.add_argument("--trace", default=None, help="allocation trace JSONL: planned (or its max-live bound) as the "
                    "activation arena")
+    p.add_argument("--states", default="framework", help="model-state accounting: framework (this trainer) or a "
+                   "what-if for comparing with other systems: megatron, zero3, bf16_optim_in_backward")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p.parse_args(argv)
 
@@ -79,10 +81,10 @@ def main(argv=None) -> int:
         if args.write is not None and not args.auto:
             raise ConfigError("--write needs --auto (it writes the layout the search chose)")
         if not args.auto:
-            est = estimate(cfg, hw, world, activation_peak_override=act_peak)
+            est = estimate(cfg, hw, world, activation_peak_override=act_peak, states=args.states)
             print(json.dumps(summary(est), indent=1) if args.json else estimate_table(est))
             return 0 if est.status == "fits" else 1
-        cands = search_layouts(cfg, hw, world)
+        cands = search_layouts(cfg, hw, world, states=args.states)
         if not cands:
             print(f"no layout of {cfg.model.num_layers}-layer model at seq {cfg.data.seq_length:,} fits on {world} x "
                   f"{hw.name} (searched tp x cp x ulysses x recompute/Memo/MsT/FPDT)", file=sys.stderr)

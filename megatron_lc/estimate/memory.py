@@ -26,11 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import Config
+from ..config import Config, ConfigError
 from . import transient as T
 from .hardware import HardwareProfile
 from .inventory import Dims, final_skeletal, group_bytes, layer_skeletal, mst_head_chunk, mst_mlp_chunk, \
-    param_shards, shared_skeletal, zero1_partition
+    shared_skeletal
+from .states import model_state_bytes
 
 
 @dataclass
@@ -83,27 +84,19 @@ def solve_alpha(s_input: float, s_attn: float, s_others: float, pcie_bytes_per_s
     return max(0.0, alpha), why
 
 
-def model_state_bytes(cfg: Config, x: Dims) -> dict:
-    shards = param_shards(x)
-    numels = [n for _, n, _ in shards]
-    total = sum(numels)
-    zero_ranks = x.dp * x.cp
-    if cfg.parallel.use_distributed_optimizer and zero_ranks > 1:
-        state_numel = max(zero1_partition(shards, zero_ranks))
-    else:
-        state_numel = total
-    matrices = sum(n for name, n, decay in shards if decay and not name.startswith(("embedding", "position")))
-    return {"params": 4.0 * total, "grads": 4.0 * total, "optimizer": 8.0 * state_numel,
-            "autocast_copies": 2.0 * matrices if x.act == 2 else 0.0, "numels": numels, "state_numel": state_numel,
-            "head_grad": 4.0 * (x.V_l * x.h if x.untied else 0) + 4.0 * x.h,
-            "layer_grad": 4.0 * sum(n for name, n, _ in shards if name.startswith("layers.0."))}
-
-
 def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: float,
-                    activation_peak_override: Optional[float] = None) -> MemoryEstimate:
+                    activation_peak_override: Optional[float] = None, states: str = "framework",
+                    recompute_style: str = "token_wise") -> MemoryEstimate:
     """Device peak per rank and host memory per node for ``cfg`` on ``hw`` (``t_layer_fwd``: one layer's forward
     seconds, used to solve α when ``memory.offload_fraction`` is ``auto``). ``activation_peak_override``: the
-    activation peak from a memory plan or trace (replaces the formulas for activations)."""
+    activation peak from a memory plan or trace (replaces the formulas for activations). ``states``: a preset of
+    ``states.py`` (``framework`` = this trainer; the others are what-ifs for comparing with the papers).
+    ``recompute_style``: ``token_wise`` (this framework: attention output kept, never recomputed) or ``checkpoint``
+    (a what-if for the papers' baselines: classic activation checkpointing keeps only each layer's input and reruns
+    the whole layer, attention included; with ``activation_offload: memo`` and α = 0 the inputs go to the host,
+    DeepSpeed's "checkpoint with CPU offload")."""
+    if recompute_style not in ("token_wise", "checkpoint"):
+        raise ConfigError(f"recompute_style must be token_wise or checkpoint, got {recompute_style!r}")
     mem = cfg.memory
     fpdt = x.fpdt
     mlp_chunked = mst_mlp_chunk(cfg, x) is not None
@@ -136,8 +129,14 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         staging = kept
         host_rank = max(x.L - 2, 0) * kept
         recompute = (1.0 - alpha) * g["others"]
+        if recompute_style == "checkpoint":  # only the layer inputs leave; everything else is recomputed
+            alpha, kept = 0.0, g["input"]
+            rounding, staging = 2 * kept, kept
+            host_rank = max(x.L - 2, 0) * kept
+            recompute = full - kept
+            notes.append("what-if: checkpoint + CPU offload of layer inputs (recompute_style=checkpoint)")
     elif mem.recompute_granularity == "full":
-        keep = g["input"] + g["attn"]
+        keep = g["input"] + (g["attn"] if recompute_style == "token_wise" else 0.0)
         recompute = full - keep
     else:
         keep = full
@@ -145,11 +144,14 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     if fpdt and mem.fpdt_offload:
         # per layer on the host until its backward: the projection's saved chunk inputs, q^, k^, v^, o^, lse
         kv = x.kv_heads_after_a2a
-        host_rank += x.L * x.tokens * (x.h * x.act + (2 * x.nq_l + 2 * kv) * x.d * x.act + x.nq_l * 4)
+        # (with classic checkpointing the block runs again in backward: one layer's chunks at a time)
+        layers = 1 if recompute_style == "checkpoint" and (mem.recompute_granularity == "full"
+                                                          or mem.activation_offload == "memo") else x.L
+        host_rank += layers * x.tokens * (x.h * x.act + (2 * x.nq_l + 2 * kv) * x.d * x.act + x.nq_l * 4)
     on_host = host_rank if hw.device == "cpu" else 0.0  # on CPU "host" copies live in the same memory
 
     # ---- the four moments ----------------------------------------------------------------------------------
-    ms = model_state_bytes(cfg, x)
+    ms = model_state_bytes(cfg, x, states)
     final = sum(i.bytes for i in final_skeletal(x, head_chunked))
     softmax = 0.0 if head_chunked else x.tokens * x.V_l * 4.0
     shared = sum(i.bytes for i in shared_skeletal(x)) + x.n_micro * x.tokens * 28.0  # + the micro-batches
@@ -167,7 +169,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     if hw.device == "cuda" and mem.plan == "off" and activation_peak_override is None:
         frag = 0.10 * act_peak  # caching allocator: reserved but unusable (fragmentation); Memo §3.3, Table 4
         notes.append("fragmentation reserve 10% of activations (memory.plan: off)")
-    accum = ms["grads"] if x.n_micro > 1 else 0.0
+    accum = ms["grads"] if x.n_micro > 1 or ms["persistent_grads"] else 0.0
     static = ms["params"] + ms["optimizer"]
     bwd_grads = accum or (ms["head_grad"] + ms["layer_grad"])
     phases = {
@@ -179,8 +181,8 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         "optimizer": static + ms["grads"] + rounding + on_host + T.optimizer_step(x, ms["numels"], ms["state_numel"]),
     }
     peak_phase = max(phases, key=phases.get)
-    parts = {"parameters (fp32)": ms["params"], "gradients (fp32)": ms["grads"],
-             "optimizer states (AdamW, fp32)": ms["optimizer"], "autocast bf16 weight copies": ms["autocast_copies"],
+    parts = {"parameters": ms["params"], "gradients": ms["grads"],
+             "optimizer states (+ master weights)": ms["optimizer"], "autocast bf16 weight copies": ms["autocast_copies"],
              "kept activations (all layers)": x.L * keep, "rounding buffers (Memo)": rounding,
              "final norm + head kept": final, "activation peak (at its moment)": act_peak, "fragmentation reserve": frag}
     ranks_per_node = min(hw.gpus_per_node, x.world)

@@ -130,14 +130,21 @@ def apply_overrides(cfg: Config, overrides: dict) -> Config:
 
 
 def search_layouts(cfg: Config, hw: HardwareProfile, world_size: int, top: Optional[int] = None,
-                   include_unfit: bool = False) -> list[Candidate]:
-    """Estimate every layout x memory option; the ones that fit (or all, with ``include_unfit``), fastest first."""
+                   include_unfit: bool = False, states: str = "framework", allow_fpdt_recompute: bool = False,
+                   features: Optional[dict] = None) -> list[Candidate]:
+    """Estimate every layout x memory option; the ones that fit (or all, with ``include_unfit``), fastest first.
+
+    ``states``: model-state preset (``states.py``); ``allow_fpdt_recompute``: also try recompute/Memo with FPDT (a
+    what-if: the framework refuses it today); ``features``: fixed ``memory.*`` values (e.g. ``{"memory.mst":
+    False}``) that restrict the memory options searched."""
     out: list[Candidate] = []
     for par in layouts(cfg, hw, world_size):
-        for memo in memory_options(par["parallel.cp_comm_type"] == "fpdt"):
+        for memo in memory_options(par["parallel.cp_comm_type"] == "fpdt" and not allow_fpdt_recompute):
+            if features and any(memo.get(k, v) != v for k, v in features.items()):
+                continue
             ov = dict(par, **memo)
             try:
-                est = estimate(apply_overrides(cfg, ov), hw, world_size)
+                est = estimate(apply_overrides(cfg, ov), hw, world_size, states=states)
             except ConfigError:
                 continue
             if est.status == "fits" or include_unfit:

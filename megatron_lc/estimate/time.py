@@ -77,7 +77,8 @@ def layer_comm(cfg: Config, x: Dims, hw: HardwareProfile, attn_fwd_s: float, att
     return out
 
 
-def estimate_time(cfg: Config, x: Dims, hw: HardwareProfile, alpha: Optional[float]) -> TimeEstimate:
+def estimate_time(cfg: Config, x: Dims, hw: HardwareProfile, alpha: Optional[float],
+                  recompute_style: str = "token_wise") -> TimeEstimate:
     """Seconds of one optimizer step of ``cfg`` (all micro-batches) on ``hw``."""
     mem, eff = cfg.memory, hw.efficiency
     peak = hw.peak_flops(bf16=x.act == 2)
@@ -99,6 +100,8 @@ def estimate_time(cfg: Config, x: Dims, hw: HardwareProfile, alpha: Optional[flo
         recompute = (1.0 - a) * (lin_f + comm["tp_fwd"])
     elif mem.recompute_granularity == "full":
         recompute = lin_f + comm["tp_fwd"]
+    if recompute_style == "checkpoint" and (mem.recompute_granularity == "full" or mem.activation_offload == "memo"):
+        recompute = lin_f + att_f + comm["tp_fwd"] + comm["cp_fwd"]  # the whole layer again, attention included
     elif mem.recompute_granularity == "selective":
         recompute = att_f
     mlp_chunked = mst_mlp_chunk(cfg, x) is not None
