@@ -159,8 +159,13 @@ def test_cli_oom_and_errors(capsys):
     from tools.estimate import main
 
     cfg = os.path.join(CONFIGS, "llama3_8b_1m.yaml")
-    assert main(["--config", cfg, "--hardware", "h100"]) == 1  # the shipped starting layout keeps every layer
+    plain = ["--set", "parallel.tensor_model_parallel_size=1", "--set", "parallel.context_parallel_size=8",
+             "--set", "parallel.cp_comm_type=a2a", "--set", "parallel.ulysses_size=8",
+             "--set", "memory.activation_offload=none", "--set", "memory.mst=false"]
+    assert main(["--config", cfg, "--hardware", "h100"] + plain) == 1  # Ulysses alone keeps every layer: OOM
     assert "OOM" in capsys.readouterr().out
+    assert main(["--config", cfg, "--hardware", "h100"]) == 0  # the layout --auto wrote into the shipped config
+    assert "status: FITS" in capsys.readouterr().out
     assert main(["--config", cfg, "--hardware", "tpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: hardware profile not found: tpu") and err.count("\n") == 1
