@@ -22,6 +22,16 @@ from megatron_lc.training.metrics import flops_per_sample
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 PROFILES = sorted(f[:-5] for f in os.listdir(HARDWARE_DIR) if f.endswith(".yaml"))
+# the shipped llama3_8b_1m.yaml carries the layout --auto wrote; tests start from a fixed one
+RESET = ["parallel.tensor_model_parallel_size=1", "parallel.context_parallel_size=8", "parallel.cp_comm_type=a2a",
+         "parallel.ulysses_size=8", "parallel.sequence_parallel=false", "memory.activation_offload=none",
+         "memory.offload_fraction=auto", "memory.mst=false", "memory.recompute_granularity=none"]
+
+
+def llama(*overrides):
+    """Llama3-8B at 1M tokens (configs/llama3_8b_1m.yaml) with Ulysses over 8 GPUs and no memory feature, then
+    ``overrides``."""
+    return load_config(os.path.join(CONFIGS, "llama3_8b_1m.yaml"), RESET + list(overrides))
 
 
 @pytest.mark.parametrize("name", PROFILES)
@@ -56,7 +66,7 @@ def test_parameter_inventory_matches_model_count(config):
 
 def test_model_flops_are_memos_formula_and_the_trainers():
     """Memo §5.1: 6·s·P + 6·n·h·s², the same figure training/metrics.py logs as MFU."""
-    cfg = load_config(os.path.join(CONFIGS, "llama3_8b_1m.yaml"))
+    cfg = llama()
     x = Dims.from_config(cfg, 8, "cuda")
     s, m = cfg.data.seq_length, cfg.model
     assert model_flops_per_sample(x) == pytest.approx(6 * s * m.num_parameters() + 6 * m.num_layers * 4096 * s * s)
@@ -88,10 +98,9 @@ def test_alpha_lp_memo_example():
 
 
 def test_memo_alpha_auto_and_host_limit():
-    cfg = load_config(os.path.join(CONFIGS, "llama3_8b_1m.yaml"),
-                      ["parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=4",
-                       "parallel.cp_comm_type=p2p", "parallel.sequence_parallel=true",
-                       "memory.activation_offload=memo", "memory.mst=true"])
+    cfg = llama("parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=4",
+                "parallel.cp_comm_type=p2p", "parallel.ulysses_size=1", "parallel.sequence_parallel=true",
+                "memory.activation_offload=memo", "memory.mst=true")
     hw = load_hardware("h100")
     est = estimate(cfg, hw, 8)
     assert 0 < est.memory.alpha < 1 and est.memory.host_per_node <= est.memory.host_capacity * (1 + 1e-9)
@@ -101,20 +110,18 @@ def test_memo_alpha_auto_and_host_limit():
 
 def test_features_reduce_memory_in_the_expected_order():
     base = ["data.seq_length=131072", "parallel.tensor_model_parallel_size=8", "parallel.context_parallel_size=1",
-            "parallel.sequence_parallel=true"]
-    cfg_path = os.path.join(CONFIGS, "llama3_8b_1m.yaml")
+            "parallel.cp_comm_type=p2p", "parallel.ulysses_size=1", "parallel.sequence_parallel=true"]
     hw = load_hardware("h100")
     peak = {}
     for name, extra in {"none": [], "full": ["memory.recompute_granularity=full"], "mst": ["memory.mst=true"],
                         "memo": ["memory.activation_offload=memo", "memory.offload_fraction=0.25",
                                  "memory.mst=true"]}.items():
-        peak[name] = estimate(load_config(cfg_path, base + extra), hw, 8).memory.peak
+        peak[name] = estimate(llama(*base, *extra), hw, 8).memory.peak
     assert peak["memo"] < peak["full"] < peak["none"] and peak["mst"] < peak["none"]
 
 
 def test_time_model_is_consistent():
-    cfg = load_config(os.path.join(CONFIGS, "llama3_8b_1m.yaml"),
-                      ["parallel.cp_comm_type=a2a", "data.seq_length=262144"])
+    cfg = llama("data.seq_length=262144")
     hw = load_hardware("h100")
     t = estimate(cfg, hw, 8).time
     assert t.step_seconds == pytest.approx(sum(t.parts.values()), rel=1e-9)
@@ -126,13 +133,13 @@ def test_time_model_is_consistent():
 
 
 def test_bad_layout_is_a_config_error():
-    cfg = load_config(os.path.join(CONFIGS, "llama3_8b_1m.yaml"), ["parallel.tensor_model_parallel_size=3"])
+    cfg = llama("parallel.tensor_model_parallel_size=3")
     with pytest.raises(ConfigError, match=r"divisible by tp \(3\) x cp \(8\)"):
         estimate(cfg, load_hardware("h100"), 8)
 
 
 def test_auto_on_llama3_8b_1m_fits_on_8_h100():
-    cfg = load_config(os.path.join(CONFIGS, "llama3_8b_1m.yaml"))
+    cfg = llama()
     cands = search_layouts(cfg, load_hardware("h100"), 8)
     assert cands and all(c.est.status == "fits" for c in cands)
     best = pick_best(cands)
@@ -159,9 +166,7 @@ def test_cli_oom_and_errors(capsys):
     from tools.estimate import main
 
     cfg = os.path.join(CONFIGS, "llama3_8b_1m.yaml")
-    plain = ["--set", "parallel.tensor_model_parallel_size=1", "--set", "parallel.context_parallel_size=8",
-             "--set", "parallel.cp_comm_type=a2a", "--set", "parallel.ulysses_size=8",
-             "--set", "memory.activation_offload=none", "--set", "memory.mst=false"]
+    plain = [a for kv in RESET for a in ("--set", kv)]
     assert main(["--config", cfg, "--hardware", "h100"] + plain) == 1  # Ulysses alone keeps every layer: OOM
     assert "OOM" in capsys.readouterr().out
     assert main(["--config", cfg, "--hardware", "h100"]) == 0  # the layout --auto wrote into the shipped config
