@@ -103,7 +103,8 @@ def resolve_hardware_path(name_or_path: str) -> str:
     cand = os.path.join(HARDWARE_DIR, name_or_path if name_or_path.endswith(".yaml") else name_or_path + ".yaml")
     if os.path.isfile(cand):
         return cand
-    known = sorted(f[:-5] for f in os.listdir(HARDWARE_DIR) if f.endswith(".yaml")) if os.path.isdir(HARDWARE_DIR) else []
+    known = sorted(f[:-5] for f in os.listdir(HARDWARE_DIR) if f.endswith(".yaml")) \
+        if os.path.isdir(HARDWARE_DIR) else []
     raise ConfigError(f"hardware profile not found: {name_or_path} (known: {', '.join(known)})")
 
 

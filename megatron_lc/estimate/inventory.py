@@ -224,7 +224,8 @@ def attention_skeletal(x: Dims, fpdt_offload: bool) -> list[Item]:
                 Item("rotated q", t * x.nq_l * d * a), Item("rotated k", t * x.nkv_l * d * a), out, lse]
     proj_in = Item("linear_proj input (out after reverse all-to-all)", t * x.nq_l * d * a, "attn")
     if not x.uses_a2a:  # ring: contiguous [b, n, s, d] copies of q, k, v are saved; out is copied for linear_proj
-        return [Item("q (contiguous copy)", t * x.nq_l * d * a), Item("k, v (contiguous copies)", 2 * t * x.nkv_l * d * a),
+        return [Item("q (contiguous copy)", t * x.nq_l * d * a),
+                Item("k, v (contiguous copies)", 2 * t * x.nkv_l * d * a),
                 out, Item("linear_proj input (copy of out)", t * x.nq_l * d * a, "attn"), lse]
     if x.fpdt and fpdt_offload:
         return [proj_in]

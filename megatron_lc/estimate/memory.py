@@ -68,7 +68,8 @@ class MemoryEstimate:
 
 def solve_alpha(s_input: float, s_attn: float, s_others: float, pcie_bytes_per_s: float, t_layer: float,
                 n_layers: int, host_bytes_per_rank: float) -> tuple[float, str]:
-    """Memo §4.1 LP: max α s.t. (S_in + S_attn + α·S_oth)/B <= T_layer and (n-2)(S_in + S_attn + α·S_oth) <= M_cpu.
+    """Memo §4.1 LP: max α s.t. (S_in + S_attn + α·S_oth)/B <= T_layer and (n-2)(S_in + S_attn + α·S_oth) <= M_cpu
+    (host budget of one rank).
 
     One variable, two linear constraints: α = min(1, bandwidth bound, host bound), floored at 0 (input and
     attention output are always offloaded; if even they do not overlap, α = 0 and the copy stalls). Returns
@@ -182,9 +183,10 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     }
     peak_phase = max(phases, key=phases.get)
     parts = {"parameters": ms["params"], "gradients": ms["grads"],
-             "optimizer states (+ master weights)": ms["optimizer"], "autocast bf16 weight copies": ms["autocast_copies"],
-             "kept activations (all layers)": x.L * keep, "rounding buffers (Memo)": rounding,
-             "final norm + head kept": final, "activation peak (at its moment)": act_peak, "fragmentation reserve": frag}
+             "optimizer states (+ master weights)": ms["optimizer"],
+             "autocast bf16 weight copies": ms["autocast_copies"], "kept activations (all layers)": x.L * keep,
+             "rounding buffers (Memo)": rounding, "final norm + head kept": final,
+             "activation peak (at its moment)": act_peak, "fragmentation reserve": frag}
     ranks_per_node = min(hw.gpus_per_node, x.world)
     return MemoryEstimate(parts=parts, phases=phases, peak=phases[peak_phase], peak_phase=peak_phase,
                           capacity=hw.device_bytes, host_per_rank=host_rank, host_per_node=host_rank * ranks_per_node,
