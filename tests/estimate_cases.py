@@ -65,7 +65,7 @@ CASES = [
                                        "memory.mst=true", "memory.recompute_granularity=full"]),
     ("ulysses-cp2-memo-alpha0.25", 2, ["data.seq_length=4096", "parallel.context_parallel_size=2",
                                        "parallel.cp_comm_type=a2a", "memory.activation_offload=memo",
-                                       "memory.offload_fraction=0.25"]),
+                                       "memory.offload_fraction=0.25"], XFAIL_MEMO),
     ("plan-auto", 1, ["memory.plan=auto"], BENCH),
     ("plan-auto-recompute", 1, ["data.seq_length=2048", "memory.plan=auto", "memory.recompute_granularity=full"]),
 ]
