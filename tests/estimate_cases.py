@@ -42,7 +42,7 @@ CASES = [
     # context parallel: 1024 tokens per rank, so activations (not the optimizer step) set the peak
     ("ring-cp2", 2, ["data.seq_length=2048", "parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p"], BENCH),
     ("ulysses-cp2", 2, ["data.seq_length=2048", "parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a"]),
-    ("hybrid-cp4", 4, ["data.seq_length=4096", "parallel.context_parallel_size=4", "parallel.cp_comm_type=a2a+p2p",
+    ("hybrid-cp4", 4, ["data.seq_length=2048", "parallel.context_parallel_size=4", "parallel.cp_comm_type=a2a+p2p",
                        "parallel.ulysses_size=2"]),
     ("fpdt-cp2-u4", 2, ["data.seq_length=2048", "parallel.context_parallel_size=2", "parallel.cp_comm_type=fpdt",
                         "memory.fpdt_chunk_size=512"]),
