@@ -8,13 +8,7 @@ from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A known difference between the model and the code, as of issue-6 @ 2f2afdd merged with this branch: after a step
-# with Memo offload about one layer of activations (~40 MiB at seq 2048 here) is still alive, referenced from C++
-# only (no Python referrer), so the measured peak exceeds the model by 13-17% (docs/estimator.md, "Calibration").
-MEMO_RETAINED = "Memo offload keeps ~one layer of activations alive after the backward (issue 6, under investigation)"
-
 BENCH = {"bench_only": True}  # measured by bench/estimate_calibration.py, not by the test (keeps it < 1-2 min)
-XFAIL_MEMO = {"xfail": MEMO_RETAINED}
 
 # (id, ranks, overrides on top of base_overrides[, options]): one line per feature combination; options:
 # "bench_only" (bench/estimate_calibration.py only), "xfail" (a known difference, the reason)
@@ -33,10 +27,9 @@ CASES = [
     ("recompute-selective", 1, ["data.seq_length=2048", "memory.recompute_granularity=selective"], BENCH),
     ("mst", 1, ["data.seq_length=2048", "memory.mst=true"]),
     ("mst-recompute", 1, ["data.seq_length=2048", "memory.mst=true", "memory.recompute_granularity=full"], BENCH),
-    ("memo-alpha0", 1, ["data.seq_length=2048", "memory.activation_offload=memo", "memory.offload_fraction=0"],
-     XFAIL_MEMO),
+    ("memo-alpha0", 1, ["data.seq_length=2048", "memory.activation_offload=memo", "memory.offload_fraction=0"]),
     ("memo-alpha0.5", 1, ["data.seq_length=2048", "memory.activation_offload=memo", "memory.offload_fraction=0.5"],
-     dict(XFAIL_MEMO, **BENCH)),
+     BENCH),
     ("memo-alpha1-mst", 1, ["data.seq_length=2048", "memory.activation_offload=memo", "memory.offload_fraction=1",
                             "memory.mst=true"]),
     # context parallel: 1024 tokens per rank, so activations (not the optimizer step) set the peak
@@ -65,7 +58,7 @@ CASES = [
                                        "memory.mst=true", "memory.recompute_granularity=full"]),
     ("ulysses-cp2-memo-alpha0.25", 2, ["data.seq_length=4096", "parallel.context_parallel_size=2",
                                        "parallel.cp_comm_type=a2a", "memory.activation_offload=memo",
-                                       "memory.offload_fraction=0.25"], XFAIL_MEMO),
+                                       "memory.offload_fraction=0.25"]),
     ("plan-auto", 1, ["memory.plan=auto"], BENCH),
     ("plan-auto-recompute", 1, ["data.seq_length=2048", "memory.plan=auto", "memory.recompute_granularity=full"]),
 ]

@@ -124,10 +124,9 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         keep = 0.0
         kept = g["input"] + g["attn"] + alpha * g["others"]
         # memory/offload.py: two buffers of the kept bytes (+ 32 aligned groups); the dropped tokens' tensors are
-        # rematerialised into autograd's allocations during one layer's backward; a finished layer's kept tensors
-        # exist once more (autograd's originals) until they are copied into its buffer (staging)
+        # rematerialised into autograd's allocations during one layer's backward. Kept tensors are copied into the
+        # buffer as autograd saves them (memory/slots.py), so no whole-layer staging copy exists (staging = 0).
         rounding = 2 * (kept + 32 * 256)
-        staging = kept
         host_rank = max(x.L - 2, 0) * kept
         recompute = (1.0 - alpha) * g["others"]
         if recompute_style == "checkpoint":  # only the layer inputs leave; everything else is recomputed
