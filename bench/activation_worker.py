@@ -83,8 +83,11 @@ def _framework_steps(spec: dict, metrics_file: str, rec: StepRecorder):
     if spec.get("layer_checkpoint"):
         _checkpoint_layers(trainer.model)
     fwd_bwd = trainer.forward_backward
+    rt = getattr(trainer.model, "memo_runtime", None)  # issue 6: Memo's own accounting, when present
 
     def measured_fwd_bwd(batches):  # Trainer.train_step calls self.forward_backward: bracket it
+        if rt is not None:
+            rt.account.reset_peak()
         rec.start_fwd_bwd()
         out = fwd_bwd(batches)
         rec.end_fwd_bwd()
@@ -95,6 +98,9 @@ def _framework_steps(spec: dict, metrics_file: str, rec: StepRecorder):
         rec.start_step()
         out = trainer.train_step(step)
         rec.end_step(out["loss"])
+    if rt is not None:
+        rec.memo = {"host_bytes": rt.host_bytes(), "accounted_peak_bytes": rt.account.peak, "alpha": rt.alpha,
+                    "rounding_buffer_bytes": 2 * rt.buffers[0].capacity if rt.buffers[0] is not None else 0}
     return None
 
 
@@ -155,7 +161,7 @@ def worker(spec: dict) -> dict:
     return {"available": True, "peak_fwd_bwd": last["peak_fwd_bwd"],
             "peak_step": max(last["peak_fwd_bwd"], last["peak_optimizer"]),
             "peak_process": max(rec.meter.lifetime, PeakMeter.peak()),
-            "peak_resettable": rec.meter.resettable, "steps": rec.steps}
+            "peak_resettable": rec.meter.resettable, "steps": rec.steps, "memo": getattr(rec, "memo", None)}
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..config import Config, ConfigError
 from ..device import BufferAccount
+from ..memory.arena import Arena
 from ..model.attention import SelfAttention
 from ..parallel.topology import Topology
 from .fpdt_buffers import FPDTBuffers
@@ -86,10 +87,12 @@ class FPDTSelfAttention(SelfAttention):
         self.fpdt_account = account if account is not None else BufferAccount()
         self.fpdt_host_account = host_account if host_account is not None else BufferAccount()
         self._fpdt_bufs: dict = {}
+        self.arena = Arena()  # memory.plan (issue 7): install_arena() replaces it with the planned arena
 
     def _device_buffers(self, device: torch.device) -> FPDTBuffers:
         if device not in self._fpdt_bufs:
             self._fpdt_bufs[device] = FPDTBuffers(device, self.fpdt_account, self.fpdt_host_account)
+        self._fpdt_bufs[device].arena = self.arena
         return self._fpdt_bufs[device]
 
     def _backend(self, device: torch.device):

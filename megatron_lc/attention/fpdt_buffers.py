@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ..device import BufferAccount, DeviceAdapter
+from ..memory.arena import Arena
 from ..parallel.collectives import all_to_all
 from ..parallel.topology import Axis, Topology
 
@@ -64,6 +65,7 @@ class FPDTBuffers:
         self.dev = DeviceAdapter.for_device(device)
         self.d2h = self.dev.new_stream()
         self.h2d = self.dev.new_stream()
+        self.arena = Arena()  # memory.plan (issue 7): set to the owner block's arena before each use
 
     # ---- accounting ----------------------------------------------------------------------------------------
     def track(self, tag: str, *ts: Optional[torch.Tensor]) -> None:
@@ -77,9 +79,13 @@ class FPDTBuffers:
                 self.account.release(tag, nbytes(t))
 
     def zeros(self, tag: str, shape, dtype) -> torch.Tensor:
-        t = torch.zeros(shape, dtype=dtype, device=self.device)
+        t = self.arena.buffer(tag, shape, dtype, device=self.device).zero_()  # planned slot (memory.plan)
         self.track(tag, t)
         return t
+
+    def _record_stream(self, t: torch.Tensor, stream) -> None:
+        self.dev.record_stream(t, stream)  # caching-allocator memory
+        self.arena.record_stream(t, stream)  # planned arena memory (memory.plan)
 
     # ---- host copies ---------------------------------------------------------------------------------------
     def to_host(self, t: torch.Tensor, into: Optional[Hosted] = None) -> Hosted:
@@ -92,7 +98,7 @@ class FPDTBuffers:
         dev.wait_event(dev.record_event(), self.d2h)  # the copy starts after the producer of t
         with dev.stream(self.d2h):
             h.host.copy_(t, non_blocking=True)
-        dev.record_stream(t, self.d2h)  # t's memory is not reused before the copy ran
+        self._record_stream(t, self.d2h)  # t's memory is not reused before the copy ran
         h.done = dev.record_event(self.d2h)
         return h
 
@@ -103,7 +109,7 @@ class FPDTBuffers:
     def fetch(self, hosted: list, tag: str) -> Pending:
         """Issue host-to-device copies of ``hosted`` into fresh device buffers (accounted under ``tag``)."""
         dev = self.dev
-        bufs = [torch.empty(h.host.shape, dtype=h.host.dtype, device=self.device) for h in hosted]
+        bufs = [self.arena.buffer(tag, h.host.shape, h.host.dtype, device=self.device) for h in hosted]
         self.track(tag, *bufs)
         dev.wait_event(dev.record_event(), self.h2d)  # buffers may reuse memory the compute stream just freed
         for h, b in zip(hosted, bufs):
@@ -111,7 +117,7 @@ class FPDTBuffers:
                 dev.wait_event(h.done, self.h2d)  # the host copy is complete
             with dev.stream(self.h2d):
                 b.copy_(h.host, non_blocking=True)
-            dev.record_stream(b, self.h2d)  # written on the side stream: not reused before that copy ran
+            self._record_stream(b, self.h2d)  # written on the side stream: not reused before that copy ran
         return Pending(bufs, dev.record_event(self.h2d), [(tag, b) for b in bufs])
 
     def wait(self, p: Pending) -> list:

@@ -18,13 +18,17 @@ class MemoryConfig:
     mst_head_chunks: Optional[int] = None  # chunks of LM head + loss; default ceil(vocab / hidden)
     fpdt_chunk_size: Optional[int] = None  # tokens per FPDT chunk after the all-to-all
     fpdt_offload: bool = True
-    plan: str = "off"  # off | auto | path to a plan.json
+    plan: Union[str, bool] = "off"  # off | auto | path to a plan.json (YAML reads a bare `off` as false)
     plan_time_limit: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload_fraction, str):
             check(0.0 <= self.offload_fraction <= 1.0,
                   f"memory.offload_fraction ({self.offload_fraction}) must be in [0, 1] or 'auto'")
+        if isinstance(self.plan, bool):  # memory.plan (issue 7): `plan: off` in YAML arrives as False
+            check(not self.plan, "memory.plan (true) must be 'off', 'auto' or the path of a plan JSON file")
+            self.plan = "off"
+        check(self.plan_time_limit > 0, f"memory.plan_time_limit ({self.plan_time_limit}) must be > 0 seconds")
         for name in ("mst_mlp_chunk_size", "mst_head_chunks", "fpdt_chunk_size"):
             v = getattr(self, name)
             check(v is None or v >= 1, f"memory.{name} ({v}) must be >= 1")

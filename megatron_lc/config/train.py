@@ -25,8 +25,16 @@ class TrainConfig:
     seed: int = 1234
     bf16: bool = False  # GPU: bf16 autocast with fp32 master weights
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # ---- faults (training/faults.py) ----
+    exit_signal_handler: bool = True  # SIGTERM/SIGUSR1 -> all ranks save a checkpoint after the step and exit 0
+    exit_duration_in_mins: Optional[float] = None  # same, once this much wall time has passed since start
+    max_consecutive_skipped_steps: int = 5  # non-finite loss/grad norm: skip the step; stop after this many in a row
 
     def __post_init__(self) -> None:
         check(self.train_iters >= 0, f"train.train_iters ({self.train_iters}) must be >= 0")
         check(self.micro_batch_size >= 1, f"train.micro_batch_size ({self.micro_batch_size}) must be >= 1")
+        check(self.max_consecutive_skipped_steps >= 1,
+              f"train.max_consecutive_skipped_steps ({self.max_consecutive_skipped_steps}) must be >= 1")
+        check(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
+              f"train.exit_duration_in_mins ({self.exit_duration_in_mins}) must be > 0")
         check(self.lr >= 0 and self.min_lr >= 0, f"train.lr ({self.lr}) and train.min_lr ({self.min_lr}) must be >= 0")

@@ -1,0 +1,52 @@
+"""Memory and time model for GPU-scale planning: "will 1M tokens fit on my 8 GPUs, and with which layout?"
+
+    from megatron_lc.estimate import estimate, load_hardware
+    est = estimate(cfg, load_hardware("h100"), world_size=8)
+    est.memory.peak, est.memory.status, est.time.step_seconds, est.time.mfu
+
+``search.search_layouts`` enumerates tp x cp x ulysses x memory features and ranks the layouts that fit;
+``tools/estimate.py`` is the command line. Formulas and their calibration: docs/estimator.md.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import Config
+from .hardware import HardwareProfile, load_hardware
+from .inventory import Dims
+from .memory import MemoryEstimate, estimate_memory
+from .states import dims_for
+from .time import TimeEstimate, estimate_time
+
+__all__ = ["Estimate", "estimate", "load_hardware", "HardwareProfile", "Dims"]
+
+
+@dataclass
+class Estimate:
+    cfg: Config
+    hw: HardwareProfile
+    dims: Dims
+    memory: MemoryEstimate
+    time: TimeEstimate
+
+    @property
+    def status(self) -> str:
+        return self.memory.status
+
+
+def estimate(cfg: Config, hw: HardwareProfile, world_size: int,
+             activation_peak_override: Optional[float] = None, states: str = "framework",
+             recompute_style: str = "token_wise") -> Estimate:
+    """Memory and time of ``cfg`` on ``world_size`` ranks of ``hw`` (device ``hw.device``: fp32 on CPU, bf16 autocast
+    on CUDA when ``train.bf16``). ``states``: ``framework`` (this trainer) or a what-if preset of ``states.py``;
+    ``recompute_style``: ``token_wise`` (this trainer) or the what-if ``checkpoint`` (memory.estimate_memory).
+    Raises ConfigError for a layout the framework would refuse."""
+    cfg = copy.deepcopy(cfg)
+    cfg.check_layout(world_size)
+    x = dims_for(Dims.from_config(cfg, world_size, hw.device), states)
+    t_layer = estimate_time(cfg, x, hw, alpha=None).t_layer_fwd
+    mem = estimate_memory(cfg, x, hw, t_layer, activation_peak_override, states, recompute_style)
+    tm = estimate_time(cfg, x, hw, mem.alpha, recompute_style)
+    return Estimate(cfg, hw, x, mem, tm)

@@ -11,12 +11,11 @@ def apply_memory_features(model: nn.Module, cfg: Config, topo: Topology) -> nn.M
     """Wrap or replace the model's parts according to ``cfg.memory``; returns the model."""
     m = cfg.memory
     unsupported = []
-    if m.recompute_granularity != "none":
-        unsupported.append(f"memory.recompute_granularity={m.recompute_granularity}")
-    if m.activation_offload != "none":
-        unsupported.append(f"memory.activation_offload={m.activation_offload}")
-    if m.plan != "off":
-        unsupported.append(f"memory.plan={m.plan}")
+    # --- memory.plan (issue 7): off | auto | plan.json; checked here, applied by the loop before step 1 ---------
+    from .planning import check_plan_setting
+
+    check_plan_setting(m.plan)
+    # ---------------------------------------------------------------------------------------------------------
     if unsupported:
         raise ConfigError(f"not implemented yet: {', '.join(unsupported)}")
     # ---- MsT (issue 5): mini-sequence MLP and LM head + loss -------------------------------------------------
@@ -25,4 +24,10 @@ def apply_memory_features(model: nn.Module, cfg: Config, topo: Topology) -> nn.M
 
         model = apply_mst(model, cfg, topo)
     # ---- end MsT ---------------------------------------------------------------------------------------------
+    # ---- recompute / Memo offload (issue 6, memory/memo.py): layer executors, profiler, alpha, rounding buffers.
+    # After MsT, so the profiler measures the layers as they will run.
+    from .memo import install_recompute
+
+    install_recompute(model, cfg, topo)
+    # ---- end recompute / Memo offload ------------------------------------------------------------------------
     return model

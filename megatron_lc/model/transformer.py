@@ -29,8 +29,25 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
         self.mlp = MLP(cfg, parts, out_std)
 
+        # How forward runs: None = plain autograd; memory/ (recompute, Memo offload) sets an executor
+        # ``fn(layer, x, rope) -> y`` built from the token-wise parts below. Not an nn.Module: no parameters.
+        self.executor = None
+
+    # The layer in three parts. ``pre_attention`` and ``post_attention`` act token by token (row i of the output
+    # depends only on row i of the inputs, up to the tp collectives), only ``core_attention`` mixes tokens.
+    def pre_attention(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [s, b, h]`` -> q, k, v ``[s', b, n, d]`` (s' = s, or tp*s gathered with SP)."""
+        return self.self_attention.qkv(self.input_layernorm(x), rope)
+
+    def post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Layer input ``x`` and core attention output ``[s', b, nq, d]`` -> layer output ``[s, b, h]``."""
+        x = x + self.self_attention.linear_proj(attn_out.flatten(2))
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        x = x + self.self_attention(self.input_layernorm(x), rope)
+        if self.executor is not None:
+            return self.executor(self, x, rope)
+        x = x + self.self_attention(self.input_layernorm(x), rope)  # the block may be replaced whole (FPDT)
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
 

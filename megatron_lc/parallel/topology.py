@@ -15,6 +15,7 @@ Every axis of size 1 has ``group is None`` semantics handled by the collectives 
 """
 from __future__ import annotations
 
+import datetime
 import enum
 from dataclasses import dataclass, field
 from typing import Optional
@@ -101,8 +102,11 @@ class Topology:
 
     @classmethod
     def build(cls, tp: int = 1, cp: int = 1, ulysses: int = 1, world_size: Optional[int] = None,
-              rank: Optional[int] = None) -> "Topology":
-        """Create the topology of the running job and its process groups (all ranks must call this)."""
+              rank: Optional[int] = None, timeout: Optional[datetime.timedelta] = None) -> "Topology":
+        """Create the topology of the running job and its process groups (all ranks must call this).
+
+        ``timeout``: of every axis group's collectives (``new_group`` does not inherit the world group's timeout;
+        torch's default is 30 min for gloo)."""
         initialized = dist.is_available() and dist.is_initialized()
         world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
         rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
@@ -115,7 +119,7 @@ class Topology:
                 if topo.size(axis) == 1:
                     continue
                 for ranks in cls.axis_groups(grid, axis):  # every rank creates every group, same order
-                    g = dist.new_group(ranks)
+                    g = dist.new_group(ranks, timeout=timeout)
                     if rank in ranks:
                         topo.groups[axis] = g
                         topo.group_ranks[axis] = ranks

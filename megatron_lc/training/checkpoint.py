@@ -11,7 +11,9 @@ Layout of ``checkpoint.save``::
 
 A save writes into ``iter_0000006.tmp/`` and renames it when every rank has finished, so a save killed midway
 leaves the previous checkpoint intact; ``find_latest`` ignores ``*.tmp`` directories and picks the newest
-directory with a ``meta.json``.
+directory with a ``meta.json``. Re-saving an existing iteration moves the old one to ``iter_0000006.old/`` first;
+if the save dies between the two renames, the ``.old`` copy is found and loaded. The next save removes leftover
+``*.tmp`` directories and ``.old`` copies that have a complete twin.
 """
 from __future__ import annotations
 
@@ -95,6 +97,7 @@ def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, con
     tmp = final + ".tmp"
     if topo.rank == 0:
         os.makedirs(save, exist_ok=True)
+        _remove_leftovers(save)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier(topo)
@@ -128,28 +131,47 @@ def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, con
 def _prune(save: str, keep_last: Optional[int]) -> None:
     if not keep_last:
         return
-    for it in complete_iterations(save)[:-keep_last]:
-        shutil.rmtree(iter_dir(save, it), ignore_errors=True)
+    dirs = complete_checkpoints(save)
+    for it in sorted(dirs)[:-keep_last]:
+        shutil.rmtree(dirs[it], ignore_errors=True)
+
+
+def _remove_leftovers(save: str) -> None:
+    """Remove ``iter_*.tmp`` of saves that were killed, and ``.old`` copies whose iteration is complete again."""
+    for name in os.listdir(save):
+        path = os.path.join(save, name)
+        if re.fullmatch(r"iter_\d{7}\.tmp", name):
+            shutil.rmtree(path, ignore_errors=True)
+        elif re.fullmatch(r"iter_\d{7}\.old", name) and os.path.isfile(os.path.join(path[:-4], "meta.json")):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def complete_checkpoints(save: str) -> dict[int, str]:
+    """Complete checkpoint directories by iteration: ``iter_N``, else ``iter_N.old`` (a re-save of N killed
+    between its two renames). A directory is complete when it has its ``meta.json`` (written last)."""
+    if not os.path.isdir(save):
+        return {}
+    out: dict[int, str] = {}
+    for name in sorted(os.listdir(save)):
+        m = re.fullmatch(r"iter_(\d{7})(\.old)?", name)
+        if m and os.path.isfile(os.path.join(save, name, "meta.json")):
+            it = int(m.group(1))
+            if m.group(2) is None or it not in out:
+                out[it] = os.path.join(save, name)
+    return out
 
 
 def complete_iterations(save: str) -> list[int]:
     """Iterations with a complete checkpoint directory, ascending."""
-    if not os.path.isdir(save):
-        return []
-    its = []
-    for name in os.listdir(save):
-        m = re.fullmatch(r"iter_(\d{7})", name)
-        if m and os.path.isfile(os.path.join(save, name, "meta.json")):
-            its.append(int(m.group(1)))
-    return sorted(its)
+    return sorted(complete_checkpoints(save))
 
 
 def find_latest(load: str) -> Optional[str]:
     """Directory of the newest complete checkpoint under ``load`` (or ``load`` itself if it is one)."""
     if os.path.isfile(os.path.join(load, "meta.json")):
         return load
-    its = complete_iterations(load)
-    return iter_dir(load, its[-1]) if its else None
+    dirs = complete_checkpoints(load)
+    return dirs[max(dirs)] if dirs else None
 
 
 def read_meta(path: str) -> dict:

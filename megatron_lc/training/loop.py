@@ -23,6 +23,7 @@ from ..parallel.layout import shard_batch
 from ..parallel.parallelize import build_model
 from ..parallel.topology import Axis, Topology
 from .checkpoint import load_checkpoint, save_checkpoint
+from .faults import SkipCounter, StopControl, collective_errors
 from .logger import MetricsLogger
 from .metrics import peak_memory_bytes, step_metrics
 from .optimizer import build_optimizer, clip_grad_norm, lr_at, set_lr, sync_gradients
@@ -35,6 +36,8 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     losses: list = field(default_factory=list)  # per-step global loss, for tests and callers
+    skipped_steps: int = 0  # non-finite steps skipped in this run
+    stop_reason: Optional[str] = None  # set when a signal or the time limit stopped the run early
 
 
 class Trainer:
@@ -42,10 +45,12 @@ class Trainer:
         self.cfg, self.topo = cfg, topo
         self.device = device or torch.device("cpu")
         self.dp = cfg.check_layout(topo.world_size)
+        self.stop = StopControl(cfg)
+        self.skips = SkipCounter(cfg)
+        self.dataset = build_dataset(cfg)  # data files are checked before the (possibly long) model build
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg, topo, self.device)
         self.optimizer = build_optimizer(self.model, cfg, topo)
-        self.dataset = build_dataset(cfg)
         self.state = TrainState()
         meta = load_checkpoint(cfg, topo, self.model, self.optimizer)
         if meta is not None:
@@ -55,12 +60,17 @@ class Trainer:
         self.metrics = MetricsLogger(cfg, topo.rank)
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def microbatches(self, step: int) -> list[dict]:
+    def microbatches(self, consumed: int) -> list[dict]:
+        """This rank's micro-batches of the step that starts after ``consumed`` global samples.
+
+        The step's samples are ``[consumed, consumed + gbs)`` whatever the step number, so a run resumed with
+        another global batch size (or dp) still reads every sample exactly once."""
         t = self.cfg.train
         n_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
         out = []
         for m in range(n_micro):
-            ids = microbatch_sample_ids(step, m, t.global_batch_size, t.micro_batch_size, self.dp, self.topo.dp_rank)
+            ids = [consumed + i for i in microbatch_sample_ids(0, m, t.global_batch_size, t.micro_batch_size,
+                                                               self.dp, self.topo.dp_rank)]
             batch = shard_batch(make_batch(self.dataset, ids), self.cfg, self.topo)
             out.append({k: v.to(self.device) for k, v in batch.items()})
         return out
@@ -88,11 +98,12 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.forward_backward(self.microbatches(step))
+        loss = self.forward_backward(self.microbatches(self.state.consumed_samples))
         sync_gradients(self.model, self.topo)
         grad_norm = clip_grad_norm(self.model, self.cfg.train.clip_grad, self.topo)
         lr = lr_at(step, self.cfg)
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        # one small all-reduce per step: every rank skips and stops after the same steps
+        signum, time_up, skipped = self.stop.agree(not (math.isfinite(loss) and math.isfinite(grad_norm)))
         if not skipped:
             set_lr(self.optimizer, lr)
             self.optimizer.step()
@@ -101,9 +112,10 @@ class Trainer:
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "train_iters": self.cfg.train.train_iters, "loss": loss, "lr": lr,
                "grad_norm": grad_norm, "skipped": skipped, "step_seconds": dt,
-               "consumed_samples": (step + 1) * self.cfg.train.global_batch_size,
+               "consumed_samples": self.state.consumed_samples + self.cfg.train.global_batch_size,
                "peak_memory_bytes": peak_memory_bytes(self.device)}
         rec.update(step_metrics(self.cfg, self.topo.world_size, dt))
+        rec["stop"] = StopControl.reason(signum, time_up)
         return rec
 
     # ---- the loop ------------------------------------------------------------------------------------------
@@ -116,18 +128,36 @@ class Trainer:
     def train(self) -> TrainState:
         c = self.cfg
         last_saved = self.state.iteration
+        self.stop.install()
+        # --- memory.plan (issue 7): profile + plan before step 1 (auto) or load a plan; installs the arena ---
+        from ..memory.planning import prepare_memory_plan
+
+        self.arena = prepare_memory_plan(self)
+        # -----------------------------------------------------------------------------------------------------
         try:
             while self.state.iteration < c.train.train_iters:
-                rec = self.train_step(self.state.iteration)
+                step = self.state.iteration + 1
+                with collective_errors(c, self.topo.rank, f"step {step}"):
+                    rec = self.train_step(self.state.iteration)
                 self.state.iteration += 1
                 self.state.consumed_samples = rec["consumed_samples"]
                 self.state.losses.append(rec["loss"])
                 self.metrics.log_step(rec)
+                self.skips.update(step, rec["skipped"], rec["loss"], rec["grad_norm"])
+                self.state.skipped_steps = self.skips.total
+                if rec["stop"]:
+                    self.state.stop_reason = rec["stop"]
+                    log.warning("%s: stopping after step %d%s", rec["stop"], step,
+                                ", saving a checkpoint" if c.checkpoint.save else " (no checkpoint.save set)")
+                    break
                 if c.checkpoint.save_interval and self.state.iteration % c.checkpoint.save_interval == 0:
-                    self.save()
+                    with collective_errors(c, self.topo.rank, f"the checkpoint save of step {step}"):
+                        self.save()
                     last_saved = self.state.iteration
             if c.checkpoint.save and last_saved != self.state.iteration:
-                self.save()
+                with collective_errors(c, self.topo.rank, f"the checkpoint save of step {self.state.iteration}"):
+                    self.save()
         finally:
+            self.stop.uninstall()
             self.metrics.close()
         return self.state

@@ -42,13 +42,15 @@ def init_distributed(cfg: Config) -> tuple[Topology, torch.device]:
     rank, world, local_rank = env_world()
     cfg.check_layout(world)  # one-line ConfigError before any process group exists
     device = pick_device(cfg, local_rank)
+    timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if world > 1 and not dist.is_initialized():
         backend = cfg.parallel.distributed_backend
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+        dist.init_process_group(backend, timeout=timeout)
     p = cfg.parallel
-    topo = Topology.build(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, ulysses=p.ulysses_size)
+    topo = Topology.build(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, ulysses=p.ulysses_size,
+                          timeout=timeout)
     return topo, device
 
 

@@ -1,0 +1,46 @@
+"""FLOPs of one rank's share of a micro-batch, split the way the time model needs them.
+
+Model FLOPs per sample (Memo §5.1, FlashAttention with the causal mask): ``6·s·P + 6·n·h·s²``. Its parts:
+``2·s·P`` forward for the linears (and 4·s·P backward), and for attention ``2·n·h·s²`` forward — QKᵀ and PV are
+``2·s²·d`` each per head, halved by the causal mask — and twice that backward. Hardware FLOPs add what the
+memory techniques recompute, and FlashAttention's backward recomputes QKᵀ (2.5x the forward instead of 2x).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .inventory import Dims, param_shards
+
+
+@dataclass(frozen=True)
+class LayerFlops:
+    """Per rank, per micro-batch, one transformer layer."""
+
+    linear_fwd: float  # the token-wise part: QKV, out-proj, MLP
+    attn_fwd: float  # core attention (causal)
+
+    @property
+    def model_fwd_bwd(self) -> float:
+        return 3 * self.linear_fwd + 3 * self.attn_fwd
+
+
+def layer_flops(x: Dims) -> LayerFlops:
+    """``x.tokens`` tokens of this rank through a layer whose weights are 1/tp of the full layer. Attention: this
+    rank's tokens attend to ``s`` keys on average ``s/2`` (causal), over its ``nq/tp`` heads — the same for ring
+    (load-balanced zigzag), Ulysses (whole sequence, nq/tp/u heads) and FPDT."""
+    h, d = x.h, x.d
+    lin = h * (x.nq_l + 2 * x.nkv_l) * d + x.nq_l * d * h + h * x.f_l * (3 if x.swiglu else 2)
+    linear_fwd = 2.0 * x.tokens * lin
+    attn_fwd = 2.0 * x.tokens * x.s * x.nq_l * d  # 4·t·s·d per head, halved by the mask
+    return LayerFlops(linear_fwd, attn_fwd)
+
+
+def head_flops_fwd(x: Dims) -> float:
+    return 2.0 * x.tokens * x.h * x.V_l
+
+
+def model_flops_per_sample(x: Dims) -> float:
+    """Memo §5.1: 6·s·P + 6·n·h·s² (P the full parameter count, embeddings included; h = nq·d)."""
+    full = Dims(**{**x.__dict__, "tp": 1, "cp": 1, "dp": 1, "sp": False})
+    P = sum(n for _, n, _ in param_shards(full))
+    return 6.0 * x.s * P + 6.0 * x.L * x.nq * x.d * x.s * x.s

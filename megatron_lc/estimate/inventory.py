@@ -1,0 +1,299 @@
+"""What one rank holds: its parameter shards and the activation tensors of one micro-batch, read off the code.
+
+``Dims`` turns a config and a world size into per-rank sizes. Example, Llama3-8B at 1M tokens on 8 GPUs with
+tp=2 (sequence parallel), cp=4, micro-batch 1: ``tokens = 1M / 4 = 262144`` per rank go through the linears,
+``tokens_res = tokens / 2 = 131072`` per rank in the residual stream, ``nq_l = 16`` query and ``nkv_l = 4`` kv
+heads per rank.
+
+Per-layer *skeletal* tensors (kept from a layer's forward to its backward; Memo §3.1) are listed by
+``layer_skeletal`` with the tensor that holds them in ``model/`` and Memo's group (``input`` / ``attn`` /
+``others``, §4.1). Dtypes: on CPU everything is fp32; on GPU with ``train.bf16`` the linears, attention and MLP
+produce bf16 (``act``), while the residual stream stays fp32 (``res``: fp32 embedding + bf16 branch = fp32 under
+autocast) and lse/softmax/statistics are fp32.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from typing import Optional
+
+from ..config import Config, ConfigError
+
+Group = Literal["input", "attn", "others"]
+
+
+@dataclass(frozen=True)
+class Item:
+    """One tensor of a rank: ``name`` (where it lives in the code), ``bytes``, Memo group."""
+
+    name: str
+    bytes: float
+    group: Group = "others"
+
+
+@dataclass(frozen=True)
+class Dims:
+    L: int
+    h: int
+    f: int
+    nq: int
+    nkv: int
+    d: int
+    V: int  # padded vocab
+    swiglu: bool
+    rmsnorm: bool
+    untied: bool
+    learned_pos: int  # max_position_embeddings when learned absolute positions, else 0
+    bias: bool
+    b: int
+    s: int
+    tp: int
+    cp: int
+    ulysses: int
+    dp: int
+    sp: bool
+    cp_type: str
+    device: str  # "cuda" | "cpu"
+    act: int  # bytes of the compute dtype
+    res: int = 4  # bytes of the residual stream
+    n_micro: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int, device: str) -> "Dims":
+        m, p, t = cfg.model, cfg.parallel, cfg.train
+        tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+        if world_size % (tp * cp) != 0:
+            raise ConfigError(f"world size ({world_size}) must be divisible by tp ({tp}) x cp ({cp}) = {tp * cp}")
+        dp = world_size // (tp * cp)
+        gbs = t.global_batch_size or t.micro_batch_size * dp
+        if gbs % (t.micro_batch_size * dp) != 0:
+            raise ConfigError(f"train.global_batch_size ({gbs}) must be divisible by micro_batch_size "
+                              f"({t.micro_batch_size}) x dp ({dp})")
+        bf16 = t.bf16 and device == "cuda"
+        return cls(L=m.num_layers, h=m.hidden_size, f=m.ffn_hidden_size, nq=m.num_attention_heads,
+                   nkv=m.num_query_groups, d=m.kv_channels, V=m.padded_vocab_size, swiglu=m.swiglu,
+                   rmsnorm=m.normalization == "RMSNorm", untied=m.untie_embeddings_and_output_weights,
+                   learned_pos=m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else 0,
+                   bias=m.add_bias_linear, b=t.micro_batch_size, s=cfg.data.seq_length, tp=tp, cp=cp,
+                   ulysses=p.ulysses_size, dp=dp, sp=p.sequence_parallel and tp > 1, cp_type=p.cp_comm_type,
+                   device=device, act=2 if bf16 else 4, n_micro=gbs // (t.micro_batch_size * dp))
+
+    # ---- per-rank sizes ------------------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on this rank (after cp) that go through the linears."""
+        return self.b * self.s // self.cp
+
+    @property
+    def tokens_res(self) -> int:
+        """Tokens of the residual stream on this rank (split again over tp with sequence parallelism)."""
+        return self.tokens // self.tp if self.sp else self.tokens
+
+    @property
+    def nq_l(self) -> int:
+        return self.nq // self.tp
+
+    @property
+    def nkv_l(self) -> int:
+        return max(1, self.nkv // self.tp)
+
+    @property
+    def f_l(self) -> int:
+        return self.f // self.tp
+
+    @property
+    def V_l(self) -> int:
+        return self.V // self.tp
+
+    @property
+    def fpdt(self) -> bool:
+        """FPDT's chunked block replaces attention whenever ``cp_comm_type: fpdt`` (cp = 1: chunks only)."""
+        return self.cp_type == "fpdt"
+
+    @property
+    def uses_a2a(self) -> bool:
+        return self.cp > 1 and self.cp_type in ("a2a", "a2a+p2p", "fpdt")
+
+    @property
+    def kv_heads_after_a2a(self) -> int:
+        """kv heads per tp rank after replication for the all-to-all (elements per local token / d): Ulysses
+        replicates to lcm(nkv, U) heads (attention/ulysses.py), FPDT to nq / gcd(nq/nkv, nq/P) (attention/fpdt.py)."""
+        if not self.uses_a2a:
+            return self.nkv_l
+        if self.cp_type == "fpdt":
+            return self.nq_l // math.gcd(self.nq_l // self.nkv_l, self.nq_l // self.ulysses)
+        return math.lcm(self.nkv_l, self.ulysses)
+
+    @property
+    def norm_decomposed(self) -> bool:
+        """nn.RMSNorm decomposes into pow/mean/rsqrt/mul on CPU (saves the normalised x); on CUDA torch runs a fused
+        kernel that saves only input and rstd (assumption: torch >= 2.8). LayerNorm is fused on both."""
+        return self.rmsnorm and self.device == "cpu"
+
+
+# ---- parameters -----------------------------------------------------------------------------------------------
+def param_shards(x: Dims) -> list[tuple[str, int, bool]]:
+    """(name, local numel, weight-decay group?) in ``model.named_parameters()`` order; decay = ndim >= 2, not bias."""
+    h, d = x.h, x.d
+    out: list[tuple[str, int, bool]] = [("embedding.weight", x.V_l * h, True)]
+    if x.learned_pos:
+        out.append(("position_embeddings.weight", x.learned_pos * h, True))
+    norm = [("weight", h, False)] + ([] if x.rmsnorm else [("bias", h, False)])
+    fc1_out = (2 if x.swiglu else 1) * x.f_l
+    for i in range(x.L):
+        pre = f"layers.{i}."
+        out += [(pre + "input_layernorm." + n, k, g) for n, k, g in norm]
+        out.append((pre + "self_attention.linear_qkv.weight", (x.nq_l + 2 * x.nkv_l) * d * h, True))
+        if x.bias:
+            out.append((pre + "self_attention.linear_qkv.bias", (x.nq_l + 2 * x.nkv_l) * d, False))
+        out.append((pre + "self_attention.linear_proj.weight", h * x.nq_l * d, True))
+        if x.bias:
+            out.append((pre + "self_attention.linear_proj.bias", h, False))
+        out += [(pre + "pre_mlp_layernorm." + n, k, g) for n, k, g in norm]
+        out.append((pre + "mlp.linear_fc1.weight", fc1_out * h, True))
+        if x.bias:
+            out.append((pre + "mlp.linear_fc1.bias", fc1_out, False))
+        out.append((pre + "mlp.linear_fc2.weight", h * x.f_l, True))
+        if x.bias:
+            out.append((pre + "mlp.linear_fc2.bias", h, False))
+    out += [("final_layernorm." + n, k, g) for n, k, g in norm]
+    if x.untied:
+        out.append(("head.output_layer.weight", x.V_l * h, True))
+    return out
+
+
+def zero1_partition(shards: list[tuple[str, int, bool]], ranks: int) -> list[int]:
+    """Elements per rank of torch's ``ZeroRedundancyOptimizer`` partition (what ``training/optimizer.py`` builds):
+    the decay group then the no-decay group, each sorted largest first (stable), each parameter to the rank with the
+    fewest elements so far (first such rank)."""
+    sizes = [0] * ranks
+    for group in (True, False):
+        for _, n, _g in sorted([s for s in shards if s[2] == group], key=lambda s: s[1], reverse=True):
+            r = sizes.index(min(sizes))
+            sizes[r] += n
+    return sizes
+
+
+# ---- MsT chunking (memory/mst.py) -------------------------------------------------------------------------------
+MIN_HEAD_CHUNK = 256  # memory/mst.py: the default head chunk is never shorter than this (an explicit M is exact)
+
+
+def mst_mlp_chunk(cfg: Config, x: Dims) -> Optional[int]:
+    """Tokens per MLP mini-sequence (MsT §3.4: C = hidden size), or None when the MLP runs unchunked (MsT off, or
+    the rank's tokens fit in one chunk)."""
+    if not cfg.memory.mst:
+        return None
+    c = cfg.memory.mst_mlp_chunk_size or x.h
+    return c if x.tokens > c else None
+
+
+def mst_head_chunk(cfg: Config, x: Dims) -> Optional[int]:
+    """Tokens per LM-head mini-sequence (M = V / h chunks, default chunks >= 256 tokens), or None if unchunked."""
+    if not cfg.memory.mst:
+        return None
+    explicit = cfg.memory.mst_head_chunks is not None
+    m = cfg.memory.mst_head_chunks or -(-x.V // x.h)
+    c = -(-x.tokens // m)
+    if not explicit:
+        c = max(c, min(x.tokens, MIN_HEAD_CHUNK))
+        if c >= x.tokens:
+            return None
+    return c
+
+
+# ---- activations of one layer ---------------------------------------------------------------------------------
+def attention_skeletal(x: Dims, fpdt_offload: bool) -> list[Item]:
+    """Tensors core attention keeps for backward, by implementation.
+
+    local (cp = 1): the fused QKV output stays alive (v is a view of it) + rotated q and k + out + lse.
+    ring (p2p): contiguous copies of q, k, v + out + lse + the copy of out that ``linear_proj`` saves.
+    Ulysses (a2a, a2a+p2p) and FPDT without offload: q, k, v after the all-to-all (kv heads replicated when fewer
+    than ranks), out before and after the reverse all-to-all (the second is ``linear_proj``'s input), lse.
+    FPDT with offload: q/k/v/out/lse chunks live in host memory; only ``linear_proj``'s input stays."""
+    t, d, a = x.tokens, x.d, x.act
+    lse = Item("core_attention lse [b, nq/tp, s/cp] fp32", t * x.nq_l * 4, "attn")
+    out = Item("core_attention out [s/cp, b, nq/tp, d]", t * x.nq_l * d * a, "attn")
+    if x.cp == 1 and not x.fpdt:  # SDPA on permuted views: the QKV output stays alive through v
+        return [Item("linear_qkv out (kept by the v view)", t * (x.nq_l + 2 * x.nkv_l) * d * a),
+                Item("rotated q", t * x.nq_l * d * a), Item("rotated k", t * x.nkv_l * d * a), out, lse]
+    proj_in = Item("linear_proj input (out after reverse all-to-all)", t * x.nq_l * d * a, "attn")
+    if not x.uses_a2a:  # ring: contiguous [b, n, s, d] copies of q, k, v are saved; out is copied for linear_proj
+        return [Item("q (contiguous copy)", t * x.nq_l * d * a),
+                Item("k, v (contiguous copies)", 2 * t * x.nkv_l * d * a),
+                out, Item("linear_proj input (copy of out)", t * x.nq_l * d * a, "attn"), lse]
+    if x.fpdt and fpdt_offload:
+        return [proj_in]
+    kv = x.kv_heads_after_a2a
+    return [Item("q after all-to-all", t * x.nq_l * d * a), Item("k, v after all-to-all", 2 * t * kv * d * a),
+            out, proj_in, lse]
+
+
+def layer_skeletal(x: Dims, mlp_chunked: bool, fpdt_offload: bool, token_wise: bool = False) -> list[Item]:
+    """Every tensor one transformer layer keeps for its backward (no recompute, no offload); with MsT's chunked MLP
+    only its input is kept (``memory/mst_functions.py`` recomputes each chunk in backward)."""
+    tr, t, h, a, r, d = x.tokens_res, x.tokens, x.h, x.act, x.res, x.d
+    items = [Item("layer input [s/cp/tp, b, h] (input_layernorm's input)", tr * h * r, "input")]
+    norm_extra = []
+    if x.norm_decomposed:
+        norm_extra = [Item("rms_norm normalised x (CPU composite)", tr * h * r), Item("rms_norm rstd", tr * 4)]
+    else:
+        norm_extra = [Item("norm rstd/mean", tr * 4 * (1 if x.rmsnorm else 2))]
+    items += norm_extra
+    if x.fpdt and fpdt_offload:
+        # the projection's saved chunk inputs go to the host, but each chunk's detached leaf (a view) keeps the
+        # block input itself alive on the device (attention/fpdt_project.py: ChunkProjection.x_leaf)
+        items.append(Item("FPDT block input (norm out, held by the chunk projections)", tr * h * r))
+    else:
+        items.append(Item("linear_qkv input (norm out, all-gathered with SP)", t * h * a))
+    if token_wise and not x.fpdt:
+        # recompute full / Memo (memory/recompute.py): the layer's slot keeps the local q, k (after RoPE) and v
+        # (before any all-to-all), the local attention output and lse -- whatever the cp flavour
+        items += [Item("q, k (after RoPE), v (local)", t * (x.nq_l + 2 * x.nkv_l) * d * a),
+                  Item("attention output (local)", t * x.nq_l * d * a, "attn"),
+                  Item("lse", t * x.nq_l * 4, "attn")]
+    else:
+        items += attention_skeletal(x, fpdt_offload)
+    items.append(Item("residual after attention (pre_mlp_layernorm's input)", tr * h * r))
+    items += norm_extra
+    items.append(Item("linear_fc1 input (norm out, all-gathered with SP)", t * h * a))
+    if not mlp_chunked:
+        if x.swiglu:
+            items += [Item("linear_fc1 out [gate; up]", t * 2 * x.f_l * a), Item("silu(gate)", t * x.f_l * a),
+                      Item("silu(gate) * up (linear_fc2 input)", t * x.f_l * a)]
+        else:
+            items += [Item("linear_fc1 out (gelu input)", t * x.f_l * a),
+                      Item("gelu out (linear_fc2 input)", t * x.f_l * a)]
+    return items
+
+
+def group_bytes(items: list[Item]) -> dict[str, float]:
+    out = {"input": 0.0, "attn": 0.0, "others": 0.0}
+    for it in items:
+        out[it.group] += it.bytes
+    return out
+
+
+def final_skeletal(x: Dims, head_chunked: bool) -> list[Item]:
+    """Final norm + LM head tensors kept for backward (the last layer's output is the final norm's input)."""
+    tr, t, h, a, r = x.tokens_res, x.tokens, x.h, x.act, x.res
+    items = [Item("last layer output (final norm input)", tr * h * r)]
+    if x.norm_decomposed:
+        items.append(Item("final rms_norm normalised x", tr * h * r))
+    items.append(Item("output_layer input (final norm out, all-gathered with SP)", t * h * a))
+    if head_chunked:
+        items.append(Item("per-token lse (MsT head)", t * 4))
+    else:
+        items.append(Item("softmax [s/cp, b, V/tp] fp32 (vocab-parallel cross entropy)", t * x.V_l * 4))
+    items.append(Item("labels, masks, per-token loss", t * 40))
+    return items
+
+
+def shared_skeletal(x: Dims) -> list[Item]:
+    """Tensors shared by all layers: RoPE cos/sin [s/cp, b, 1, d] fp32, token ids."""
+    return [Item("rope cos, sin", 2 * x.tokens * x.d * 4), Item("embedding token ids", x.tokens * 8)]

@@ -1,0 +1,192 @@
+"""Per-rank device memory and per-node host memory of a training step.
+
+The peak is the largest of four moments of a steady-state step (step >= 2, optimizer states exist):
+
+* ``head forward``: every layer's kept tensors + final norm + logits being turned into the loss;
+* ``head backward``: the same with the saved softmax turned into its gradient;
+* ``layer backward``: the last layer's backward (all layers' kept tensors still alive, its recompute and grads);
+* ``optimizer``: parameters + full gradients + states + sync/clip/AdamW temporaries (no activations).
+
+The static part: fp32 parameters (the framework keeps fp32 master weights; ``train.bf16`` autocasts on GPU),
+fp32 gradients (allocated in backward; present in the forward too when there are several micro-batches),
+AdamW's two fp32 states (ZeRO-1 over dp x cp with ``parallel.use_distributed_optimizer``: torch's
+ZeroRedundancyOptimizer partition, whole parameters per rank), and under autocast the bf16 copies of the weights
+that autocast caches from the first forward use until the backward is done.
+
+Per-layer kept tensors depend on the memory features (``memory.*``):
+``none``/``selective`` keep all skeletal tensors; ``recompute_granularity: full`` keeps the layer input and the
+attention output (+ lse) and rematerialises the rest at the layer's backward; ``activation_offload: memo``
+keeps nothing per layer on the device: two rounding buffers hold the kept skeletal tensors (input + attention
+output + α·others) of the layers in flight, the dropped (1-α)·others are rematerialised during one layer's
+backward (memory/offload.py; the paper's buffers hold 2·(input + attention + others)), and host memory gets the
+kept bytes of n-2 layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..config import Config, ConfigError
+from . import transient as T
+from .hardware import HardwareProfile
+from .inventory import Dims, final_skeletal, group_bytes, layer_skeletal, mst_head_chunk, mst_mlp_chunk, \
+    shared_skeletal
+from .states import model_state_bytes
+
+
+@dataclass
+class MemoryEstimate:
+    parts: dict  # name -> bytes (persistent parts and the activation peak)
+    phases: dict  # moment -> peak bytes
+    peak: float
+    peak_phase: str
+    capacity: float  # bytes available to tensors on one rank
+    host_per_rank: float
+    host_per_node: float
+    host_capacity: float
+    alpha: Optional[float]
+    layer_items: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @property
+    def fits_device(self) -> bool:
+        return self.peak <= self.capacity
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_per_node <= self.host_capacity
+
+    @property
+    def status(self) -> str:
+        """``fits`` | ``oom`` (device) | ``oohm`` (out of host memory, Memo's term)."""
+        if not self.fits_device:
+            return "oom"
+        if not self.fits_host:
+            return "oohm"
+        return "fits"
+
+
+def solve_alpha(s_input: float, s_attn: float, s_others: float, pcie_bytes_per_s: float, t_layer: float,
+                n_layers: int, host_bytes_per_rank: float) -> tuple[float, str]:
+    """Memo §4.1 LP: max α s.t. (S_in + S_attn + α·S_oth)/B <= T_layer and (n-2)(S_in + S_attn + α·S_oth) <= M_cpu
+    (host budget of one rank).
+
+    One variable, two linear constraints: α = min(1, bandwidth bound, host bound), floored at 0 (input and
+    attention output are always offloaded; if even they do not overlap, α = 0 and the copy stalls). Returns
+    (α, binding constraint)."""
+    fixed = s_input + s_attn
+    if s_others <= 0:
+        return 1.0, "nothing else to offload"
+    by_bw = (pcie_bytes_per_s * t_layer - fixed) / s_others
+    layers = max(n_layers - 2, 0)
+    by_host = (host_bytes_per_rank / layers - fixed) / s_others if layers else float("inf")
+    alpha = min(1.0, by_bw, by_host)
+    why = "alpha = 1" if alpha == 1.0 else ("PCIe bandwidth" if by_bw <= by_host else "host memory")
+    return max(0.0, alpha), why
+
+
+def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: float,
+                    activation_peak_override: Optional[float] = None, states: str = "framework",
+                    recompute_style: str = "token_wise") -> MemoryEstimate:
+    """Device peak per rank and host memory per node for ``cfg`` on ``hw`` (``t_layer_fwd``: one layer's forward
+    seconds, used to solve α when ``memory.offload_fraction`` is ``auto``). ``activation_peak_override``: the
+    activation peak from a memory plan or trace (replaces the formulas for activations). ``states``: a preset of
+    ``states.py`` (``framework`` = this trainer; the others are what-ifs for comparing with the papers).
+    ``recompute_style``: ``token_wise`` (this framework: attention output kept, never recomputed) or ``checkpoint``
+    (a what-if for the papers' baselines: classic activation checkpointing keeps only each layer's input and reruns
+    the whole layer, attention included; with ``activation_offload: memo`` and α = 0 the inputs go to the host,
+    DeepSpeed's "checkpoint with CPU offload")."""
+    if recompute_style not in ("token_wise", "checkpoint"):
+        raise ConfigError(f"recompute_style must be token_wise or checkpoint, got {recompute_style!r}")
+    mem = cfg.memory
+    fpdt = x.fpdt
+    mlp_chunked = mst_mlp_chunk(cfg, x) is not None
+    head_chunked = mst_head_chunk(cfg, x) is not None
+    token_wise = mem.activation_offload == "memo" or mem.recompute_granularity == "full"
+    items = layer_skeletal(x, mlp_chunked, mem.fpdt_offload and fpdt, token_wise)
+    g = group_bytes(items)
+    full = sum(g.values())
+    notes: list[str] = []
+
+    # ---- what each layer keeps on the device, and the rounding buffers -------------------------------------
+    alpha: Optional[float] = None
+    rounding = staging = 0.0
+    host_rank = 0.0
+    if mem.activation_offload == "memo":
+        ranks_per_node = min(hw.gpus_per_node, x.world)
+        host_share = hw.host_bytes_per_node / ranks_per_node
+        if mem.offload_fraction == "auto":
+            alpha, why = solve_alpha(g["input"], g["attn"], g["others"], hw.pcie_gbps * 1e9, t_layer_fwd, x.L,
+                                     host_share)
+            notes.append(f"alpha = {alpha:.3f} (LP of Memo §4.1; binding: {why})")
+        else:
+            alpha = float(mem.offload_fraction)
+        keep = 0.0
+        kept = g["input"] + g["attn"] + alpha * g["others"]
+        # memory/offload.py: two buffers of the kept bytes (+ 32 aligned groups); the dropped tokens' tensors are
+        # rematerialised into autograd's allocations during one layer's backward. Kept tensors are copied into the
+        # buffer as autograd saves them (memory/slots.py), so no whole-layer staging copy exists (staging = 0).
+        rounding = 2 * (kept + 32 * 256)
+        host_rank = max(x.L - 2, 0) * kept
+        recompute = (1.0 - alpha) * g["others"]
+        if recompute_style == "checkpoint":  # only the layer inputs leave; everything else is recomputed
+            alpha, kept = 0.0, g["input"]
+            rounding, staging = 2 * kept, kept
+            host_rank = max(x.L - 2, 0) * kept
+            recompute = full - kept
+            notes.append("what-if: checkpoint + CPU offload of layer inputs (recompute_style=checkpoint)")
+    elif mem.recompute_granularity == "full":
+        keep = g["input"] + (g["attn"] if recompute_style == "token_wise" else 0.0)
+        recompute = full - keep
+    else:
+        keep = full
+        recompute = 0.0
+    if fpdt and mem.fpdt_offload:
+        # per layer on the host until its backward: the projection's saved chunk inputs, q^, k^, v^, o^, lse
+        kv = x.kv_heads_after_a2a
+        # (with classic checkpointing the block runs again in backward: one layer's chunks at a time)
+        layers = 1 if recompute_style == "checkpoint" and (mem.recompute_granularity == "full"
+                                                          or mem.activation_offload == "memo") else x.L
+        host_rank += layers * x.tokens * (x.h * x.act + (2 * x.nq_l + 2 * kv) * x.d * x.act + x.nq_l * 4)
+    on_host = host_rank if hw.device == "cpu" else 0.0  # on CPU "host" copies live in the same memory
+
+    # ---- the four moments ----------------------------------------------------------------------------------
+    ms = model_state_bytes(cfg, x, states)
+    final = sum(i.bytes for i in final_skeletal(x, head_chunked))
+    softmax = 0.0 if head_chunked else x.tokens * x.V_l * 4.0
+    shared = sum(i.bytes for i in shared_skeletal(x)) + x.n_micro * x.tokens * 28.0  # + the micro-batches
+    layers_kept = x.L * keep + rounding
+    acts = {
+        "layer forward": layers_kept + staging + T.layer_forward(cfg, x) + shared + on_host,
+        "head forward": layers_kept + (final - softmax) + T.head_forward(cfg, x) + shared + on_host,
+        "head backward": layers_kept + final + T.head_backward(cfg, x) + shared + on_host,
+        "layer backward": layers_kept + recompute + T.layer_backward(cfg, x) + shared + on_host,
+    }
+    act_peak_formula = max(acts.values())
+    act_peak = activation_peak_override if activation_peak_override is not None else act_peak_formula
+    scale = act_peak / act_peak_formula if act_peak_formula else 1.0
+    frag = 0.0
+    if hw.device == "cuda" and mem.plan == "off" and activation_peak_override is None:
+        frag = 0.10 * act_peak  # caching allocator: reserved but unusable (fragmentation); Memo §3.3, Table 4
+        notes.append("fragmentation reserve 10% of activations (memory.plan: off)")
+    accum = ms["grads"] if x.n_micro > 1 or ms["persistent_grads"] else 0.0
+    static = ms["params"] + ms["optimizer"]
+    bwd_grads = accum or (ms["head_grad"] + ms["layer_grad"])
+    phases = {
+        "layer forward": static + ms["autocast_copies"] + accum + acts["layer forward"] * scale + frag,
+        "head forward": static + ms["autocast_copies"] + accum + acts["head forward"] * scale + frag,
+        "head backward": static + ms["autocast_copies"] + max(accum, ms["head_grad"]) + acts["head backward"] * scale
+        + frag,
+        "layer backward": static + ms["autocast_copies"] + bwd_grads + acts["layer backward"] * scale + frag,
+        "optimizer": static + ms["grads"] + rounding + on_host + T.optimizer_step(x, ms["numels"], ms["state_numel"]),
+    }
+    peak_phase = max(phases, key=phases.get)
+    parts = {"parameters": ms["params"], "gradients": ms["grads"],
+             "optimizer states (+ master weights)": ms["optimizer"],
+             "autocast bf16 weight copies": ms["autocast_copies"], "kept activations (all layers)": x.L * keep,
+             "rounding buffers (Memo)": rounding, "final norm + head kept": final,
+             "activation peak (at its moment)": act_peak, "fragmentation reserve": frag}
+    ranks_per_node = min(hw.gpus_per_node, x.world)
+    return MemoryEstimate(parts=parts, phases=phases, peak=phases[peak_phase], peak_phase=peak_phase,
+                          capacity=hw.device_bytes, host_per_rank=host_rank, host_per_node=host_rank * ranks_per_node,
+                          host_capacity=hw.host_bytes_per_node, alpha=alpha, layer_items=items, notes=notes)

@@ -1,0 +1,174 @@
+"""Automatic layout choice: enumerate tp x cp x cp flavour x ulysses x memory features x chunk sizes, estimate each,
+keep the ones that fit device and host memory, rank them by step time.
+
+    best = search_layouts(cfg, load_hardware("h100"), world_size=8)[:5]
+    best[0].overrides   # {"parallel.tensor_model_parallel_size": 2, ..., "memory.offload_fraction": 0.42}
+
+What is searched (model, data and batch sizes stay as configured):
+
+* tp: divisors of the world size up to a node's GPUs that divide heads, kv heads, FFN and the padded vocab;
+  sequence parallelism on whenever tp > 1 (it only saves memory); cp = world / (tp x dp), with dp as the global
+  batch allows;
+* cp flavour: ring (p2p), Ulysses (a2a), hybrid (a2a+p2p, every ulysses size between), FPDT (fpdt, chunk sizes
+  seq / u for u = 1, 2, 4, ... with chunks of at least 8K tokens, offload on and off);
+* memory: recompute none / full, Memo offload with α from the LP (``auto``) or α in {0, 1/8, 1/4, 1/2, 1}, MsT
+  on / off; ZeRO-1 (``use_distributed_optimizer``) whenever dp x cp > 1.
+
+Combinations the framework refuses are skipped: anything ``Config.check_layout`` rejects, recompute/Memo with FPDT
+(the FPDT block has no (out, lse) interface for them yet), selective recompute (saves nothing with flash-style
+kernels, runs attention twice). With ``memory.offload_fraction: auto`` the α written to the config is the
+estimator's LP solution; the framework re-solves it from its own profiler at start-up (memory/memo.py).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from ..config import Config, ConfigError
+from . import Estimate, estimate
+from .hardware import HardwareProfile
+
+ALPHAS = ("auto", 0.0, 0.125, 0.25, 0.5, 1.0)
+MIN_FPDT_CHUNK = 8192
+
+
+@dataclass
+class Candidate:
+    overrides: dict  # "section.key" -> value, what --write puts into the config
+    est: Estimate
+    notes: list = field(default_factory=list)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.est.time.step_seconds
+
+    def label(self) -> str:
+        o = self.overrides
+        cp_type = o["parallel.cp_comm_type"]
+        cp = o["parallel.context_parallel_size"]
+        parts = [f"tp{o['parallel.tensor_model_parallel_size']}", f"cp{cp}"]
+        if cp > 1 or cp_type == "fpdt":
+            parts.append({"p2p": "ring", "a2a": "ulysses", "a2a+p2p": f"ulysses{o['parallel.ulysses_size']}xring",
+                          "fpdt": "fpdt"}[cp_type])
+        if cp_type == "fpdt":
+            parts.append(f"chunk{o['memory.fpdt_chunk_size'] // 1024}K" + ("" if o["memory.fpdt_offload"] else "-dev"))
+        if o["memory.activation_offload"] == "memo":
+            a = self.est.memory.alpha
+            parts.append(f"memo(a={a:.3g}{',auto' if o['memory.offload_fraction'] == 'auto' else ''})")
+        elif o["memory.recompute_granularity"] != "none":
+            parts.append(f"recompute-{o['memory.recompute_granularity']}")
+        if o["memory.mst"]:
+            parts.append("mst")
+        return " ".join(parts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, u = [], 1
+    while u <= n:
+        out.append(u)
+        u *= 2
+    return out
+
+
+def layouts(cfg: Config, hw: HardwareProfile, world: int) -> Iterator[dict]:
+    """Every parallel layout (as overrides) worth estimating for ``cfg`` on ``world`` ranks."""
+    m, t, s = cfg.model, cfg.train, cfg.data.seq_length
+    gbs = t.global_batch_size
+    for tp in _divisors(world):
+        if tp > hw.gpus_per_node or m.num_attention_heads % tp or m.num_query_groups % tp or m.ffn_hidden_size % tp \
+                or m.padded_vocab_size % tp:
+            continue
+        for dp in _divisors(world // tp):
+            if gbs is not None and gbs % (t.micro_batch_size * dp):
+                continue
+            cp = world // (tp * dp)
+            flavours: list[tuple[str, int]] = [("p2p", 1)]
+            if cp > 1:
+                flavours += [("a2a", cp)] + [("a2a+p2p", u) for u in _divisors(cp) if 1 < u < cp]
+            flavours.append(("fpdt", cp))
+            base = {"parallel.tensor_model_parallel_size": tp, "parallel.context_parallel_size": cp,
+                    "parallel.sequence_parallel": tp > 1, "parallel.use_distributed_optimizer": dp * cp > 1}
+            for kind, u in flavours:
+                par = dict(base, **{"parallel.cp_comm_type": kind, "parallel.ulysses_size": u})
+                if kind != "fpdt":
+                    yield dict(par, **{"memory.fpdt_chunk_size": None, "memory.fpdt_offload": True})
+                    continue
+                for n in _pow2_upto(s // MIN_FPDT_CHUNK):
+                    if s % n:
+                        continue
+                    for off in (True, False):
+                        yield dict(par, **{"memory.fpdt_chunk_size": s // n, "memory.fpdt_offload": off})
+
+
+def memory_options(fpdt: bool) -> Iterator[dict]:
+    for mst in (False, True):
+        yield {"memory.recompute_granularity": "none", "memory.activation_offload": "none",
+               "memory.offload_fraction": "auto", "memory.mst": mst}
+        if fpdt:  # recompute / Memo need an (out, lse) core attention; the FPDT block has none yet
+            continue
+        yield {"memory.recompute_granularity": "full", "memory.activation_offload": "none",
+               "memory.offload_fraction": "auto", "memory.mst": mst}
+        for a in ALPHAS:
+            yield {"memory.recompute_granularity": "none", "memory.activation_offload": "memo",
+                   "memory.offload_fraction": a, "memory.mst": mst}
+
+
+def apply_overrides(cfg: Config, overrides: dict) -> Config:
+    """A copy of ``cfg`` with ``section.key`` values set (validated by the sections' own checks)."""
+    out = copy.deepcopy(cfg)
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        setattr(getattr(out, section), name, value)
+    out.parallel.__post_init__()
+    out.memory.__post_init__()
+    return out
+
+
+def search_layouts(cfg: Config, hw: HardwareProfile, world_size: int, top: Optional[int] = None,
+                   include_unfit: bool = False, states: str = "framework", allow_fpdt_recompute: bool = False,
+                   features: Optional[dict] = None) -> list[Candidate]:
+    """Estimate every layout x memory option; the ones that fit (or all, with ``include_unfit``), fastest first.
+
+    ``states``: model-state preset (``states.py``); ``allow_fpdt_recompute``: also try recompute/Memo with FPDT (a
+    what-if: the framework refuses it today); ``features``: fixed ``memory.*`` values (e.g. ``{"memory.mst":
+    False}``) that restrict the memory options searched."""
+    out: list[Candidate] = []
+    for par in layouts(cfg, hw, world_size):
+        for memo in memory_options(par["parallel.cp_comm_type"] == "fpdt" and not allow_fpdt_recompute):
+            if features and any(memo.get(k, v) != v for k, v in features.items()):
+                continue
+            ov = dict(par, **memo)
+            try:
+                est = estimate(apply_overrides(cfg, ov), hw, world_size, states=states)
+            except ConfigError:
+                continue
+            if est.status == "fits" or include_unfit:
+                if ov["memory.offload_fraction"] == "auto" and est.memory.alpha is not None:
+                    ov["memory.offload_fraction"] = round(est.memory.alpha, 4)
+                    ov["memory.offload_fraction_source"] = "auto"
+                out.append(Candidate(ov, est))
+    out.sort(key=lambda c: (c.est.status != "fits", c.step_seconds, c.est.memory.host_per_node, c.est.memory.peak))
+    return out[:top] if top else out
+
+
+def pick_best(cands: list[Candidate], tolerance: float = 0.005) -> Candidate:
+    """Among the layouts within ``tolerance`` of the fastest step, the one with the most headroom: least host
+    memory, then least device memory (a 0.3% faster layout is not worth filling the host to the last GiB)."""
+    fits = [c for c in cands if c.est.status == "fits"] or cands
+    fastest = min(c.step_seconds for c in fits)
+    near = [c for c in fits if c.step_seconds <= fastest * (1 + tolerance)]
+    return min(near, key=lambda c: (c.est.memory.host_per_node / c.est.memory.host_capacity
+                                    + c.est.memory.peak / c.est.memory.capacity, c.step_seconds))
+
+
+def config_overrides(c: Candidate) -> dict:
+    """The overrides to write into a config: the parallel keys, the memory switches, FPDT's keys only for FPDT
+    (drops the bookkeeping keys)."""
+    fpdt = c.overrides["parallel.cp_comm_type"] == "fpdt"
+    return {k: v for k, v in c.overrides.items()
+            if not k.endswith("_source") and (fpdt or not k.startswith("memory.fpdt_"))}

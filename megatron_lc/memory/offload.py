@@ -1,0 +1,219 @@
+"""Memo's rounding buffers, host copies and their schedule (Memo §4.1, §4.3.4, Figures 6 and 11).
+
+Two device buffers, allocated before training, hold the skeletal tensors of the layer being computed: layer i uses
+buffer ``i % 2``. Example, 6 layers (layers 4 and 5 are the last two: never swapped)::
+
+    forward   layer:  0    1    2    3    4    5
+              buffer: b0   b1   b0   b1   b0   b1
+              after layer i, buffer i%2 -> host[i] on the offload stream (event e_i), while layer i+1 computes;
+              layer i+2 waits for e_i before it writes buffer i%2. Layers 4, 5 stay in their buffers.
+    backward  layer:  5    4    3    2    1    0
+              when layer i's backward starts, buffer (i-1)%2 is free (layer i+1 is done): host[i-1] -> buffer
+              (i-1)%2 on the prefetch stream while layer i computes; layer i-1 waits for that event.
+
+On CPU (``DeviceAdapter`` twin) streams are no-ops and copies synchronous, so the same code runs here; on CUDA the
+host tensors are pinned and the copies asynchronous (never executed in this project: no GPU).
+
+``MemoRuntime`` also carries the per-layer counters (``stats()``) and the framework's accounting of these device
+buffers (``account``, a ``BufferAccount``: tags ``memo.rounding``, ``memo.recompute``, ``memo.kept``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from ..device import BufferAccount, DeviceAdapter
+from .slots import SkeletalSlot
+
+log = logging.getLogger("megatron_lc")
+
+ALIGN = 256  # bytes; every group starts on this boundary inside a buffer
+
+
+class RoundingBuffer:
+    """One device byte buffer; ``alloc`` hands out aligned regions from the start after each ``reset``."""
+
+    def __init__(self, index: int, nbytes: int, device: torch.device, account: BufferAccount):
+        self.index, self.device, self.account = index, device, account
+        self.data = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        account.acquire("memo.rounding", nbytes)
+        self.cursor = 0
+        self.owner: Optional[SkeletalSlot] = None  # the slot whose bytes are (or are being copied) in the buffer
+        self.offload_event = None  # copy of the owner's bytes to host still in flight
+
+    @property
+    def capacity(self) -> int:
+        return self.data.numel()
+
+    def grow(self, nbytes: int) -> None:
+        """A bigger buffer with the bytes placed so far (only when the input shape changed after profiling)."""
+        log.warning("memo: rounding buffer %d grows from %d to %d bytes (input shape changed?)", self.index,
+                    self.capacity, nbytes)
+        self.account.release("memo.rounding", self.capacity)
+        data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        data[:self.cursor].copy_(self.data[:self.cursor])
+        self.data = data
+        self.account.acquire("memo.rounding", nbytes)
+
+    def reset(self) -> None:
+        self.cursor = 0
+
+    def alloc(self, nbytes: int) -> int:
+        off = self.cursor
+        self.cursor = off + (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        if self.cursor > self.capacity:
+            self.grow(max(self.cursor, self.capacity * 5 // 4))
+        return off
+
+    def check_owner(self, slot: SkeletalSlot) -> None:
+        if self.owner is not slot:
+            held = "nothing" if self.owner is None else f"layer {self.owner.layer} (forward #{self.owner.generation})"
+            raise RuntimeError(f"rounding buffer {self.index} holds {held} but layer {slot.layer} (forward "
+                               f"#{slot.generation}) needs it: Memo offload runs one forward then its backward "
+                               f"(no second forward before the backward)")
+
+
+class MemoRuntime:
+    """State shared by the layers of one model: buffers, host copies, events, slots of the current step.
+
+    ``offload=False`` is plain token-wise recompute (``recompute_granularity: full``): kept tensors stay on the
+    device by reference, no buffer, no host copy. ``alpha`` is the fraction of tokens of the ``other`` skeletal
+    tensors kept (offloaded) rather than recomputed; it is 0 without offload."""
+
+    def __init__(self, num_layers: int, alpha: float, offload: bool, device: torch.device, measure: bool = False):
+        self.n = num_layers
+        self.measure = measure  # profiler probe: count bytes by kind, copy nothing
+        self.alpha = alpha if offload else 0.0
+        self.offload = offload
+        self.device = device
+        self.dev = DeviceAdapter.for_device(device)
+        self.account = BufferAccount()
+        self.buffers: list = [None, None]
+        self.host: dict = {}  # layer -> host byte tensor
+        self.host_owner: dict = {}  # layer -> slot whose bytes are in host[layer]
+        self.slots: dict = {}  # layer -> slot of the latest forward
+        self.fetch_events: dict = {}  # id(slot) -> event of its prefetch
+        self.generation = 0
+        self.offload_stream = self.dev.new_stream()
+        self.prefetch_stream = self.dev.new_stream()
+        self.attn_forward_calls = 0  # counts core attention forwards (recompute must never add any)
+
+    # ---- setup ---------------------------------------------------------------------------------------------
+    def swapped(self, layer: int) -> bool:
+        """Memo does not swap the last two layers: their backward follows their forward at once."""
+        return self.offload and layer < self.n - 2
+
+    def kept_tokens(self, s: int) -> int:
+        """Tokens of every ``other`` skeletal tensor kept (offloaded): floor(alpha * s)."""
+        return int(self.alpha * s + 1e-9) if self.offload else 0
+
+    def allocate(self, nbytes: int) -> None:
+        """The two rounding buffers, ``nbytes`` each (done before training from the profiled sizes)."""
+        nbytes = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        for b in range(2):
+            if self.buffers[b] is None:
+                self.buffers[b] = RoundingBuffer(b, nbytes, self.device, self.account)
+            elif self.buffers[b].capacity < nbytes:
+                self.buffers[b].grow(nbytes)
+
+    def host_bytes(self) -> int:
+        return sum(h.numel() for h in self.host.values())
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    def new_slot(self, layer: int, refs: set) -> SkeletalSlot:
+        """The slot of ``layer``'s forward; with offload it places into buffer ``layer % 2`` from now on."""
+        if layer == 0:
+            self.generation += 1
+        slot = SkeletalSlot(layer, "measure" if self.measure else "rounding" if self.offload else "device", refs)
+        slot.generation = self.generation
+        self.slots[layer] = slot
+        if slot.mode == "rounding":
+            if self.buffers[0] is None:
+                self.allocate(ALIGN)  # not profiled (a runtime built by hand): the buffers grow on first use
+            buf = self.buffers[layer % 2]
+            if buf.offload_event is not None:  # layer i-2's bytes must have left before we overwrite them
+                self.dev.wait_event(buf.offload_event)
+                buf.offload_event = None
+            slot.begin(buf)
+            buf.owner = slot
+        return slot
+
+    def after_forward(self, slot: SkeletalSlot) -> None:
+        """Layer forward done: start the copy of buffer ``layer % 2`` to host (swapped layers)."""
+        slot.flush()
+        if self.measure:
+            return
+        if not self.offload:
+            self.account.acquire("memo.kept", sum(slot.stats.bytes.values()))
+            return
+        buf = slot.buffer
+        slot.used = buf.cursor
+        if not self.swapped(slot.layer):
+            return
+        host = self.host.get(slot.layer)
+        if host is None or host.numel() < buf.cursor:
+            host = self.host[slot.layer] = self.dev.host_empty((buf.cursor,), torch.uint8)
+        ready = self.dev.record_event()
+        with self.dev.stream(self.offload_stream):
+            self.dev.wait_event(ready, self.offload_stream)
+            host[:buf.cursor].copy_(buf.data[:buf.cursor], non_blocking=True)
+            buf.offload_event = self.dev.record_event(self.offload_stream)
+        self.host_owner[slot.layer] = slot
+        slot.stats.bytes_to_host += sum(slot.stats.bytes.values())
+
+    # ---- backward ------------------------------------------------------------------------------------------
+    def _fetch(self, slot: SkeletalSlot, stream) -> None:
+        """Copy ``slot``'s bytes from host into buffer ``layer % 2`` on ``stream`` (records the event)."""
+        if self.host_owner.get(slot.layer) is not slot:
+            raise RuntimeError(f"host copy of layer {slot.layer} was overwritten by a later forward: Memo offload "
+                               f"runs one forward then its backward")
+        buf = self.buffers[slot.layer % 2]
+        ready = self.dev.record_event()  # the compute stream is done with the buffer's previous owner
+        with self.dev.stream(stream):
+            self.dev.wait_event(ready, stream)
+            buf.data[:slot.used].copy_(self.host[slot.layer][:slot.used], non_blocking=True)
+            self.fetch_events[id(slot)] = self.dev.record_event(stream)
+        buf.owner = slot
+        slot.buffer = buf
+        slot.stats.bytes_from_host += sum(slot.stats.bytes.values())
+
+    def before_backward(self, slot: SkeletalSlot) -> None:
+        """Layer ``slot.layer``'s backward starts: make its bytes resident, prefetch the layer below."""
+        if not self.offload:
+            return
+        self.ensure_resident(slot)
+        below = self.slots.get(slot.layer - 1)
+        if below is not None and below.generation == slot.generation and self.swapped(below.layer) \
+                and id(below) not in self.fetch_events:
+            self._fetch(below, self.prefetch_stream)
+
+    def ensure_resident(self, slot: SkeletalSlot) -> None:
+        if not self.offload:
+            return
+        buf = self.buffers[slot.layer % 2]
+        if buf.owner is not slot and self.swapped(slot.layer):
+            self._fetch(slot, self.prefetch_stream)
+        ev = self.fetch_events.pop(id(slot), None)
+        if ev is not None:
+            self.dev.wait_event(ev)
+        buf.check_owner(slot)
+
+    def layer_backward_done(self, slot: SkeletalSlot) -> None:
+        if not self.offload and not getattr(slot, "released", False):
+            self.account.release("memo.kept", sum(slot.stats.bytes.values()))
+            slot.released = True
+
+    # ---- counters ------------------------------------------------------------------------------------------
+    def stats(self) -> list[dict]:
+        """Per-layer counters of the latest forward/backward (bytes by kind, tokens kept/recomputed, host bytes)."""
+        out = []
+        for layer in sorted(self.slots):
+            s = self.slots[layer].stats
+            out.append({"layer": layer, "swapped": self.swapped(layer), "tokens": s.tokens,
+                        "tokens_kept": s.tokens_kept, "tokens_recomputed": s.tokens_recomputed,
+                        "bytes_input": s.bytes["input"], "bytes_attn": s.bytes["attn"], "bytes_lse": s.bytes["lse"],
+                        "bytes_other_kept": s.bytes["other"], "bytes_other_recomputed": s.bytes_recomputed,
+                        "bytes_to_host": s.bytes_to_host, "bytes_from_host": s.bytes_from_host})
+        return out

@@ -1,0 +1,266 @@
+"""Capturing memory request traces (the job profiler of Memo §4.3.2).
+
+CPU (any device, really): ``DispatchTracer`` is a ``TorchDispatchMode``; every tensor storage an op creates is a
+malloc (its ``nbytes``), and a ``weakref.finalize`` on the storage emits the free when the storage dies. Layer and
+phase marks come from module hooks (forward) and tensor gradient hooks (backward):
+
+    layer i forward pre-hook  -> mark (i, "fwd");   layer i forward hook -> mark none
+    grad of layer i's output  -> mark (i, "bwd");   grad of layer i's input -> mark none (if still (i, "bwd"))
+
+A layer re-run during backward (activation recompute) is marked (i, "bwd"), part of its backward block.
+
+    trace = capture_iteration(model, batch)          # one micro-batch forward + backward, all layers
+    trace = capture_layer(model.layers[0], x, rope)  # one layer's forward + backward (§4.3.2: identical layers)
+
+Not seen by the tracer: storages grown in place (``resize_`` on an ``out=`` tensor), allocations made by C++ code
+that does not go through the dispatcher, and the allocator's own rounding (sizes are exact ``nbytes``).
+
+GPU: ``trace_from_snapshot`` converts ``torch.cuda.memory._snapshot()`` device traces recorded with
+``torch.cuda.memory._record_memory_history`` (sizes rounded by the allocator) -- the conversion is tested on a
+synthetic snapshot; ``record_cuda_iteration`` (the recording itself) was never executed here (no GPU).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .arena import Arena, arena_users, install_arena
+from .trace import Event, Trace
+
+
+class DispatchTracer(TorchDispatchMode):
+    """Records storages created while active. ``mark`` is the current (layer, phase) or None; ``phase`` the
+    iteration's phase ("fwd" / "bwd") stamped on events outside layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list = []
+        self.mark: Optional[tuple] = None
+        self.phase: Optional[str] = "fwd"
+        self.active = False
+        self._ids: dict = {}  # id(storage object) -> trace id, while the storage lives
+        self._ignored: set = set()
+        self._next = 0
+        self.mark_log: list = []  # (time_us, layer, phase) at every mark change (for the GPU snapshot route)
+
+    def set_mark(self, mark: Optional[tuple]) -> None:
+        self.mark = mark
+        self.mark_log.append((time.time_ns() // 1000, *(mark if mark is not None else (None, None))))
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+    def _event(self, op: str, rid: int, size: int, tag: Optional[str] = None) -> None:
+        layer, phase = self.mark if self.mark is not None else (None, self.phase)
+        self.events.append(Event(op, rid, size, layer, phase, tag))
+
+    def _freed(self, key: int, rid: int, size: int) -> None:
+        self._ids.pop(key, None)
+        if self.active and rid not in self._ignored:
+            self._event("free", rid, size)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = set()
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor) and a.layout == torch.strided:
+                inputs.add(a.untyped_storage().data_ptr())
+            elif isinstance(a, torch.UntypedStorage):
+                inputs.add(a.data_ptr())
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            n = st.nbytes()
+            if n == 0 or id(st) in self._ids or st.data_ptr() in inputs:
+                continue
+            rid = self._next
+            self._next += 1
+            self._ids[id(st)] = rid
+            self._event("malloc", rid, n)
+            weakref.finalize(st, self._freed, id(st), rid, n)
+        return out
+
+    def tag(self, tensor: torch.Tensor, tag: str) -> None:
+        """Name the storage of ``tensor`` (just created under this tracer) as framework buffer ``tag``."""
+        rid = self._ids.get(id(tensor.untyped_storage()))
+        if rid is None:
+            return
+        for e in reversed(self.events):
+            if e.id == rid and e.op == "malloc":
+                e.tag = tag
+                return
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Leave the storage of ``tensor`` out of the trace (its malloc is removed, its free will be dropped)."""
+        rid = self._ids.get(id(tensor.untyped_storage()))
+        if rid is not None and rid not in self._ignored:
+            self._ignored.add(rid)
+            self.events = [e for e in self.events if e.id != rid]
+
+    def trace(self, meta: Optional[dict] = None) -> Trace:
+        t = Trace(list(self.events), dict(meta or {}))
+        t.validate("captured trace")
+        return t
+
+
+def _mark_layers(tracer: DispatchTracer, layers) -> list:
+    """Install the forward/backward mark hooks on ``layers``; returns the handles to remove."""
+    handles = []
+
+    def start_bwd(i):
+        def hook(grad):
+            tracer.set_mark((i, "bwd"))
+        return hook
+
+    def end_bwd(i):
+        def hook(grad):
+            if tracer.mark == (i, "bwd"):
+                tracer.set_mark(None)
+        return hook
+
+    for i, layer in enumerate(layers):
+        def pre(mod, args, i=i):
+            tracer.set_mark((i, "bwd" if tracer.phase == "bwd" else "fwd"))
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                x.register_hook(end_bwd(i))
+
+        def post(mod, args, out, i=i):
+            if tracer.phase != "bwd":
+                tracer.set_mark(None)
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(start_bwd(i))
+
+        handles.append(layer.register_forward_pre_hook(pre))
+        handles.append(layer.register_forward_hook(post))
+    return handles
+
+
+class RecordingArena(Arena):
+    """An ``Arena`` (fresh allocations) whose transient buffers are tagged in ``tracer``'s trace; persistent buffers
+    are left out of the trace (the planned arena gives them a static region)."""
+
+    def __init__(self, tracer: DispatchTracer, device=None):
+        super().__init__(device)
+        self.tracer = tracer
+
+    def _transient(self, tag, k, shape, dtype, device):
+        t = super()._transient(tag, k, shape, dtype, device)
+        self.tracer.tag(t, tag)
+        return t
+
+    def _persistent_buffer(self, tag, shape, dtype, device):
+        t = super()._persistent_buffer(tag, shape, dtype, device)
+        self.tracer.forget(t)
+        return t
+
+
+def capture_iteration(model: torch.nn.Module, batch: dict, layers=None, meta=None) -> Trace:
+    """Trace one forward + backward of ``model`` (a GPTModel: ``model(tokens, position_ids, labels)`` -> per-token
+    loss) on ``batch``. Gradients are left in ``.grad`` (never freed in the trace); the caller clears them.
+    Framework buffers (modules with an ``arena``) are served by a ``RecordingArena`` during the capture (tagged in
+    the trace; the persistent ones listed in ``trace.meta["persistent"]``), then the previous arenas are restored."""
+    layers = layers if layers is not None else getattr(model, "layers", [])
+    tracer = DispatchTracer()
+    users = arena_users(model)
+    old = [(m, m.arena) for m in users]
+    rec = RecordingArena(tracer)
+    if users:
+        install_arena(model, rec)
+    handles = _mark_layers(tracer, layers)
+    try:
+        with tracer:
+            loss = model(batch["tokens"], batch["position_ids"], batch["labels"])
+            loss = (loss * batch["loss_mask"]).sum() / batch["loss_mask"].sum().clamp(min=1)
+            tracer.phase = "bwd"
+            tracer.set_mark(None)
+            loss.backward()
+            del loss
+    finally:
+        for h in handles:
+            h.remove()
+        if users:
+            install_arena(model, old[0][1])
+            for m, a in old:
+                m.arena = a
+    m = dict(meta or {})
+    m["persistent"] = rec.persistent_layout()
+    return tracer.trace(m)
+
+
+def capture_layer(layer: torch.nn.Module, x: torch.Tensor, *args, meta=None) -> Trace:
+    """Trace one layer's forward and backward alone: ``layer(x, *args)`` with ``x`` requiring grad, then backward
+    with a gradient of ones. Events are marked (0, "fwd") and (0, "bwd")."""
+    x = x.detach().requires_grad_(True)
+    tracer = DispatchTracer()
+    with tracer:
+        tracer.set_mark((0, "fwd"))
+        out = layer(x, *args)
+        g = torch.ones_like(out)
+        tracer.phase = "bwd"
+        tracer.set_mark((0, "bwd"))
+        out.backward(g)
+        del out, g
+    return tracer.trace(meta)
+
+
+# ---- GPU: the CUDA caching allocator's memory history (never executed here: no GPU) ---------------------------
+
+def trace_from_snapshot(snapshot: dict, device: int = 0, marks: Optional[list] = None) -> Trace:
+    """Convert ``torch.cuda.memory._snapshot()`` (recorded with ``_record_memory_history``) to a trace: ``alloc``
+    -> malloc, ``free_completed`` -> free (sizes as the allocator rounded them). ``marks``: optional list of
+    ``(time_us, layer or None, phase)`` boundaries; events are stamped with the last mark at or before their
+    ``time_us``. Allocations live before recording started have no alloc entry; their frees are skipped."""
+    entries = snapshot["device_traces"][device]
+    marks = sorted(marks or [], key=lambda m: m[0])
+    live: dict = {}  # addr -> id
+    events, nid, mk = [], 0, 0
+    cur = (None, None)
+    for ent in entries:
+        while mk < len(marks) and ent.get("time_us", 0) >= marks[mk][0]:
+            cur = (marks[mk][1], marks[mk][2])
+            mk += 1
+        layer, phase = cur
+        action = ent.get("action")
+        if action == "alloc":
+            live[ent["addr"]] = nid
+            events.append(Event("malloc", nid, int(ent["size"]), layer, phase if layer is not None else None))
+            nid += 1
+        elif action == "free_completed" and ent["addr"] in live:
+            rid = live.pop(ent["addr"])
+            events.append(Event("free", rid, int(ent["size"]), layer, phase if layer is not None else None))
+    t = Trace(events, {"source": "cuda_memory_history", "device": device})
+    t.validate("cuda snapshot")
+    return t
+
+
+def record_cuda_iteration(model, batch, device: int = 0) -> Trace:  # pragma: no cover - GPU only
+    """Run one forward+backward with the CUDA allocator's history on and convert it (never executed here).
+    The tracer is not entered as a dispatch mode: only its layer hooks run, logging mark times."""
+    tracer = DispatchTracer()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    handles = _mark_layers(tracer, getattr(model, "layers", []))
+    try:
+        loss = model(batch["tokens"], batch["position_ids"], batch["labels"])
+        loss = (loss * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        tracer.phase = "bwd"
+        tracer.set_mark(None)
+        loss.backward()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        for h in handles:
+            h.remove()
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return trace_from_snapshot(snap, device, tracer.mark_log)

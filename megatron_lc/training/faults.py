@@ -1,0 +1,154 @@
+"""Faults a week-long run must survive: preemption signals, a time limit, non-finite steps, stuck collectives.
+
+Stopping (``StopControl``):
+    SIGTERM and SIGUSR1 (SLURM preemption, ``--signal=USR1@300`` before the time limit, torchrun forwarding them)
+    only set a flag; nothing is done inside the handler. Ranks receive a signal at different moments (or only one
+    rank receives it), so once per step every rank all-reduces (MAX, world group) a small vector
+    ``[signal number, time limit reached, step non-finite]``. Every rank therefore sees the same vector after the
+    same step: all stop together, save one checkpoint together and exit 0. Example, 4 ranks, SIGUSR1 reaches rank 2
+    during step 7: after step 7's all-reduce every rank reads ``[10, 0, 0]``, finishes step 7, saves iter 7, exits.
+
+Non-finite steps (``SkipCounter``):
+    a step whose global loss or grad norm is inf/nan on *any* rank is skipped by all (no optimizer update; its
+    samples count as consumed, its learning-rate step too), reported in the log and in ``metrics.jsonl``
+    (``"skipped": true``); ``train.max_consecutive_skipped_steps`` skipped steps in a row raise ``NonFiniteError``.
+
+Collectives (``collective_errors``):
+    gloo raises once a collective has waited ``parallel.distributed_timeout_minutes`` (the process groups of
+    ``Topology.build`` get that timeout too), or when a peer's connection drops; that error becomes a one-line
+    ``CollectiveTimeoutError`` / ``PeerLostError`` naming the rank, the step and the key. NCCL's watchdog aborts
+    the process after the same timeout instead of raising (never executed here: no GPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import signal
+import threading
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+
+log = logging.getLogger("megatron_lc")
+
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message is one line meant to be shown as is (pretrain_gpt.py exits 3)."""
+
+    per_rank = False  # True: each rank's message differs (shown by every rank, not only rank 0)
+
+
+class NonFiniteError(TrainingError):
+    pass
+
+
+class CollectiveTimeoutError(TrainingError):
+    per_rank = True
+
+
+class PeerLostError(TrainingError):
+    per_rank = True
+
+
+class StopControl:
+    """Signal flag + time limit + per-step agreement over all ranks."""
+
+    def __init__(self, cfg: Config):
+        self.enabled = cfg.train.exit_signal_handler
+        self.exit_seconds = (cfg.train.exit_duration_in_mins * 60.0 if cfg.train.exit_duration_in_mins else None)
+        self.start = time.monotonic()
+        self.received = 0  # signal number, 0 = none
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        """Route SIGTERM/SIGUSR1 to the flag (main thread only; elsewhere signals keep their default action)."""
+        if not self.enabled:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("not in the main thread: SIGTERM/SIGUSR1 will not trigger a checkpoint")
+            return
+        for sig in EXIT_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:  # keep it minimal: runs between two bytecodes of the main thread
+        self.received = signum
+
+    def agree(self, nonfinite: bool) -> tuple[int, bool, bool]:
+        """All-reduce (MAX) ``[signal, time up, nonfinite]`` over the world; every rank gets the same answer."""
+        time_up = self.exit_seconds is not None and time.monotonic() - self.start >= self.exit_seconds
+        flags = torch.tensor([self.received, int(time_up), int(nonfinite)], dtype=torch.int64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        sig, up, bad = (int(x) for x in flags)
+        return sig, bool(up), bool(bad)
+
+    @staticmethod
+    def reason(sig: int, time_up: bool) -> Optional[str]:
+        if sig:
+            return f"received {signal.Signals(sig).name}"
+        if time_up:
+            return "train.exit_duration_in_mins reached"
+        return None
+
+
+class SkipCounter:
+    """Counts non-finite steps in a row; raises ``NonFiniteError`` at ``train.max_consecutive_skipped_steps``."""
+
+    def __init__(self, cfg: Config):
+        self.limit = cfg.train.max_consecutive_skipped_steps
+        self.in_a_row = 0
+        self.total = 0
+
+    def update(self, step: int, skipped: bool, loss: float, grad_norm: float) -> None:
+        if not skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        log.warning("step %d skipped: non-finite loss or grad norm on at least one rank (this rank: loss %s, "
+                    "grad norm %s); %d in a row, stop at %d", step, loss, grad_norm, self.in_a_row, self.limit)
+        if self.in_a_row >= self.limit:
+            raise NonFiniteError(f"{self.in_a_row} steps in a row (up to step {step}) had a non-finite loss or grad "
+                                 f"norm; stopping (train.max_consecutive_skipped_steps={self.limit}). Resume from "
+                                 f"the last checkpoint with a lower train.lr or more warmup")
+
+
+_BACKEND = re.compile(r"gloo|nccl|c10d|ProcessGroup", re.IGNORECASE)  # errors raised by the comm backend
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_PEER = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def collective_errors(cfg: Config, rank: int, what: str):
+    """Turn a communication failure raised by the backend inside the block into a one-line ``TrainingError``."""
+    try:
+        yield
+    except TrainingError:
+        raise
+    except RuntimeError as e:  # torch's DistBackendError / gloo errors are RuntimeErrors
+        if not (_BACKEND.search(str(e)) or isinstance(e, dist.DistError)):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # drop the "[.../gloo/...cc:78]" source location
+        minutes = cfg.parallel.distributed_timeout_minutes
+        if _TIMEOUT.search(str(e)):
+            raise CollectiveTimeoutError(
+                f"rank {rank}: a collective did not complete within parallel.distributed_timeout_minutes="
+                f"{minutes:g} ({minutes * 60:.0f} s) during {what}; another rank is stuck or died, see its log "
+                f"({first})") from None
+        if _PEER.search(str(e)):
+            raise PeerLostError(f"rank {rank}: lost the connection to another rank during {what}; that rank "
+                                f"probably died, see its log ({first[:200]})") from None
+        raise

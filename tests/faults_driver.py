@@ -1,0 +1,72 @@
+"""Run ``pretrain_gpt.main`` in a subprocess with a test-only fault injected by monkeypatching (test code only;
+the library has no fault-injection switch).
+
+    python -m tests.faults_driver HOOK [pretrain_gpt.py arguments...]
+
+Hooks:
+    none                   plain run
+    hang_in_save:N:MARKER  the save of iteration N writes its first file, touches MARKER, then sleeps (to be killed)
+    hang_at_step:N:RANK    rank RANK sleeps for 10 minutes before step N (a rank that never joins a collective)
+    marker_after_step:N:MARKER   touch MARKER once step N is done (to send a signal mid-run)
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _touch(path: str) -> None:
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+
+
+def install(hook: str) -> None:
+    kind, *args = hook.split(":")
+    if kind == "none":
+        return
+    if kind == "hang_in_save":
+        from megatron_lc.training import checkpoint
+
+        iteration, marker = int(args[0]), args[1]
+        original = checkpoint._atomic_torch_save
+
+        def slow_save(obj, path):
+            original(obj, path)
+            if f"iter_{iteration:07d}.tmp" in path:
+                _touch(marker)
+                time.sleep(600)
+
+        checkpoint._atomic_torch_save = slow_save
+    elif kind in ("hang_at_step", "marker_after_step"):
+        from megatron_lc.training.loop import Trainer
+
+        n = int(args[0])
+        original_step = Trainer.train_step
+
+        def patched(self, step):
+            if kind == "hang_at_step" and step + 1 == n and self.topo.rank == int(args[1]):
+                time.sleep(600)
+            rec = original_step(self, step)
+            if kind == "marker_after_step" and step + 1 == n and self.topo.rank == 0:
+                _touch(args[1])
+            return rec
+
+        Trainer.train_step = patched
+    else:
+        raise SystemExit(f"unknown hook {hook}")
+
+
+def main() -> int:
+    install(sys.argv[1])
+    import pretrain_gpt
+
+    return pretrain_gpt.main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Unit tests of the estimator: hardware profiles, formulas against hand-worked numbers and the papers, the α LP,
+the layout search and the command line. The calibration against measured peaks is tests/test_estimate_calibration.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+
+from megatron_lc.config import ConfigError, load_config
+from megatron_lc.estimate import estimate, load_hardware
+from megatron_lc.estimate.flops import model_flops_per_sample
+from megatron_lc.estimate.hardware import GIB, HARDWARE_DIR
+from megatron_lc.estimate.inventory import Dims, group_bytes, layer_skeletal, param_shards
+from megatron_lc.estimate.memory import solve_alpha
+from megatron_lc.estimate.report import activation_peak_from, load_measured, max_live_bytes
+from megatron_lc.estimate.search import pick_best, search_layouts
+from megatron_lc.training.metrics import flops_per_sample
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+PROFILES = sorted(f[:-5] for f in os.listdir(HARDWARE_DIR) if f.endswith(".yaml"))
+# the shipped llama3_8b_1m.yaml carries the layout --auto wrote; tests start from a fixed one
+RESET = ["parallel.tensor_model_parallel_size=1", "parallel.context_parallel_size=8", "parallel.cp_comm_type=a2a",
+         "parallel.ulysses_size=8", "parallel.sequence_parallel=false", "memory.activation_offload=none",
+         "memory.offload_fraction=auto", "memory.mst=false", "memory.recompute_granularity=none"]
+
+
+def llama(*overrides):
+    """Llama3-8B at 1M tokens (configs/llama3_8b_1m.yaml) with Ulysses over 8 GPUs and no memory feature, then
+    ``overrides``."""
+    return load_config(os.path.join(CONFIGS, "llama3_8b_1m.yaml"), RESET + list(overrides))
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_every_hardware_profile_loads(name):
+    hw = load_hardware(name)
+    assert hw.device_bytes > 0 and hw.peak_flops(True) > 0 and hw.host_bytes_per_node > 0
+
+
+def test_hardware_profiles_shipped():
+    assert {"a100", "a800", "h100", "h200"} <= set(PROFILES)
+
+
+def test_hardware_errors_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="hardware profile not found: b200"):
+        load_hardware("b200")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nhbm_gbit: 3\n")
+    with pytest.raises(ConfigError, match="unknown key 'hardware.hbm_gbit'"):
+        load_hardware(str(bad))
+    bad.write_text("name: x\nreserved_gib: 90\nmemory_gib: 80\n")
+    with pytest.raises(ConfigError, match=r"reserved_gib \(90.0\)"):
+        load_hardware(str(bad))
+
+
+@pytest.mark.parametrize("config", ["tiny_cpu.yaml", "llama3_8b_1m.yaml", "gpt_7b.yaml"])
+def test_parameter_inventory_matches_model_count(config):
+    cfg = load_config(os.path.join(CONFIGS, config))
+    x = Dims.from_config(cfg, 8 if "1m" in config or "7b" in config else 1, "cuda")
+    full = Dims(**{**x.__dict__, "tp": 1, "cp": 1, "dp": 1, "sp": False})
+    assert sum(n for _, n, _ in param_shards(full)) == cfg.model.num_parameters()
+
+
+def test_model_flops_are_memos_formula_and_the_trainers():
+    """Memo §5.1: 6·s·P + 6·n·h·s², the same figure training/metrics.py logs as MFU."""
+    cfg = llama()
+    x = Dims.from_config(cfg, 8, "cuda")
+    s, m = cfg.data.seq_length, cfg.model
+    assert model_flops_per_sample(x) == pytest.approx(6 * s * m.num_parameters() + 6 * m.num_layers * 4096 * s * s)
+    assert model_flops_per_sample(x) == pytest.approx(flops_per_sample(cfg))
+
+
+def test_skeletal_bytes_reproduce_memo_figure5_16bsh():
+    """GPT layer, MHA, f = 4h, everything in 16-bit (as Megatron keeps it), token-wise grouping: input 1 + attention
+    output 1 + others 14 = 16·b·s·h elements (Memo §3.2, Figure 5); only norm statistics and lse come on top."""
+    cfg = load_config(None, ["model.hidden_size=4096", "model.num_attention_heads=32", "model.ffn_hidden_size=16384",
+                             "model.normalization=LayerNorm", "model.swiglu=false", "data.seq_length=8192",
+                             "train.bf16=true"])
+    x = Dims(**{**Dims.from_config(cfg, 1, "cuda").__dict__, "res": 2})
+    g = group_bytes(layer_skeletal(x, mlp_chunked=False, fpdt_offload=False, token_wise=True))
+    bsh = x.tokens * x.h
+    assert g["input"] == 2 * bsh
+    assert g["attn"] == pytest.approx(2 * bsh, rel=0.02)  # + lse: nq fp32 per token = 1.6% of 2h bytes
+    assert g["others"] == pytest.approx(28 * bsh, rel=0.01)  # + LayerNorm mean/rstd
+
+
+def test_alpha_lp_memo_example():
+    """The worked example of docs/memo_offload.md (Memo §5.1 hardware, 7B at 1M tokens, tp 8): host-bound at
+    α = (256/30 - 2)/14 = 0.4667, bandwidth would allow 15.8."""
+    a, why = solve_alpha(GIB, GIB, 14 * GIB, 32e9, 7.5, 32, 256 * GIB)
+    assert a == pytest.approx((256 / 30 - 2) / 14, rel=1e-9) and why == "host memory"
+    a, why = solve_alpha(GIB, GIB, 14 * GIB, 1e9, 0.5, 32, 256 * GIB)  # slow link: input+attn do not even overlap
+    assert a == 0.0 and why == "PCIe bandwidth"
+    assert solve_alpha(GIB, GIB, 14 * GIB, 32e9, 100.0, 32, 10_000 * GIB) == (1.0, "alpha = 1")
+
+
+def test_memo_alpha_auto_and_host_limit():
+    cfg = llama("parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=4",
+                "parallel.cp_comm_type=p2p", "parallel.ulysses_size=1", "parallel.sequence_parallel=true",
+                "memory.activation_offload=memo", "memory.mst=true")
+    hw = load_hardware("h100")
+    est = estimate(cfg, hw, 8)
+    assert 0 < est.memory.alpha < 1 and est.memory.host_per_node <= est.memory.host_capacity * (1 + 1e-9)
+    small = estimate(cfg, hw.with_measured({"host_memory_gib": 64.0}), 8)  # α = 0 does not fit 64 GiB
+    assert small.memory.alpha == 0.0 and small.status == "oohm"
+
+
+def test_features_reduce_memory_in_the_expected_order():
+    base = ["data.seq_length=131072", "parallel.tensor_model_parallel_size=8", "parallel.context_parallel_size=1",
+            "parallel.cp_comm_type=p2p", "parallel.ulysses_size=1", "parallel.sequence_parallel=true"]
+    hw = load_hardware("h100")
+    peak = {}
+    for name, extra in {"none": [], "full": ["memory.recompute_granularity=full"], "mst": ["memory.mst=true"],
+                        "memo": ["memory.activation_offload=memo", "memory.offload_fraction=0.25",
+                                 "memory.mst=true"]}.items():
+        peak[name] = estimate(llama(*base, *extra), hw, 8).memory.peak
+    assert peak["memo"] < peak["full"] < peak["none"] and peak["mst"] < peak["none"]
+
+
+def test_time_model_is_consistent():
+    cfg = llama("data.seq_length=262144")
+    hw = load_hardware("h100")
+    t = estimate(cfg, hw, 8).time
+    assert t.step_seconds == pytest.approx(sum(t.parts.values()), rel=1e-9)
+    assert 0 < t.mfu < hw.efficiency.gemm  # below the best kernel efficiency: communication and attention cost
+    assert t.tokens_per_gpu_per_s == pytest.approx(262144 / (t.step_seconds * 8))
+    # a measured layer time (Memo profiler) replaces the computed one: twice the layer time, about twice the step
+    slow = estimate(cfg, hw.with_measured({"layer_forward_seconds": 2 * t.t_layer_fwd}), 8).time
+    assert slow.step_seconds > 1.8 * t.step_seconds
+
+
+def test_bad_layout_is_a_config_error():
+    cfg = llama("parallel.tensor_model_parallel_size=3")
+    with pytest.raises(ConfigError, match=r"divisible by tp \(3\) x cp \(8\)"):
+        estimate(cfg, load_hardware("h100"), 8)
+
+
+def test_auto_on_llama3_8b_1m_fits_on_8_h100():
+    cfg = llama()
+    cands = search_layouts(cfg, load_hardware("h100"), 8)
+    assert cands and all(c.est.status == "fits" for c in cands)
+    best = pick_best(cands)
+    assert best.est.memory.peak <= best.est.memory.capacity
+    assert best.step_seconds <= cands[0].step_seconds * 1.005
+
+
+def test_cli_auto_write_then_estimate(tmp_path, capsys):
+    from tools.estimate import main
+
+    out = tmp_path / "llama.yaml"
+    assert main(["--config", os.path.join(CONFIGS, "llama3_8b_1m.yaml"), "--hardware", "h100", "--auto",
+                 "--top", "3", "--write", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "chosen layout" in printed and "status: FITS" in printed
+    raw = yaml.safe_load(out.read_text())
+    assert raw["model"]["hidden_size"] == 4096 and raw["memory"]["activation_offload"] in ("memo", "none")
+    assert out.read_text().startswith("# Llama3-8B")  # the comment block survives
+    assert main(["--config", str(out), "--hardware", "h100"]) == 0  # the written layout estimates as fitting
+    assert "status: FITS" in capsys.readouterr().out
+
+
+def test_cli_oom_and_errors(capsys):
+    from tools.estimate import main
+
+    cfg = os.path.join(CONFIGS, "llama3_8b_1m.yaml")
+    plain = [a for kv in RESET for a in ("--set", kv)]
+    assert main(["--config", cfg, "--hardware", "h100"] + plain) == 1  # Ulysses alone keeps every layer: OOM
+    assert "OOM" in capsys.readouterr().out
+    assert main(["--config", cfg, "--hardware", "h100"]) == 0  # the layout --auto wrote into the shipped config
+    assert "status: FITS" in capsys.readouterr().out
+    assert main(["--config", cfg, "--hardware", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: hardware profile not found: tpu") and err.count("\n") == 1
+    assert main(["--config", cfg, "--write"]) == 2
+
+
+def test_measured_inputs_from_the_memo_profiler_log(tmp_path):
+    line = ('[12:00:00 rank0] memo offload: {"alpha": 0.3, "profile": {"s_input": 1, "t_layer": 0.25, '
+            '"bw_d2h": 21000000000.0, "bw_h2d": 22000000000.0, "host_node_bytes": 1099511627776}}')
+    p = tmp_path / "log.txt"
+    p.write_text(line)
+    got = load_measured(str(p))
+    assert got == {"layer_forward_seconds": 0.25, "pcie_gbps": 21.0, "host_memory_gib": 1024.0,
+                   "host_usable_fraction": 1.0}
+    hw = load_hardware("h100").with_measured(got)
+    assert hw.host_bytes_per_node == 1024 * GIB and hw.layer_forward_seconds == 0.25
+
+
+def test_plan_and_trace_replace_the_activation_formulas(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"peak_bytes": 5 * GIB, "lower_bound_bytes": 5 * GIB, "offsets": {}}))
+    assert activation_peak_from(str(plan), None) == 5 * GIB
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(e) for e in [
+        {"op": "malloc", "id": 1, "size": 100}, {"op": "malloc", "id": 2, "size": 50},
+        {"op": "free", "id": 1, "size": 100}, {"op": "malloc", "id": 3, "size": 120}]))
+    assert max_live_bytes(str(trace)) == 170
+    cfg = load_config(os.path.join(CONFIGS, "tiny_cpu.yaml"), ["data.mock_data=true"])
+    a = estimate(cfg, load_hardware("cpu"), 2)
+    b = estimate(cfg, load_hardware("cpu"), 2, activation_peak_override=GIB)
+    assert b.memory.parts["activation peak (at its moment)"] == GIB and b.memory.peak > a.memory.peak

@@ -1,0 +1,113 @@
+"""Plot a run's ``metrics.jsonl`` (one JSON object per step, written by rank 0): loss, tokens/s, MFU and peak memory
+over steps, one PNG.
+
+    python tools/plot_metrics.py runs/tiny_cpu/metrics.jsonl -o docs/images/tiny_cpu_metrics.png
+    python tools/plot_metrics.py a/metrics.jsonl b/metrics.jsonl --label dp2 --label tp2 -o compare.png
+
+A resumed run appends to the same file, so steps between the last checkpoint and the interruption appear twice;
+the later record of each step (the one the resumed run kept) is plotted. Skipped (non-finite) steps are marked
+with a red x on the loss axis.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+PANELS = [  # (record key, axis label, scale)
+    ("loss", "loss", 1.0),
+    ("tokens_per_s", "tokens / s", 1.0),
+    ("mfu", "MFU (%)", 100.0),
+    ("peak_memory_bytes", "peak memory (GiB)", 1.0 / 2**30),
+]
+
+
+def read_metrics(path: str) -> list[dict]:
+    """Records of ``path`` ordered by step, the last record of a repeated step kept."""
+    by_step: dict[int, dict] = {}
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    for n, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):  # the last line of a killed run may be cut short
+                continue
+            raise ValueError(f"{path}: record {n} is not a JSON line") from None
+        by_step[int(rec["step"])] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def moving_average(values: list[float], n: int) -> list[float]:
+    out, window = [], []
+    for v in values:
+        window = (window + [v])[-n:]
+        finite = [x for x in window if math.isfinite(x)]
+        out.append(sum(finite) / len(finite) if finite else math.nan)
+    return out
+
+
+def plot(runs: list[tuple[str, list[dict]]], out: str, title: str | None = None, smooth: int = 1) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
+    for (key, label, scale), ax in zip(PANELS, axes.flat):
+        for name, recs in runs:
+            steps = [r["step"] for r in recs if key in r]
+            vals = [float(r[key]) * scale for r in recs if key in r]
+            if key == "loss" and smooth > 1:
+                ax.plot(steps, vals, alpha=0.25, lw=0.8)
+                ax.plot(steps, moving_average(vals, smooth), label=f"{name} (mean of {smooth})", lw=1.4,
+                        color=ax.lines[-1].get_color())
+            else:
+                ax.plot(steps, vals, label=name, lw=1.2)
+            if key == "loss":
+                bad = [r["step"] for r in recs if r.get("skipped")]
+                if bad:
+                    finite = [v for v in vals if math.isfinite(v)] or [0.0]
+                    ax.plot(bad, [max(finite)] * len(bad), "rx", label="skipped (non-finite)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if len(runs) > 1 or any("skipped" in lb for lb in labels):
+        axes[0][0].legend(fontsize=8)
+    fig.suptitle(title or ", ".join(name for name, _ in runs))
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("metrics", nargs="+", help="metrics.jsonl file(s)")
+    p.add_argument("-o", "--output", default="metrics.png")
+    p.add_argument("--label", action="append", default=[], help="legend name per file (default: its directory)")
+    p.add_argument("--title")
+    p.add_argument("--smooth", type=int, default=1, help="moving average window for the loss")
+    a = p.parse_args(argv)
+    runs = []
+    for i, path in enumerate(a.metrics):
+        if not os.path.isfile(path):
+            print(f"error: {path} not found", file=sys.stderr)
+            return 2
+        recs = read_metrics(path)
+        if not recs:
+            print(f"error: {path} has no records", file=sys.stderr)
+            return 2
+        name = a.label[i] if i < len(a.label) else os.path.basename(os.path.dirname(os.path.abspath(path)))
+        runs.append((name, recs))
+    plot(runs, a.output, a.title, a.smooth)
+    print(f"wrote {a.output} ({sum(len(r) for _, r in runs)} steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
