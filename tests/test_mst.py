@@ -166,6 +166,20 @@ def test_model_under_layer_checkpoint_matches_unchunked():
     assert_close_grads({n: p.grad for n, p in model.named_parameters()}, ref_grads)
 
 
+@pytest.mark.parametrize("memory", [["memory.recompute_granularity=full"],
+                                    ["memory.recompute_granularity=selective"],
+                                    ["memory.activation_offload=memo", "memory.offload_fraction=0.5"]])
+def test_model_with_recompute_and_offload_matches_unchunked(memory):
+    """MsT inside issue 6's layer executors (full / selective recompute, Memo offload with half the tokens
+    recomputed): the MLP function runs on token subsets in the recompute."""
+    cfg = small_config(["memory.mst=true", "memory.mst_mlp_chunk_size=7", "memory.mst_head_chunks=5"] + memory)
+    batch = _weighted_batch(cfg)
+    ref_loss, ref_grads = reference_loss_and_grads(cfg, batch)
+    _, loss, grads = _mst_loss_and_grads(cfg, batch)
+    assert_close_loss(loss, ref_loss)
+    assert_close_grads(grads, ref_grads)
+
+
 def test_parameter_names_and_values_unchanged():
     cfg = small_config(["memory.mst=true"])
     plain = small_config([])
