@@ -110,8 +110,8 @@ def test_profiler_on_this_machine(arch):
     rows, e = 32 * 2, 4  # tokens x batch, fp32
     h, f, nqd, nkvd = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads * m.kv_channels, \
         m.num_query_groups * m.kv_channels
-    # Llama (torch's composite RMSNorm saves x*rstd and rstd; SwiGLU saves fc1 out, silu(gate), product)
-    per_row = 5 * h + 2 + nqd + 2 * nkvd + 4 * f if arch == "llama" else 3 * h + 4 + nqd + 2 * nkvd + 2 * f
+    # Llama (model/norm.py's RMSNorm saves input + rstd, as a fused kernel; SwiGLU saves fc1 out, silu(gate), product)
+    per_row = 3 * h + 2 + nqd + 2 * nkvd + 4 * f if arch == "llama" else 3 * h + 4 + nqd + 2 * nkvd + 2 * f
     assert p.s_input == rows * h * e
     assert p.s_attn == rows * nqd * e + 2 * m.num_attention_heads * 32 * 4  # + lse [b, nq, s] fp32
     assert p.s_others == rows * per_row * e

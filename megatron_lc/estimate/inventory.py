@@ -132,9 +132,10 @@ class Dims:
 
     @property
     def norm_decomposed(self) -> bool:
-        """nn.RMSNorm decomposes into pow/mean/rsqrt/mul on CPU (saves the normalised x); on CUDA torch runs a fused
-        kernel that saves only input and rstd (assumption: torch >= 2.8). LayerNorm is fused on both."""
-        return self.rmsnorm and self.device == "cpu"
+        """False: the project's ``RMSNorm`` (model/norm.py) saves input + rstd on every device -- torch's fused
+        kernel on CUDA, a twin autograd function on CPU (``nn.RMSNorm``'s CPU composite would also keep x·rstd).
+        LayerNorm is fused on both."""
+        return False
 
 
 # ---- parameters -----------------------------------------------------------------------------------------------

@@ -29,11 +29,16 @@ class LseAttention(Protocol):
 
 
 def _bnsd(t: torch.Tensor) -> torch.Tensor:
-    return t.permute(1, 2, 0, 3).contiguous()  # [s, b, n, d] -> [b, n, s, d]
+    """[s, b, n, d] -> [b, n, s, d] as a view: the backends take strided inputs (torch's CPU flash kernels read
+    strides; flash-attn / TE copy to their own layout), so no copy of q, k, v, out or dout is made here -- in the
+    backward of a recomputed layer those copies were 3.5 hidden vectors a token next to the originals."""
+    return t.permute(1, 2, 0, 3)
 
 
 def _sbnd(t: torch.Tensor) -> torch.Tensor:
-    return t.permute(2, 0, 1, 3).contiguous()  # [b, n, s, d] -> [s, b, n, d]
+    """[b, n, s, d] -> [s, b, n, d]; no copy when the backend already laid it out that way (torch's CPU flash
+    kernel writes out as [s, b, n, d] and dq/dk/dv as [b, s, n, d])."""
+    return t.permute(2, 0, 1, 3).contiguous()
 
 
 class LocalLse:
