@@ -105,8 +105,9 @@ def _framework_steps(spec: dict, metrics_file: str, rec: StepRecorder):
 
 
 def _checkpoint_layers(model) -> None:
-    """TEMPORARY baseline (until issue 6's recompute lands): run every transformer layer under non-reentrant
-    ``torch.utils.checkpoint`` -- what HF's gradient checkpointing does, so this row is HF's scheme on our model."""
+    """Comparison rows: every transformer layer under non-reentrant ``torch.utils.checkpoint`` -- what HF's gradient
+    checkpointing does, so the row is HF's scheme on our model (issue 6's ``full`` recompute keeps the attention
+    output instead and never recomputes attention)."""
     import torch.utils.checkpoint as cp
 
     for layer in model.layers:
