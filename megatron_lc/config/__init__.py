@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from .base import ConfigError, build_section, check, coerce, field_types
+from .base import ConfigError, build_section, check, coerce, field_types, read_yaml_mapping
 from .checkpoint import CheckpointConfig
 from .data import DataConfig
 from .logging import LoggingConfig
@@ -138,13 +138,7 @@ def load_config(path: Optional[str], overrides: Iterable[str] = ()) -> Config:
     if path is not None:
         if not os.path.isfile(path):
             raise ConfigError(f"config file not found: {path}")
-        try:
-            with open(path) as f:
-                raw = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: a config must be a mapping of sections")
+        raw = read_yaml_mapping(path, "a config")
     for item in overrides:
         _apply_override(raw, item)
     return Config.from_dict(raw)

@@ -135,3 +135,18 @@ def check(cond: bool, message: str) -> None:
     """Raise ConfigError(message) unless ``cond``; used by sections' ``__post_init__``."""
     if not cond:
         raise ConfigError(message)
+
+
+def read_yaml_mapping(path: str, what: str) -> dict:
+    """The mapping in YAML file ``path`` (empty file -> {}); a one-line ConfigError if it is not YAML or not a
+    mapping (``what``: "a config", "a hardware profile")."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: {what} must be a mapping of {'sections' if what == 'a config' else 'keys'}")
+    return raw

@@ -13,9 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-import yaml
-
-from ..config.base import ConfigError, build_section, check
+from ..config.base import ConfigError, build_section, check, read_yaml_mapping
 
 GIB = 2 ** 30
 GB = 1e9
@@ -111,14 +109,7 @@ def resolve_hardware_path(name_or_path: str) -> str:
 def load_hardware(name_or_path: str, overrides: Optional[dict[str, Any]] = None) -> HardwareProfile:
     """Read a hardware YAML (strict keys, one-line ConfigError on mistakes)."""
     path = resolve_hardware_path(name_or_path)
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: a hardware profile must be a mapping of keys")
-    raw = dict(raw, **(overrides or {}))
+    raw = dict(read_yaml_mapping(path, "a hardware profile"), **(overrides or {}))
     eff = build_section(Efficiency, raw.pop("efficiency", None), "hardware.efficiency")
     hw = build_section(HardwareProfile, raw, "hardware")
     hw.efficiency = eff
