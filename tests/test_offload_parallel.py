@@ -54,3 +54,18 @@ def test_memo_four_ranks_tp2_cp2_and_hybrid_cp4():
     for rank_out in out:
         assert [(s["tokens"], s["tokens_kept"]) for s in rank_out[0]["stats"]] == [(8, 2)] * 4
         assert [(s["tokens"], s["tokens_kept"]) for s in rank_out[1]["stats"]] == [(8, 4)] * 4
+
+
+ALPHAS = (0, 0.125, 0.25, 0.5, 1)
+
+
+def test_memo_alpha_grid_tp2_and_cp2():
+    """Every α of the grid under tp = 2 (no SP: 32 local tokens) and ring cp = 2 (16 local tokens); the parity
+    asserts (loss 1e-5 relative, every gradient 1e-4) run inside ``memo_parity_cases``."""
+    for world_args, tokens in (((2,), 32), ((1, 2), 16)):
+        extra = [] if len(world_args) == 1 else ["parallel.cp_comm_type=p2p"]
+        out = run_dist(2, dist_cases_offload.memo_parity_cases, [memo_overrides(a) + extra for a in ALPHAS],
+                       *world_args)
+        for rank_out in out:
+            for a, case in zip(ALPHAS, rank_out):
+                assert [(s["tokens"], s["tokens_kept"]) for s in case["stats"]] == [(tokens, int(a * tokens))] * 4
