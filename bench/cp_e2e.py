@@ -1,12 +1,13 @@
-"""Issue 3's end-to-end check: the demo model (``configs/tiny_cpu.yaml``: stdlib-sources corpus, seq 256, global
+"""Issues 3 and 4's end-to-end check: the demo model (``configs/tiny_cpu.yaml``: stdlib-sources corpus, seq 256, global
 batch 16) trained N steps with each context-parallel demo config, against cp = 1, through the real launcher:
 
     torchrun --nproc-per-node 2 pretrain_gpt.py --config configs/tiny_cpu.yaml          (dp 2, cp 1: the reference)
     torchrun --nproc-per-node 2 pretrain_gpt.py --config configs/tiny_cpu_cp_ring.yaml  (ring cp 2)
     torchrun --nproc-per-node 2 pretrain_gpt.py --config configs/tiny_cpu_cp_ulysses.yaml
     torchrun --nproc-per-node 4 pretrain_gpt.py --config configs/tiny_cpu_cp_hybrid.yaml (Ulysses 2 x ring 2)
+    torchrun --nproc-per-node 2 pretrain_gpt.py --config configs/tiny_cpu_fpdt.yaml      (FPDT P 2, u 4, offload)
 
-    python bench/cp_e2e.py                 # 5 steps each (~4 minutes on 2 shared cores)
+    python bench/cp_e2e.py                 # 5 steps each (~3 minutes on 2 shared cores)
     python bench/cp_e2e.py --steps 2
 
 Same model, data, seed and global batch in every run, so the losses must agree to fp32 reduction order (the
@@ -24,7 +25,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = [("tiny_cpu.yaml", 2), ("tiny_cpu_cp_ring.yaml", 2), ("tiny_cpu_cp_ulysses.yaml", 2),
-        ("tiny_cpu_cp_hybrid.yaml", 4)]
+        ("tiny_cpu_cp_hybrid.yaml", 4), ("tiny_cpu_fpdt.yaml", 2)]
 
 
 def run(config: str, ranks: int, steps: int, tmp: str) -> list:
