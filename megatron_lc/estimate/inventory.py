@@ -130,13 +130,6 @@ class Dims:
             return self.nq_l // math.gcd(self.nq_l // self.nkv_l, self.nq_l // self.ulysses)
         return math.lcm(self.nkv_l, self.ulysses)
 
-    @property
-    def norm_decomposed(self) -> bool:
-        """False: the project's ``RMSNorm`` (model/norm.py) saves input + rstd on every device -- torch's fused
-        kernel on CUDA, a twin autograd function on CPU (``nn.RMSNorm``'s CPU composite would also keep x·rstd).
-        LayerNorm is fused on both."""
-        return False
-
 
 # ---- parameters -----------------------------------------------------------------------------------------------
 def param_shards(x: Dims) -> list[tuple[str, int, bool]]:
@@ -240,11 +233,8 @@ def layer_skeletal(x: Dims, mlp_chunked: bool, fpdt_offload: bool, token_wise: b
     only its input is kept (``memory/mst_functions.py`` recomputes each chunk in backward)."""
     tr, t, h, a, r, d = x.tokens_res, x.tokens, x.h, x.act, x.res, x.d
     items = [Item("layer input [s/cp/tp, b, h] (input_layernorm's input)", tr * h * r, "input")]
-    norm_extra = []
-    if x.norm_decomposed:
-        norm_extra = [Item("rms_norm normalised x (CPU composite)", tr * h * r), Item("rms_norm rstd", tr * 4)]
-    else:
-        norm_extra = [Item("norm rstd/mean", tr * 4 * (1 if x.rmsnorm else 2))]
+    # fused norms on both devices (RMSNorm: model/norm.py's twin on CPU): input + rstd (LayerNorm: + mean)
+    norm_extra = [Item("norm rstd/mean", tr * 4 * (1 if x.rmsnorm else 2))]
     items += norm_extra
     if x.fpdt and fpdt_offload:
         # the projection's saved chunk inputs go to the host, but each chunk's detached leaf (a view) keeps the
@@ -284,8 +274,6 @@ def final_skeletal(x: Dims, head_chunked: bool) -> list[Item]:
     """Final norm + LM head tensors kept for backward (the last layer's output is the final norm's input)."""
     tr, t, h, a, r = x.tokens_res, x.tokens, x.h, x.act, x.res
     items = [Item("last layer output (final norm input)", tr * h * r)]
-    if x.norm_decomposed:
-        items.append(Item("final rms_norm normalised x", tr * h * r))
     items.append(Item("output_layer input (final norm out, all-gathered with SP)", t * h * a))
     if head_chunked:
         items.append(Item("per-token lse (MsT head)", t * 4))
