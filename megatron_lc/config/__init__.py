@@ -138,7 +138,7 @@ def load_config(path: Optional[str], overrides: Iterable[str] = ()) -> Config:
     if path is not None:
         if not os.path.isfile(path):
             raise ConfigError(f"config file not found: {path}")
-        raw = read_yaml_mapping(path, "a config")
+        raw = read_yaml_mapping(path, "a config must be a mapping of sections")
     for item in overrides:
         _apply_override(raw, item)
     return Config.from_dict(raw)

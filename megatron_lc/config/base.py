@@ -137,9 +137,9 @@ def check(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def read_yaml_mapping(path: str, what: str) -> dict:
-    """The mapping in YAML file ``path`` (empty file -> {}); a one-line ConfigError if it is not YAML or not a
-    mapping (``what``: "a config", "a hardware profile")."""
+def read_yaml_mapping(path: str, not_a_mapping: str) -> dict:
+    """The mapping in YAML file ``path`` (empty file -> {}); a one-line ConfigError if it is not YAML, or
+    ``"{path}: {not_a_mapping}"`` if it is not a mapping."""
     import yaml
 
     try:
@@ -148,5 +148,5 @@ def read_yaml_mapping(path: str, what: str) -> dict:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: {what} must be a mapping of {'sections' if what == 'a config' else 'keys'}")
+        raise ConfigError(f"{path}: {not_a_mapping}")
     return raw

@@ -109,7 +109,7 @@ def resolve_hardware_path(name_or_path: str) -> str:
 def load_hardware(name_or_path: str, overrides: Optional[dict[str, Any]] = None) -> HardwareProfile:
     """Read a hardware YAML (strict keys, one-line ConfigError on mistakes)."""
     path = resolve_hardware_path(name_or_path)
-    raw = dict(read_yaml_mapping(path, "a hardware profile"), **(overrides or {}))
+    raw = dict(read_yaml_mapping(path, "a hardware profile must be a mapping of keys"), **(overrides or {}))
     eff = build_section(Efficiency, raw.pop("efficiency", None), "hardware.efficiency")
     hw = build_section(HardwareProfile, raw, "hardware")
     hw.efficiency = eff
