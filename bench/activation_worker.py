@@ -80,8 +80,10 @@ def _framework_steps(spec: dict, metrics_file: str, rec: StepRecorder):
                           torch.device("cpu"))
     except ConfigError as e:
         return str(e)
-    if spec.get("layer_checkpoint"):
-        _checkpoint_layers(trainer.model)
+    if spec.get("layer_checkpoint"):  # HF's scheme on our model, for the comparison rows
+        from megatron_lc.memory.recompute import checkpoint_layers
+
+        checkpoint_layers(trainer.model)
     fwd_bwd = trainer.forward_backward
     rt = getattr(trainer.model, "memo_runtime", None)  # issue 6: Memo's own accounting, when present
 
@@ -102,17 +104,6 @@ def _framework_steps(spec: dict, metrics_file: str, rec: StepRecorder):
         rec.memo = {"host_bytes": rt.host_bytes(), "accounted_peak_bytes": rt.account.peak, "alpha": rt.alpha,
                     "rounding_buffer_bytes": 2 * rt.buffers[0].capacity if rt.buffers[0] is not None else 0}
     return None
-
-
-def _checkpoint_layers(model) -> None:
-    """Comparison rows: every transformer layer under non-reentrant ``torch.utils.checkpoint`` -- what HF's gradient
-    checkpointing does, so the row is HF's scheme on our model (issue 6's ``full`` recompute keeps the attention
-    output instead and never recomputes attention)."""
-    import torch.utils.checkpoint as cp
-
-    for layer in model.layers:
-        fwd = layer.forward
-        layer.forward = lambda x, rope, fwd=fwd: cp.checkpoint(fwd, x, rope, use_reentrant=False)
 
 
 def _hf_steps(spec: dict, rec: StepRecorder) -> None:

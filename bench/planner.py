@@ -32,9 +32,9 @@ sys.path.insert(0, ROOT)
 
 def tiny_trace(layers: int, recompute: bool, config: str = ""):
     import torch
-    from torch.utils.checkpoint import checkpoint
 
     from megatron_lc.config import load_config
+    from megatron_lc.memory.recompute import checkpoint_layers
     from megatron_lc.memory.trace_capture import capture_iteration
     from megatron_lc.parallel.parallelize import build_model
     from megatron_lc.parallel.topology import Topology
@@ -46,9 +46,7 @@ def tiny_trace(layers: int, recompute: bool, config: str = ""):
         cfg = small_config([f"model.num_layers={layers}"])
     model = build_model(cfg, Topology(), torch.device("cpu"))
     if recompute:
-        for layer in model.layers:
-            fwd = layer.forward
-            layer.forward = lambda x, rope, f=fwd: checkpoint(f, x, rope, use_reentrant=False)
+        checkpoint_layers(model)
     return capture_iteration(model, batch_for(cfg, batch=cfg.train.micro_batch_size))
 
 

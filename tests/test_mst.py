@@ -151,15 +151,14 @@ def test_model_matches_unchunked(mlp_chunk, head_chunks, arch, weighted):
 
 def test_model_under_layer_checkpoint_matches_unchunked():
     """MsT inside recomputed layers (torch.utils.checkpoint around each layer: the MLP function runs again in
-    backward's recompute) -- the composition bench/activation_bytes.py measures until issue 6's recompute lands."""
-    import torch.utils.checkpoint as cp
+    backward's recompute) -- the `mst+layer_checkpoint` row of bench/activation_bytes.py."""
+    from megatron_lc.memory.recompute import checkpoint_layers
 
     cfg = small_config(["memory.mst=true", "memory.mst_mlp_chunk_size=7", "memory.mst_head_chunks=5"])
     batch = _weighted_batch(cfg, weighted=False)
     ref_loss, ref_grads = reference_loss_and_grads(cfg, batch)
     model = build_model(cfg, Topology(), CPU)
-    for layer in model.layers:
-        layer.forward = lambda x, rope, f=layer.forward: cp.checkpoint(f, x, rope, use_reentrant=False)
+    checkpoint_layers(model)
     tok = model(batch["tokens"], batch["position_ids"], batch["labels"])
     ((tok * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
     assert_close_loss(float((tok * batch["loss_mask"]).sum() / batch["loss_mask"].sum()), ref_loss)

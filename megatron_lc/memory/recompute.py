@@ -203,3 +203,12 @@ class SelectiveExecutor:
         else:
             o = layer.self_attention.core_attention(q, k, v)
         return layer.post_attention(x, o)
+
+
+def checkpoint_layers(model) -> None:
+    """Hugging Face's gradient checkpointing on this model, for comparisons (bench rows, captured traces, tests):
+    every transformer layer's forward under non-reentrant ``torch.utils.checkpoint`` -- keeps the layer input and
+    re-runs the whole layer, attention included, in backward. Not a config option: ``recompute_granularity: full``
+    keeps the attention output as well and never recomputes attention."""
+    for layer in model.layers:
+        layer.forward = lambda x, rope, f=layer.forward: checkpoint(f, x, rope, use_reentrant=False)
