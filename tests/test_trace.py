@@ -3,8 +3,8 @@ import json
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from megatron_lc.memory.recompute import checkpoint_layers
 from megatron_lc.memory.trace import Event, Trace, TraceError, max_live_bytes
 from megatron_lc.memory.trace_capture import capture_iteration, capture_layer, trace_from_snapshot
 from megatron_lc.parallel.parallelize import build_model
@@ -55,13 +55,11 @@ def test_corrupt_traces_get_clear_errors(tmp_path, lines, msg):
     assert msg in str(e.value)
 
 
-def _tiny(layers, recompute=False):
-    cfg = small_config([f"model.num_layers={layers}"])
+def _tiny(layers, recompute=False, overrides=()):
+    cfg = small_config([f"model.num_layers={layers}", *overrides])
     model = build_model(cfg, Topology(), torch.device("cpu"))
     if recompute:  # full activation recompute of each layer (torch's checkpoint): forward re-run in backward
-        for layer in model.layers:
-            fwd = layer.forward
-            layer.forward = lambda x, rope, f=fwd: checkpoint(f, x, rope, use_reentrant=False)
+        checkpoint_layers(model)
     return cfg, model
 
 
