@@ -6,7 +6,7 @@ Hugging Face ``LlamaForCausalLM`` (with and without gradient checkpointing), sam
     python bench/activation_bytes.py --rows none,mst,hf_gc --seqs 1024,2048        # a quick look
     python bench/activation_bytes.py --row "memo_a05=memory.activation_offload=memo,memory.offload_fraction=0.5"
 
-Memo rows (issue 6) also report ``host_bytes_per_token`` (the framework's count of its host copies) and
+Memo rows also report ``host_bytes_per_token`` (the framework's count of its host copies) and
 ``device_activation_bytes_per_token`` = activation bytes per token - host bytes per token: on CPU the host copies
 are in RSS, on GPU they would not be on the device.
 
@@ -72,7 +72,7 @@ class Row:
 ROWS = {
     "none": Row("framework", [], note="no memory features"),
     "full_recompute": Row("framework", ["memory.recompute_granularity=full"],
-                          note="issue 6: keeps layer input + attention output + lse, recomputes the token-wise rest"),
+                          note="token-wise: keeps layer input + attention output + lse, recomputes the token-wise rest"),
     "mst": Row("framework", ["memory.mst=true"], note="MsT: mini-sequence MLP and LM head + loss (defaults)"),
     "mst+full_recompute": Row("framework", ["memory.mst=true", "memory.recompute_granularity=full"]),
     "layer_checkpoint": Row("framework", [], layer_checkpoint=True,
@@ -80,7 +80,7 @@ ROWS = {
                                  "(keeps the layer input, recomputes the whole layer incl. attention)"),
     "mst+layer_checkpoint": Row("framework", ["memory.mst=true"], layer_checkpoint=True,
                                 note="MsT + the per-layer torch.utils.checkpoint"),
-    # ---- issue 6: Memo offload (device-resident bytes: RSS minus the host copies, which live in RSS on CPU) ----
+    # ---- Memo offload (device-resident bytes: RSS minus the host copies, which live in RSS on CPU) ----
     "memo_a0": Row("framework", ["memory.activation_offload=memo", "memory.offload_fraction=0"],
                    note="Memo: input + attention out offloaded, every other token recomputed"),
     "memo_a0.5": Row("framework", ["memory.activation_offload=memo", "memory.offload_fraction=0.5"],
@@ -89,7 +89,7 @@ ROWS = {
                    note="Memo: every skeletal tensor offloaded, nothing recomputed"),
     "mst+memo_a0": Row("framework", ["memory.mst=true", "memory.activation_offload=memo",
                                      "memory.offload_fraction=0"]),
-    # ---- end issue 6 ---------------------------------------------------------------------------------------
+    # ---- end Memo ---------------------------------------------------------------------------------------
     "hf": Row("hf", [], note="transformers LlamaForCausalLM, sdpa attention"),
     "hf_gc": Row("hf", ["gradient_checkpointing=true"], note="... with gradient_checkpointing_enable()"),
 }
@@ -153,7 +153,7 @@ def summarise(rows: dict, results: dict, rounds: dict, lo: int, hi: int) -> dict
             best = [r_lo["best_step_s"]] + [r["best_step_s"] for r in rounds.get(name, [])]
             entry.update(tokens_per_s=lo / min(best), best_step_seconds_at_lo=best,
                          steps_at_lo=r_lo["steps"], steps_at_hi=r_hi["steps"])
-            if r_lo.get("memo") and r_hi.get("memo"):  # issue 6: on CPU the host copies are part of RSS
+            if r_lo.get("memo") and r_hi.get("memo"):  # Memo: on CPU the host copies are part of RSS
                 host = (r_hi["memo"]["host_bytes"] - r_lo["memo"]["host_bytes"]) / (hi - lo)
                 entry.update(memo={lo: r_lo["memo"], hi: r_hi["memo"]}, host_bytes_per_token=host,
                              device_activation_bytes_per_token=entry["activation_bytes_per_token"] - host)

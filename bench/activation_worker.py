@@ -75,17 +75,15 @@ def _framework_steps(spec: dict, metrics_file: str, rec: StepRecorder):
     from megatron_lc.parallel.topology import Topology
     from megatron_lc.training.loop import Trainer
 
-    try:
+    from megatron_lc.memory.recompute import with_layer_checkpoint
+
+    try:  # layer_checkpoint: HF's scheme on our model, for the comparison rows
         trainer = Trainer(load_config(None, spec["sets"] + [f"logging.metrics_file={metrics_file}"]), Topology(),
-                          torch.device("cpu"))
+                          torch.device("cpu"), adjust_spec=with_layer_checkpoint if spec.get("layer_checkpoint") else None)
     except ConfigError as e:
         return str(e)
-    if spec.get("layer_checkpoint"):  # HF's scheme on our model, for the comparison rows
-        from megatron_lc.memory.recompute import checkpoint_layers
-
-        checkpoint_layers(trainer.model)
     fwd_bwd = trainer.forward_backward
-    rt = getattr(trainer.model, "memo_runtime", None)  # issue 6: Memo's own accounting, when present
+    rt = trainer.ctx.memo  # Memo's own accounting, when present
 
     def measured_fwd_bwd(batches):  # Trainer.train_step calls self.forward_backward: bracket it
         if rt is not None:

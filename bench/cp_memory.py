@@ -44,18 +44,17 @@ def rank_step(rank, world, overrides):
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from megatron_lc.config import load_config
+    from megatron_lc.config import load_config, resolve_layout
     from megatron_lc.data import build_dataset, make_batch
-    from megatron_lc.parallel.layout import shard_batch
-    from megatron_lc.parallel.parallelize import build_model
+    from megatron_lc.parallel.token_layout import shard_batch
     from megatron_lc.parallel.topology import Topology
+    from tests.parity import build
 
     cfg = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml"), overrides)
-    cfg.check_layout(world)
-    p = cfg.parallel
-    topo = Topology.build(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, ulysses=p.ulysses_size)
-    model = build_model(cfg, topo, torch.device("cpu"))
-    batch = shard_batch(make_batch(build_dataset(cfg), [0]), cfg, topo)
+    layout = resolve_layout(cfg, world)
+    topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
+    model, _ = build(cfg, topo)
+    batch = shard_batch(make_batch(build_dataset(cfg), [0]), layout, topo)
     total = float(cfg.data.seq_length)
 
     def step():

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from megatron_lc.config import ConfigError, load_config  # noqa: E402
+from megatron_lc.config import ConfigError  # noqa: E402
 from megatron_lc.estimate import estimate, load_hardware  # noqa: E402
 from megatron_lc.estimate.hardware import GIB  # noqa: E402
 

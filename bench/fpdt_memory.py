@@ -22,7 +22,6 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -63,13 +62,13 @@ def model_bytes(a, u: int, offload: bool, P: int, kv_repeat: int) -> int:
 
 
 def measure(rank: int, world: int, a, out_path: str) -> None:
-    from megatron_lc.attention.fpdt import FPDTSelfAttention
-    from megatron_lc.attention.fpdt_layout import fpdt_token_index
+    from megatron_lc.attention.fpdt.block import FPDTSelfAttention
     from megatron_lc.config import load_config
     from megatron_lc.model.attention import SelfAttention
     from megatron_lc.model.rope import RotaryEmbedding
-    from megatron_lc.parallel.parallelize import ModelParts
+    from megatron_lc.parallel.token_layout import fpdt_token_index
     from megatron_lc.parallel.topology import Topology
+    from tests.parity import block_parts
 
     torch.set_num_threads(1 if world > 1 else 2)
     topo = Topology.build(cp=world, ulysses=world)
@@ -77,15 +76,17 @@ def measure(rank: int, world: int, a, out_path: str) -> None:
              f"model.num_query_groups={a.kv_heads}", f"data.seq_length={a.seq}"]
     torch.manual_seed(0)
     base_cfg = load_config(None, model)
-    base = SelfAttention(base_cfg.model, ModelParts(base_cfg, Topology()), 0, 0.02)
+    base = SelfAttention(base_cfg.model, block_parts(base_cfg), 0, 0.02)
     s_local = a.seq // world
     runs = []
     for offload in (True, False):
         for u in a.chunks:
             cfg = load_config(None, model + [f"parallel.context_parallel_size={world}", "parallel.cp_comm_type=fpdt",
                                              f"memory.fpdt_chunk_size={a.seq // u}", f"memory.fpdt_offload={offload}"])
-            acct, host = SnapshotAccount(), BufferAccount()
-            block = FPDTSelfAttention(copy.deepcopy(base), cfg, topo, 0, acct, host)
+            parts = block_parts(cfg, topo)
+            acct, host = parts.ctx.fpdt.account, parts.ctx.fpdt.host_account = SnapshotAccount(), BufferAccount()
+            block = FPDTSelfAttention(cfg.model, parts, 0, 0.02)
+            block.load_state_dict(base.state_dict())
             idx = fpdt_token_index(a.seq, world, topo.cp_rank, u)
             pos = idx.view(s_local, 1).expand(s_local, a.batch)
             rope = RotaryEmbedding(a.head_dim, 10000.0)(pos)

@@ -43,7 +43,7 @@ def run(overrides: list, steps: int) -> dict:
     t0 = time.perf_counter()
     trainer = Trainer(cfg, Topology(), torch.device("cpu"))
     state = trainer.train()
-    rt = getattr(trainer.model, "memo_runtime", None)
+    rt = trainer.ctx.memo
     return {"losses": state.losses, "seconds": time.perf_counter() - t0,
             "alpha": None if rt is None else rt.alpha,
             "host_bytes": 0 if rt is None else rt.host_bytes()}

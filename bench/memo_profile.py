@@ -18,11 +18,9 @@ sys.path.insert(0, ROOT)
 
 
 def main() -> None:
-    import torch
 
     from megatron_lc.config import load_config
-    from megatron_lc.parallel.parallelize import build_model
-    from megatron_lc.parallel.topology import Topology
+    from tests.parity import build
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=os.path.join(ROOT, "configs/tiny_cpu.yaml"))
@@ -30,9 +28,8 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config(args.config, ["memory.activation_offload=memo", "memory.offload_fraction=auto",
                                     "data.mock_data=true"] + args.set)
-    cfg.check_layout(1)
-    model = build_model(cfg, Topology(), torch.device("cpu"))
-    rt = model.memo_runtime
+    _, ctx = build(cfg)  # the calibration profiles, solves alpha and allocates the rounding buffers
+    rt = ctx.memo
     print(json.dumps({"config": args.config, "overrides": args.set, "alpha": rt.alpha,
                       "solver": rt.alpha_result.as_dict(), "profile": rt.profile.as_dict(),
                       "rounding_buffer_bytes": rt.buffers[0].capacity}, indent=1))

@@ -78,12 +78,11 @@ class LayerSavedBytes:
 
 def run_row(name: str, overrides: list, seq: int, steps: int) -> dict:
     from megatron_lc.config import load_config
-    from megatron_lc.parallel.parallelize import build_model
-    from megatron_lc.parallel.topology import Topology
+    from tests.parity import build
 
     cfg = load_config(None, BASE + [f"data.seq_length={seq}", f"model.max_position_embeddings={seq}"] + overrides)
-    model = build_model(cfg, Topology(), torch.device("cpu"))
-    rt = getattr(model, "memo_runtime", None)
+    model, ctx = build(cfg)
+    rt = ctx.memo
     saved = LayerSavedBytes(model) if rt is None else None
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, MODEL["vocab_size"], (1, seq + 1), generator=g)

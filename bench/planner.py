@@ -31,27 +31,22 @@ sys.path.insert(0, ROOT)
 
 
 def tiny_trace(layers: int, recompute: bool, config: str = ""):
-    import torch
 
     from megatron_lc.config import load_config
-    from megatron_lc.memory.recompute import checkpoint_layers
-    from megatron_lc.memory.trace_capture import capture_iteration
-    from megatron_lc.parallel.parallelize import build_model
-    from megatron_lc.parallel.topology import Topology
-    from tests.parity import batch_for, small_config
+    from megatron_lc.memory.recompute import with_layer_checkpoint
+    from megatron_lc.planning.capture import capture_iteration
+    from tests.parity import batch_for, build, small_config
 
     if config:  # the demo model (configs/tiny_cpu.yaml), one micro-batch of random tokens
         cfg = load_config(config, ["data.mock_data=true", "train.device=cpu"])
     else:
         cfg = small_config([f"model.num_layers={layers}"])
-    model = build_model(cfg, Topology(), torch.device("cpu"))
-    if recompute:
-        checkpoint_layers(model)
-    return capture_iteration(model, batch_for(cfg, batch=cfg.train.micro_batch_size))
+    model, ctx = build(cfg, adjust_spec=with_layer_checkpoint if recompute else None)
+    return capture_iteration(model, batch_for(cfg, batch=cfg.train.micro_batch_size), ctx.arena)
 
 
 def run_variant(trace, name: str, time_limit: float) -> dict:
-    from megatron_lc.memory.planner import plan_trace
+    from megatron_lc.planning.planner import plan_trace
 
     mode, _, rest = name.partition("-")
     kw = {"flat": dict(mode="flat", solver=rest), "bilevel": dict(mode="bilevel", pseudo=rest, solver="cpsat"),
@@ -69,8 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--time-limit", type=float, default=10.0)
     args = p.parse_args(argv)
 
-    from megatron_lc.memory.cachesim import simulate
-    from megatron_lc.memory.planner_synth import LlamaShape, llama_iteration_trace, llama_layer_trace
+    from megatron_lc.planning.cachesim import simulate
+    from megatron_lc.planning.synth import LlamaShape, llama_iteration_trace, llama_layer_trace
 
     tl = args.time_limit
     traces = [("tiny-L1", lambda: tiny_trace(1, False)), ("tiny-L4", lambda: tiny_trace(4, False)),
@@ -99,7 +94,7 @@ def main(argv=None) -> int:
             if big and v == "flat-cpsat":
                 continue  # CP-SAT on >2,000 flat boxes only spends its time limit building the model
             row["variants"][v] = run_variant(tr, v, tl)
-        from megatron_lc.memory.planner import plan_trace
+        from megatron_lc.planning.planner import plan_trace
 
         row["lower_bound_bytes"] = plan_trace(tr, mode="flat", solver="greedy").lower_bound_bytes
         best = min(r["peak_bytes"] for r in row["variants"].values())

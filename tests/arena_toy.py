@@ -1,11 +1,13 @@
 """A test-only framework-buffer user: the MLP run in sequence chunks whose (tokens x ffn) intermediates live in
-arena buffers, forward and backward (the pattern MsT/FPDT chunk buffers follow). tp=1, no bias."""
+arena buffers, forward and backward (the pattern MsT/FPDT chunk buffers follow). tp=1, no bias. Put into a model
+through the spec (``build_model(..., adjust_spec=with_toy_mlp)``), like any MLP class."""
 from __future__ import annotations
 
-import torch
-from torch import nn
+import dataclasses
 
-from megatron_lc.memory.arena import Arena
+import torch
+
+from megatron_lc.model.mlp import MLP
 
 
 class _ChunkedMLP(torch.autograd.Function):
@@ -19,7 +21,7 @@ class _ChunkedMLP(torch.autograd.Function):
             torch.matmul(x[lo:hi], w1.t(), out=z)
             zs.append(z)
         for (lo, hi), z in zip(mod.bounds(x.shape[0]), zs):
-            torch.matmul(mod.mlp.activation(z), w2.t(), out=out[lo:hi])
+            torch.matmul(mod.activation(z), w2.t(), out=out[lo:hi])
         del zs, z
         one = mod.arena.buffer("toy.persist", (1,), x.dtype, device=x.device, persistent=True)  # a static buffer
         out.mul_(one.fill_(1.0))  # exact: x 1.0
@@ -38,7 +40,7 @@ class _ChunkedMLP(torch.autograd.Function):
             torch.matmul(x[lo:hi], w1.t(), out=z)
             with torch.enable_grad():
                 zz = z.detach().requires_grad_(True)
-                a = mod.mlp.activation(zz)
+                a = mod.activation(zz)
             gc = g[lo:hi]
             dw2 += gc.flatten(0, -2).t() @ a.detach().flatten(0, -2)
             (dz,) = torch.autograd.grad(a, zz, gc @ w2)
@@ -48,21 +50,23 @@ class _ChunkedMLP(torch.autograd.Function):
         return dx, dw1, dw2, None
 
 
-class ArenaChunkedMLP(nn.Module):
-    def __init__(self, mlp: nn.Module, chunks: int):
-        super().__init__()
-        self.mlp, self.chunks = mlp, chunks
-        self.arena = Arena()
+class ArenaChunkedMLP(MLP):
+    """``MLP`` (same parameters and names) whose fc1 output lives in 2 chunks of arena buffers."""
+
+    chunks = 2
+
+    def __init__(self, cfg, parts, output_std: float):
+        super().__init__(cfg, parts, output_std)
+        self.arena = parts.ctx.arena
 
     def bounds(self, s: int):
         step = -(-s // self.chunks)
         return [(lo, min(lo + step, s)) for lo in range(0, s, step)]
 
     def forward(self, x):
-        return _ChunkedMLP.apply(x, self.mlp.linear_fc1.weight, self.mlp.linear_fc2.weight, self)
+        return _ChunkedMLP.apply(x, self.linear_fc1.weight, self.linear_fc2.weight, self)
 
 
-def use_toy_mlp(model: nn.Module, chunks: int = 2) -> nn.Module:
-    for layer in model.layers:
-        layer.mlp = ArenaChunkedMLP(layer.mlp, chunks)
-    return model
+def with_toy_mlp(spec):
+    """``adjust_spec`` that builds every layer's MLP as an ``ArenaChunkedMLP``."""
+    return dataclasses.replace(spec, mlp=ArenaChunkedMLP)

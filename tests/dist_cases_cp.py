@@ -12,11 +12,11 @@ import torch
 
 from megatron_lc.attention import build_core_attention
 from megatron_lc.attention.local import LocalCausalAttention
-from megatron_lc.config import ConfigError
-from megatron_lc.parallel.layout import local_token_index, shard_batch
+from megatron_lc.config import ConfigError, resolve_layout
+from megatron_lc.parallel.token_layout import local_token_index, shard_batch
 from megatron_lc.parallel.topology import Topology
-from tests.parity import (assert_close_grads, assert_close_loss, batch_for, full_grads, reference_loss_and_grads,
-                          small_config)
+from tests.parity import (assert_close_grads, assert_close_loss, batch_for, build, full_grads,
+                          reference_loss_and_grads, small_config)
 
 OUT_ATOL = 2e-5
 GRAD_ATOL = 1e-4
@@ -41,7 +41,7 @@ def attention_parity(rank, world, kind, ulysses, nq, nkv, b, s, d):
     cfg = small_config(cp_overrides(kind, world, ulysses) + [
         f"model.num_attention_heads={nq}", f"model.num_query_groups={nkv}", f"model.kv_channels={d}",
         f"data.seq_length={s}", f"model.hidden_size={nq * d}"])
-    cfg.check_layout(world)
+    layout = resolve_layout(cfg, world)
     topo = Topology.build(cp=world, ulysses=cfg.parallel.ulysses_size)
     q, k, v, dout = _qkv(0, s, b, nq, nkv, d)
 
@@ -49,9 +49,9 @@ def attention_parity(rank, world, kind, ulysses, nq, nkv, b, s, d):
     ref_out = LocalCausalAttention()(*ref_in)
     ref_out.backward(dout)
 
-    idx = local_token_index(cfg, topo, s)
+    idx = local_token_index(layout, topo, s)
     loc = [t.index_select(0, idx).clone().requires_grad_(True) for t in (q, k, v)]
-    attn = build_core_attention(cfg, topo, layer_number=0)
+    attn = build_core_attention(layout, topo, "auto", layer_number=0)
     out = attn(*loc)
     out.backward(dout.index_select(0, idx))
 
@@ -67,7 +67,7 @@ def odd_local_length(rank, world):
     """A ring rank given an odd number of local tokens (cannot hold two zigzag chunks) refuses clearly."""
     cfg = small_config(cp_overrides("p2p", world))
     topo = Topology.build(cp=world)
-    attn = build_core_attention(cfg, topo, layer_number=0)
+    attn = build_core_attention(resolve_layout(cfg, world), topo, "auto", layer_number=0)
     q = torch.randn(5, 1, 8, 8)
     try:
         attn(q, q[:, :, :4], q[:, :, :4])
@@ -91,19 +91,18 @@ def _masked_batch(cfg, seed=0, batch=2):
 def model_parity(rank, world, overrides):
     """Full model with cp (and possibly tp) vs the single-process model: global loss and every gradient."""
     from megatron_lc.parallel.collectives import all_reduce
-    from megatron_lc.parallel.parallelize import build_model
     from megatron_lc.parallel.topology import Axis
     from megatron_lc.training.optimizer import sync_gradients
 
     cfg = small_config(list(overrides))
-    cfg.check_layout(world)
+    layout = resolve_layout(cfg, world)
     p = cfg.parallel
     batch = _masked_batch(cfg)
     ref_loss, ref_grads = reference_loss_and_grads(copy.deepcopy(cfg), batch)
 
     topo = Topology.build(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, ulysses=p.ulysses_size)
-    model = build_model(cfg, topo, torch.device("cpu"))
-    local = shard_batch(batch, cfg, topo)
+    model = build(cfg, topo)[0]
+    local = shard_batch(batch, layout, topo)
     total = batch["loss_mask"].sum()  # the loop all-reduces the local counts over dp x cp to get this
     count = local["loss_mask"].sum().double()
     all_reduce(count, topo, Axis.DP_CP)
@@ -125,7 +124,6 @@ def train_losses(rank, world, config_path, overrides, metrics_file):
     from megatron_lc.training.loop import Trainer
 
     cfg = load_config(config_path, list(overrides) + [f"logging.metrics_file={metrics_file}"])
-    p = cfg.parallel
-    cfg.check_layout(world)
-    topo = Topology.build(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, ulysses=p.ulysses_size)
-    return Trainer(cfg, topo).train().losses
+    layout = resolve_layout(cfg, world)
+    topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
+    return Trainer(cfg, topo, layout=layout).train().losses

@@ -50,16 +50,17 @@ def nonfinite_on_one_rank(rank, world, overrides, bad_steps, bad_rank):
 
 
 def record_sample_ids(rank, world, overrides):
-    """Train; return the global sample ids every step read on this rank (test hook on ``Trainer.microbatches``)."""
+    """Train; return the global sample ids every step read on this rank (test hook on the setup's
+    ``microbatches``, which the loop calls once per step)."""
     trainer = _trainer(overrides)
     seen = []
-    original = trainer.microbatches
+    original = trainer.setup.microbatches
 
     def microbatches(consumed):
         batches = original(consumed)
         seen.append(sorted(int(i) for b in batches for i in b["sample_ids"]))
         return batches
 
-    trainer.microbatches = microbatches
+    trainer.setup.microbatches = microbatches
     state = trainer.train()
     return seen, state.consumed_samples, state.losses

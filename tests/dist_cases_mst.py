@@ -1,22 +1,18 @@
 """Rank functions for tests/test_mst_tp.py (run under tests.dist.run_dist)."""
-import torch
-
 from megatron_lc.memory.mst import MiniSequenceLMHead, MiniSequenceMLP
-from megatron_lc.parallel.parallelize import build_model
 from megatron_lc.parallel.topology import Topology
 from megatron_lc.training.optimizer import sync_gradients
-from tests.parity import assert_close_grads, assert_close_loss, full_grads, reference_loss_and_grads, small_config
+from tests.parity import assert_close_grads, assert_close_loss, build, full_grads, reference_loss_and_grads, small_config
 from tests.test_mst import _weighted_batch
 
 
 def mst_tp_parity(rank, world, overrides, weighted=True):
     """tp=world with MsT on vs the single-process unchunked model: loss and every (merged) gradient."""
     cfg = small_config([f"parallel.tensor_model_parallel_size={world}", "memory.mst=true"] + list(overrides))
-    cfg.check_layout(world)
     batch = _weighted_batch(cfg, weighted=weighted)
     ref_loss, ref_grads = reference_loss_and_grads(cfg, batch)
     topo = Topology.build(tp=world)
-    model = build_model(cfg, topo, torch.device("cpu"))
+    model = build(cfg, topo)[0]
     assert isinstance(model.layers[0].mlp, MiniSequenceMLP) and isinstance(model.head, MiniSequenceLMHead)
     tok_loss = model(batch["tokens"], batch["position_ids"], batch["labels"])
     loss = (tok_loss * batch["loss_mask"]).sum() / batch["loss_mask"].sum()

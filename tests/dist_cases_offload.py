@@ -9,10 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lc.parallel.parallelize import build_model
-from megatron_lc.parallel.topology import Topology
-from tests.parity import (assert_close_grads, assert_close_loss, batch_for, full_grads, reference_loss_and_grads,
-                          small_config)
+from megatron_lc.config import resolve_layout
+from megatron_lc.parallel.collectives import all_reduce
+from megatron_lc.parallel.token_layout import shard_batch
+from megatron_lc.parallel.topology import Axis, Topology
+from megatron_lc.training.optimizer import sync_gradients
+from tests.parity import (assert_close_grads, assert_close_loss, batch_for, build, full_grads,
+                          reference_loss_and_grads, small_config)
 
 GPT = ["model.normalization=LayerNorm", "model.swiglu=false", "model.position_embedding_type=learned_absolute",
        "model.add_bias_linear=true", "model.untie_embeddings_and_output_weights=false",
@@ -36,32 +39,24 @@ def memo_parity(rank, world, overrides, iters: int = 1, tp: int = 1, cp: int = 1
     """Loss and grads of the model with ``overrides`` equal the plain model's; returns the runtime's stats."""
     cfg = small_config(list(overrides) + [f"parallel.tensor_model_parallel_size={tp}",
                                           f"parallel.context_parallel_size={cp}"])
-    cfg.check_layout(world)
+    layout = resolve_layout(cfg, world)
     batch = batch_for(cfg)
     ref_loss, ref_grads = reference_loss_and_grads(cfg, batch)
     topo = Topology.build(tp=tp, cp=cp, ulysses=cfg.parallel.ulysses_size)
-    model = build_model(cfg, topo, torch.device("cpu"))
-    local = batch
-    if cp > 1:
-        from megatron_lc.parallel.layout import shard_batch
-
-        local = shard_batch(batch, cfg, topo)
+    model, ctx = build(cfg, topo)
+    local = shard_batch(batch, layout, topo) if cp > 1 else batch
     for _ in range(iters):
         model.zero_grad(set_to_none=True)
         tok = model(local["tokens"], local["position_ids"], local["labels"])
         loss = (tok * local["loss_mask"]).sum() / batch["loss_mask"].sum()
         loss.backward()
         if world > 1:
-            from megatron_lc.parallel.collectives import all_reduce
-            from megatron_lc.parallel.topology import Axis
-            from megatron_lc.training.optimizer import sync_gradients
-
             sync_gradients(model, topo)
             loss = loss.detach().clone()
             all_reduce(loss, topo, Axis.DP_CP)
         assert_close_loss(float(loss), ref_loss)
         assert_close_grads(full_grads(model, topo), ref_grads)
-    rt = getattr(model, "memo_runtime", None)
+    rt = ctx.memo
     return None if rt is None else {"stats": rt.stats(), "alpha": rt.alpha, "attn_calls": rt.attn_forward_calls}
 
 

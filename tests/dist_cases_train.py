@@ -1,7 +1,7 @@
 """Rank functions for the training-loop tests (run under tests.dist.run_dist, or directly with world=1)."""
 from __future__ import annotations
 
-from megatron_lc.config import load_config
+from megatron_lc.config import load_config, resolve_layout
 from megatron_lc.parallel.topology import Topology
 from megatron_lc.training.loop import Trainer
 
@@ -14,8 +14,7 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads
 def train(rank, world, overrides):
     """Train with TINY + overrides on this world; returns (losses, consumed_samples)."""
     cfg = load_config(None, TINY + list(overrides))
-    p = cfg.parallel
-    cfg.check_layout(world)
-    topo = Topology.build(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, ulysses=p.ulysses_size)
-    state = Trainer(cfg, topo).train()
+    layout = resolve_layout(cfg, world)
+    topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
+    state = Trainer(cfg, topo, layout=layout).train()
     return state.losses, state.consumed_samples

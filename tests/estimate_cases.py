@@ -74,11 +74,11 @@ def base_overrides(metrics_dir: str) -> list[str]:
 
 def case_config(world: int, overrides: list):
     """The case's Config, layout-checked for ``world`` ranks."""
-    from megatron_lc.config import load_config
+    from megatron_lc.config import load_config, resolve_layout
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), base_overrides(tmp) + list(overrides))
-    cfg.check_layout(world)
+    resolve_layout(cfg, world)
     return cfg
 
 
@@ -88,19 +88,16 @@ def missing_feature(cfg, world: int) -> Optional[str]:
     Builds rank 0's model and sequence layout without process groups (init does not communicate): a missing feature
     raises ``ConfigError('... not implemented yet')`` or ``NotImplementedError``; a feature that exists but needs
     real process groups raises the topology's RuntimeError, which means it can be measured."""
-    import torch
-
-    from megatron_lc.config import ConfigError
-    from megatron_lc.parallel.layout import local_token_index
+    from megatron_lc.config import ConfigError, resolve_layout
     from megatron_lc.parallel.parallelize import build_model
+    from megatron_lc.parallel.token_layout import local_token_index
     from megatron_lc.parallel.topology import Topology
 
-    p = cfg.parallel
-    topo = Topology(world_size=world, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
-                    ulysses=p.ulysses_size, dp=world // (p.tensor_model_parallel_size * p.context_parallel_size))
+    layout = resolve_layout(cfg, world)
+    topo = Topology(world_size=world, tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, dp=layout.dp)
     try:
-        build_model(cfg, topo, torch.device("cpu"))
-        local_token_index(cfg, topo, cfg.data.seq_length)
+        build_model(cfg, layout, topo)
+        local_token_index(layout, topo, cfg.data.seq_length)
     except NotImplementedError as e:
         return f"not implemented in this checkout: {e}"
     except ConfigError as e:

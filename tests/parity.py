@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lc.config import Config, load_config
+from megatron_lc.config import Config, load_config, resolve_layout
+from megatron_lc.parallel.parallelize import ModelParts, model_context
 from megatron_lc.parallel.tensor_parallel import merge_shards
 from megatron_lc.parallel.topology import Axis, Topology
+from megatron_lc.training.setup import build_and_calibrate
 
 LOSS_RTOL = 1e-5
 GRAD_ATOL = 1e-4
+CPU = torch.device("cpu")
 
 
 def small_config(overrides=()) -> Config:
@@ -21,6 +24,20 @@ def small_config(overrides=()) -> Config:
             "model.ffn_hidden_size=128", "model.vocab_size=256", "model.make_vocab_size_divisible_by=64",
             "data.seq_length=32", "data.mock_data=true", "train.micro_batch_size=2", "train.device=cpu"]
     return load_config(None, base + list(overrides))
+
+
+def build(cfg: Config, topo: Topology = None, adjust_spec=None):
+    """(model, context) of ``cfg`` for ``topo`` (default: one process) on the CPU, Memo calibrated: the layout and
+    steps 3-5 of ``training/setup.py``."""
+    topo = topo if topo is not None else Topology()
+    return build_and_calibrate(cfg, resolve_layout(cfg, topo.world_size), topo, CPU, adjust_spec)
+
+
+def block_parts(cfg: Config, topo: Topology = None) -> ModelParts:
+    """``ModelParts`` to construct single blocks of ``cfg`` outside a model (its layout, a fresh context)."""
+    topo = topo if topo is not None else Topology()
+    layout = resolve_layout(cfg, topo.world_size)
+    return ModelParts(cfg, layout, topo, ctx=model_context(cfg, layout))
 
 
 def batch_for(cfg: Config, seed: int = 0, batch: int = 2):
@@ -61,8 +78,6 @@ def reference_loss_and_grads(cfg: Config, batch: dict):
     """The plain single-process model (tp=cp=1, no memory features) on the full batch: mean token loss, grads."""
     import copy
 
-    from megatron_lc.parallel.parallelize import build_model
-
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.parallel.tensor_model_parallel_size = 1
     ref_cfg.parallel.context_parallel_size = 1
@@ -71,8 +86,7 @@ def reference_loss_and_grads(cfg: Config, batch: dict):
     ref_cfg.parallel.sequence_parallel = False
     for k, v in {"mst": False, "recompute_granularity": "none", "activation_offload": "none", "plan": "off"}.items():
         setattr(ref_cfg.memory, k, v)
-    topo = Topology()
-    model = build_model(ref_cfg, topo, torch.device("cpu"))
+    model, _ = build(ref_cfg)
     tok_loss = model(batch["tokens"], batch["position_ids"], batch["labels"])
     loss = (tok_loss * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
     loss.backward()

@@ -16,8 +16,12 @@ import math
 import pytest
 import torch
 
-from megatron_lc.memory.alpha import GIB, AlphaInputs, HostMemoryError, check_fixed_alpha, closed_form, solve_alpha
-from tests.dist_cases_offload import one_thread  # noqa: F401 (fixture)
+from megatron_lc.config import resolve_layout
+from megatron_lc.memory.memo.alpha import AlphaInputs, HostMemoryError, check_fixed_alpha, closed_form, solve_alpha
+from megatron_lc.memory.memo.calibrate import profile_layer
+from megatron_lc.units import GIB
+from tests.dist_cases_offload import GPT, one_thread  # noqa: F401 (fixture)
+from tests.parity import build, small_config
 
 
 def paper(tokens_m: int) -> AlphaInputs:
@@ -96,16 +100,10 @@ def test_linprog_equals_closed_form(seed):
 def test_profiler_on_this_machine(arch):
     """Sizes measured by the profiler equal the per-layer formula of docs/memo_offload.md; time, bandwidth and
     host memory are measured (positive, finite)."""
-    from megatron_lc.memory.attention_io import LocalLse
-    from megatron_lc.memory.profiler import profile_layer
-    from megatron_lc.parallel.parallelize import build_model
-    from megatron_lc.parallel.topology import Topology
-    from tests.dist_cases_offload import GPT
-    from tests.parity import small_config
-
-    cfg = small_config(GPT if arch == "gpt" else [])
-    model = build_model(cfg, Topology(), torch.device("cpu"))
-    p = profile_layer(model, cfg, Topology(), LocalLse(), 1, torch.device("cpu"), repeats=2)
+    # token-wise recompute: the layers run under a MemoExecutor, whose measuring twin the profiler uses
+    cfg = small_config((GPT if arch == "gpt" else []) + ["memory.recompute_granularity=full"])
+    model, _ = build(cfg)
+    p = profile_layer(model, resolve_layout(cfg, 1), torch.device("cpu"), None, repeats=2)
     m = cfg.model
     rows, e = 32 * 2, 4  # tokens x batch, fp32
     h, f, nqd, nkvd = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads * m.kv_channels, \

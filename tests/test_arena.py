@@ -1,5 +1,4 @@
 """Static arena: framework buffers as views of one planned buffer; memory.plan off | auto | plan.json."""
-import copy
 import logging
 import os
 
@@ -7,15 +6,14 @@ import pytest
 import torch
 
 from megatron_lc.config import ConfigError
-from megatron_lc.memory.arena import Arena, ArenaLayout, PlannedArena, Slot, install_arena
-from megatron_lc.memory.planner import plan_trace
-from megatron_lc.memory.planning import layout_from_plan
-from megatron_lc.memory.trace_capture import capture_iteration
-from megatron_lc.parallel.parallelize import build_model
+from megatron_lc.memory.arena import Arena, ArenaLayout, PlannedArena, Slot
 from megatron_lc.parallel.topology import Topology
+from megatron_lc.planning.capture import capture_iteration
+from megatron_lc.planning.planner import plan_trace
+from megatron_lc.planning.runtime import layout_from_plan
 from megatron_lc.training.loop import Trainer
-from tests.arena_toy import use_toy_mlp
-from tests.parity import GRAD_ATOL, LOSS_RTOL, batch_for, reference_loss_and_grads, small_config
+from tests.arena_toy import with_toy_mlp
+from tests.parity import GRAD_ATOL, LOSS_RTOL, batch_for, build, reference_loss_and_grads, small_config
 
 
 def test_default_arena_allocates_and_counts():
@@ -66,7 +64,7 @@ def test_planned_arena_falls_back_on_divergence(caplog):
 
 
 def _toy_model(cfg):
-    return use_toy_mlp(build_model(cfg, Topology(), torch.device("cpu")))
+    return build(cfg, adjust_spec=with_toy_mlp)
 
 
 def _step(model, b):
@@ -80,14 +78,14 @@ def test_toy_framework_buffers_from_the_plan_are_exact():
     cfg = small_config(["model.num_layers=2"])
     b = batch_for(cfg)
     ref_loss, ref_grads = reference_loss_and_grads(cfg, b)
-    model = _toy_model(cfg)
+    model, ctx = _toy_model(cfg)
     off_loss, off_grads = _step(model, b)
-    trace = capture_iteration(model, b)
+    trace = capture_iteration(model, b, ctx.arena)
     tags = [e.tag for e in trace.events if e.tag]
     assert tags.count("toy.fc1") == 4 and tags.count("toy.fc1.bwd") == 4  # 2 layers x 2 chunks, fwd and bwd
     plan = plan_trace(trace, solver="greedy")
     arena = PlannedArena(layout_from_plan(plan))
-    install_arena(model, arena)
+    ctx.arena.install(arena)
     for _ in range(2):
         loss, grads = _step(model, b)
         # same ops on the same values, only the buffers' addresses differ: bitwise equal to the unplanned run
@@ -104,9 +102,7 @@ def test_toy_framework_buffers_from_the_plan_are_exact():
 
 def _train(overrides, tmp_path=None, toy=False):
     cfg = small_config(["train.train_iters=3", "train.lr=1e-3", "memory.plan_time_limit=1"] + overrides)
-    t = Trainer(cfg, Topology(), torch.device("cpu"))
-    if toy:
-        use_toy_mlp(t.model)
+    t = Trainer(cfg, Topology(), torch.device("cpu"), adjust_spec=with_toy_mlp if toy else None)
     state = t.train()
     return state.losses, t
 
@@ -128,18 +124,18 @@ def test_training_with_plan_auto_gives_the_same_losses(tmp_path, toy):
 
 def test_bad_plan_settings_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="must be 'off', 'auto' or an existing plan JSON file"):
-        build_model(small_config(["memory.plan=/nonexistent/plan.json"]), Topology(), torch.device("cpu"))
+        Trainer(small_config(["memory.plan=/nonexistent/plan.json"]), Topology())
     bad = tmp_path / "plan.json"
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read plan"):
-        build_model(small_config([f"memory.plan={bad}"]), Topology(), torch.device("cpu"))
+        Trainer(small_config([f"memory.plan={bad}"]), Topology())
 
 
 def test_plan_replay_allocator_host_twin():
     """The C replay behind the GPU pluggable allocator, built with host malloc, driven with a trace's requests."""
     import shutil
 
-    from megatron_lc.memory.arena_cuda import PlanReplay
+    from megatron_lc.planning.replay_cuda import PlanReplay
     from tests.test_planner import random_trace
 
     if shutil.which("gcc") is None:

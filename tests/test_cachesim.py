@@ -1,6 +1,6 @@
 """The caching-allocator simulator follows PyTorch's CUDA caching allocator policy (defaults)."""
-from megatron_lc.memory.cachesim import CachingAllocatorSim, allocation_size, round_size, simulate
-from megatron_lc.memory.trace import Event, Trace
+from megatron_lc.planning.cachesim import CachingAllocatorSim, allocation_size, round_size, simulate
+from megatron_lc.planning.trace import Event, Trace
 
 MiB = 1 << 20
 

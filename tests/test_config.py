@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from megatron_lc.config import Config, ConfigError, load_config
+from megatron_lc.config import Config, ConfigError, load_config, resolve_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -20,7 +20,7 @@ def test_every_shipped_config_loads_and_validates(path):
     cfg = load_config(path)
     p = cfg.parallel
     world = p.tensor_model_parallel_size * p.context_parallel_size * int(os.environ.get("DP_FOR_TEST", 1))
-    assert cfg.check_layout(world) >= 1
+    assert resolve_layout(cfg, world).dp >= 1
 
 
 def test_big_configs_have_the_published_shapes():
@@ -91,5 +91,5 @@ def test_yaml_file_errors(tmp_path):
 ])
 def test_impossible_layouts_give_one_line_errors(overrides, world, message):
     with pytest.raises(ConfigError, match=message) as e:
-        load_config(None, overrides).check_layout(world)
+        resolve_layout(load_config(None, overrides), world)
     assert "\n" not in str(e.value)

@@ -2,9 +2,10 @@
 import pytest
 import torch
 
-from megatron_lc.attention.ulysses import kv_replication
-from megatron_lc.config import ConfigError, load_config
-from megatron_lc.parallel.layout import local_token_index, shard_batch
+from megatron_lc.attention import build_core_attention
+from megatron_lc.config import ConfigError, load_config, resolve_layout
+from megatron_lc.config.layout import kv_replication
+from megatron_lc.parallel.token_layout import local_token_index, shard_batch
 from megatron_lc.parallel.topology import Topology
 from tests.parity import batch_for, small_config
 
@@ -19,7 +20,8 @@ def _cfg(kind, cp, ulysses=None, s=16, extra=()):
 def _rows(cfg, s):
     p = cfg.parallel
     world = p.context_parallel_size
-    return [local_token_index(cfg, Topology(world_size=world, rank=r, cp=world, ulysses=p.ulysses_size), s).tolist()
+    layout = resolve_layout(cfg, world)
+    return [local_token_index(layout, Topology(world_size=world, rank=r, cp=world, ulysses=p.ulysses_size), s).tolist()
             for r in range(world)]
 
 
@@ -50,7 +52,7 @@ def test_shard_batch_moves_tokens_labels_positions_and_mask_together():
     batch = batch_for(cfg)
     batch["loss_mask"] = torch.arange(16.0).view(2, 8)
     topo = Topology(world_size=2, rank=1, cp=2)
-    out = shard_batch(batch, cfg, topo)
+    out = shard_batch(batch, resolve_layout(cfg, 2), topo)
     idx = torch.tensor([2, 3, 4, 5])  # rank 1 of cp=2: chunks 1 and 2 of 4
     for k in ("tokens", "labels", "position_ids", "loss_mask"):
         assert torch.equal(out[k], batch[k][:, idx]), k
@@ -61,17 +63,17 @@ def test_shard_batch_moves_tokens_labels_positions_and_mask_together():
 def test_sequence_not_divisible_is_refused(kind, cp, ulysses, s, mult):
     """Both the config check (before training) and the data path (a batch of another length) refuse clearly."""
     with pytest.raises(ConfigError, match=rf"data.seq_length \({s}\) must be divisible by {mult}"):
-        _cfg(kind, cp, ulysses, s=s).check_layout(cp)
+        resolve_layout(_cfg(kind, cp, ulysses, s=s), cp)
     cfg = _cfg(kind, cp, ulysses, s=64)  # valid config, but a batch of length s arrives
     topo = Topology(world_size=cp, rank=0, cp=cp, ulysses=cfg.parallel.ulysses_size)
     with pytest.raises(ConfigError, match=rf"sequence length \({s}\) must be divisible by {mult}"):
-        shard_batch(batch_for(_cfg(kind, cp, ulysses, s=s)), cfg, topo)
+        shard_batch(batch_for(_cfg(kind, cp, ulysses, s=s)), resolve_layout(cfg, cp), topo)
 
 
 def test_heads_not_divisible_by_ulysses_is_refused():
     with pytest.raises(ConfigError, match=r"attention heads per tp rank \(6\) must be divisible by ulysses size \(4\)"):
-        _cfg("a2a", 4, extra=["model.num_attention_heads=6", "model.num_query_groups=2",
-                              "model.hidden_size=48"]).check_layout(4)
+        resolve_layout(_cfg("a2a", 4, extra=["model.num_attention_heads=6", "model.num_query_groups=2",
+                                             "model.hidden_size=48"]), 4)
     with pytest.raises(ConfigError, match=r"\(6\) must be divisible by ulysses size \(4\)"):
         kv_replication(6, 2, 4)
 
@@ -86,13 +88,11 @@ def test_kv_replication(nq, nkv, u, rep):
                                         ("configs/tiny_cpu_cp_hybrid.yaml", 4)])
 def test_cp_configs_load_and_fit_their_world(path, world):
     cfg = load_config(path)
-    assert cfg.check_layout(world) == 1
+    assert resolve_layout(cfg, world).dp == 1
     assert cfg.parallel.context_parallel_size == world
 
 
 def test_missing_gpu_attention_backend_is_a_config_error():
-    from megatron_lc.attention import build_core_attention
-
     cfg = _cfg("p2p", 2, extra=["parallel.attention_backend=te"])
     with pytest.raises(ConfigError, match="parallel.attention_backend te needs a package that is not installed"):
-        build_core_attention(cfg, Topology(world_size=2, rank=0, cp=2), layer_number=0)
+        build_core_attention(resolve_layout(cfg, 2), Topology(world_size=2, rank=0, cp=2), "te", layer_number=0)

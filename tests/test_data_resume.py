@@ -1,5 +1,5 @@
 """Data resumption without loss: the global sample ids every rank reads (recorded by a test hook on
-``Trainer.microbatches``) over an interrupted-and-resumed run are exactly those of an uninterrupted run -- none
+``TrainingSetup.microbatches``) over an interrupted-and-resumed run are exactly those of an uninterrupted run -- none
 skipped, none repeated -- also when the resumed run uses another global batch size or data-parallel size."""
 import itertools
 

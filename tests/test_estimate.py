@@ -9,15 +9,17 @@ import os
 import pytest
 import yaml
 
-from megatron_lc.config import ConfigError, load_config
+from megatron_lc.config import ConfigError, load_config, resolve_layout
 from megatron_lc.estimate import estimate, load_hardware
 from megatron_lc.estimate.flops import model_flops_per_sample
-from megatron_lc.estimate.hardware import GIB, HARDWARE_DIR
+from megatron_lc.estimate.hardware import HARDWARE_DIR
 from megatron_lc.estimate.inventory import Dims, group_bytes, layer_skeletal, param_shards
 from megatron_lc.estimate.memory import solve_alpha
-from megatron_lc.estimate.report import activation_peak_from, load_measured, max_live_bytes
+from megatron_lc.estimate.report import activation_peak_from, load_measured
 from megatron_lc.estimate.search import pick_best, search_layouts
+from megatron_lc.planning.trace import Trace, max_live_bytes
 from megatron_lc.training.metrics import flops_per_sample
+from megatron_lc.units import GIB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -59,7 +61,7 @@ def test_hardware_errors_are_one_line(tmp_path):
 @pytest.mark.parametrize("config", ["tiny_cpu.yaml", "llama3_8b_1m.yaml", "gpt_7b.yaml"])
 def test_parameter_inventory_matches_model_count(config):
     cfg = load_config(os.path.join(CONFIGS, config))
-    x = Dims.from_config(cfg, 8 if "1m" in config or "7b" in config else 1, "cuda")
+    x = Dims.from_config(cfg, resolve_layout(cfg, 8 if "1m" in config or "7b" in config else 1), "cuda")
     full = Dims(**{**x.__dict__, "tp": 1, "cp": 1, "dp": 1, "sp": False})
     assert sum(n for _, n, _ in param_shards(full)) == cfg.model.num_parameters()
 
@@ -67,7 +69,7 @@ def test_parameter_inventory_matches_model_count(config):
 def test_model_flops_are_memos_formula_and_the_trainers():
     """Memo §5.1: 6·s·P + 6·n·h·s², the same figure training/metrics.py logs as MFU."""
     cfg = llama()
-    x = Dims.from_config(cfg, 8, "cuda")
+    x = Dims.from_config(cfg, resolve_layout(cfg, 8), "cuda")
     s, m = cfg.data.seq_length, cfg.model
     assert model_flops_per_sample(x) == pytest.approx(6 * s * m.num_parameters() + 6 * m.num_layers * 4096 * s * s)
     assert model_flops_per_sample(x) == pytest.approx(flops_per_sample(cfg))
@@ -79,7 +81,7 @@ def test_skeletal_bytes_reproduce_memo_figure5_16bsh():
     cfg = load_config(None, ["model.hidden_size=4096", "model.num_attention_heads=32", "model.ffn_hidden_size=16384",
                              "model.normalization=LayerNorm", "model.swiglu=false", "data.seq_length=8192",
                              "train.bf16=true"])
-    x = Dims(**{**Dims.from_config(cfg, 1, "cuda").__dict__, "res": 2})
+    x = Dims(**{**Dims.from_config(cfg, resolve_layout(cfg, 1), "cuda").__dict__, "res": 2})
     g = group_bytes(layer_skeletal(x, mlp_chunked=False, fpdt_offload=False, token_wise=True))
     bsh = x.tokens * x.h
     assert g["input"] == 2 * bsh
@@ -197,7 +199,7 @@ def test_plan_and_trace_replace_the_activation_formulas(tmp_path):
     trace.write_text("\n".join(json.dumps(e) for e in [
         {"op": "malloc", "id": 1, "size": 100}, {"op": "malloc", "id": 2, "size": 50},
         {"op": "free", "id": 1, "size": 100}, {"op": "malloc", "id": 3, "size": 120}]))
-    assert max_live_bytes(str(trace)) == 170
+    assert max_live_bytes(Trace.load(str(trace)).requests()) == 170
     cfg = load_config(os.path.join(CONFIGS, "tiny_cpu.yaml"), ["data.mock_data=true"])
     a = estimate(cfg, load_hardware("cpu"), 2)
     b = estimate(cfg, load_hardware("cpu"), 2, activation_peak_override=GIB)

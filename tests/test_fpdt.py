@@ -5,12 +5,14 @@ tests/dist_cases_fpdt.py and tests/parity.py)."""
 import pytest
 import torch
 
-from megatron_lc.attention.fpdt import kv_replication
-from megatron_lc.attention.fpdt_layout import chunk_rows, fpdt_token_index
-from megatron_lc.config import ConfigError
+from megatron_lc.attention.fpdt.block import FPDTSelfAttention
+from megatron_lc.config import ConfigError, resolve_layout
+from megatron_lc.config.layout import kv_replication
+from megatron_lc.model.attention import SelfAttention
+from megatron_lc.parallel.token_layout import chunk_rows, fpdt_token_index
 from tests import dist_cases_fpdt as cases
 from tests.dist import run_dist
-from tests.parity import small_config
+from tests.parity import block_parts, small_config
 
 HEADS = [(8, 8), (8, 2), (8, 1)]  # MHA; GQA (kv heads < P=4: replicated); MQA (kv heads < P=2, 4)
 
@@ -54,7 +56,7 @@ def test_config_errors(over, msg):
     cfg = small_config(["parallel.cp_comm_type=fpdt"] + over)
     world = cfg.parallel.context_parallel_size * cfg.parallel.tensor_model_parallel_size
     with pytest.raises(ConfigError, match=msg):
-        cfg.check_layout(world)
+        resolve_layout(cfg, world)
 
 
 # ---- one attention block vs single-process attention -----------------------------------------------------------------
@@ -105,18 +107,15 @@ def test_training_fpdt_p2_u4_matches_cp1():
 
 # ---- in-process (P = 1) details --------------------------------------------------------------------------------------
 def _p1_block(u=4, offload=True):
-    from megatron_lc.attention.fpdt import FPDTSelfAttention
-    from megatron_lc.model.attention import SelfAttention
-    from megatron_lc.parallel.parallelize import ModelParts
-    from megatron_lc.parallel.topology import Topology
-
     cfg = small_config(["parallel.cp_comm_type=fpdt", f"memory.fpdt_chunk_size={32 // u}",
                         f"memory.fpdt_offload={offload}"])
     torch.manual_seed(0)
-    ref = SelfAttention(cfg.model, ModelParts(small_config(), Topology()), 0, 0.02)
+    ref = SelfAttention(cfg.model, block_parts(small_config()), 0, 0.02)
     for p in ref.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    return FPDTSelfAttention(ref, cfg, Topology()), cfg
+    block = FPDTSelfAttention(cfg.model, block_parts(cfg), 0, 0.02)
+    block.load_state_dict(ref.state_dict())
+    return block, cfg
 
 
 def test_no_grad_forward_matches_and_keeps_nothing():
@@ -127,7 +126,7 @@ def test_no_grad_forward_matches_and_keeps_nothing():
     rope = RotaryEmbedding(cfg.model.kv_channels, 10000.0)(torch.arange(32).view(32, 1).expand(32, 2))
     with torch.no_grad():
         y0 = block(x, rope)
-    assert block.fpdt_account.current == 0 and block.fpdt_host_account.current == 0
+    assert block.state.account.current == 0 and block.state.host_account.current == 0
     y1 = block(x.requires_grad_(), rope)
     assert torch.equal(y0, y1.detach())  # same arithmetic with and without the autograd graph
 

@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_lc.config import ConfigError
-from megatron_lc.memory import mst as mst_mod
-from megatron_lc.memory.mst import MiniSequenceLMHead, MiniSequenceMLP, head_chunk_tokens
-from megatron_lc.memory.mst_functions import chunk_bounds, mini_sequence_mlp
-from megatron_lc.memory.mst_head import mini_sequence_cross_entropy
-from megatron_lc.parallel.parallelize import build_model
+from megatron_lc.memory.mst import MIN_HEAD_CHUNK, MiniSequenceLMHead, MiniSequenceMLP, head_chunk_tokens
+from megatron_lc.memory.mst import modules as mst_mod
+from megatron_lc.memory.mst.head_function import mini_sequence_cross_entropy
+from megatron_lc.memory.mst.mlp_function import chunk_bounds, mini_sequence_mlp
+from megatron_lc.memory.recompute import with_layer_checkpoint
 from megatron_lc.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from megatron_lc.parallel.topology import Topology
-from tests.parity import assert_close_grads, assert_close_loss, batch_for, reference_loss_and_grads, small_config
+from tests.parity import (assert_close_grads, assert_close_loss, batch_for, build, reference_loss_and_grads,
+                          small_config)
 
 CPU = torch.device("cpu")
 GPT = ["model.normalization=LayerNorm", "model.swiglu=false", "model.position_embedding_type=learned_absolute",
@@ -67,7 +67,7 @@ def test_mlp_function_matches_autograd(swiglu, bias, chunk):
 def test_head_function_matches_vocab_parallel_ce(chunk, mode, monkeypatch):
     """uniform: upstream gradient constant on labelled tokens (the training loop) -> gradient from forward;
     weighted: per-token factors -> dW recomputed chunk by chunk; recompute: grad_in_forward=False (Algorithm 4)."""
-    from megatron_lc.memory import mst_head
+    from megatron_lc.memory.mst import head_function as mst_head
 
     calls = []
     real = mst_head._recompute_backward
@@ -124,7 +124,7 @@ def _weighted_batch(cfg, seed=0, weighted=True):
 
 
 def _mst_loss_and_grads(cfg, batch):
-    model = build_model(cfg, Topology(), CPU)
+    model = build(cfg, Topology())[0]
     tok = model(batch["tokens"], batch["position_ids"], batch["labels"])
     loss = (tok * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
     loss.backward()
@@ -152,13 +152,10 @@ def test_model_matches_unchunked(mlp_chunk, head_chunks, arch, weighted):
 def test_model_under_layer_checkpoint_matches_unchunked():
     """MsT inside recomputed layers (torch.utils.checkpoint around each layer: the MLP function runs again in
     backward's recompute) -- the `mst+layer_checkpoint` row of bench/activation_bytes.py."""
-    from megatron_lc.memory.recompute import checkpoint_layers
-
     cfg = small_config(["memory.mst=true", "memory.mst_mlp_chunk_size=7", "memory.mst_head_chunks=5"])
     batch = _weighted_batch(cfg, weighted=False)
     ref_loss, ref_grads = reference_loss_and_grads(cfg, batch)
-    model = build_model(cfg, Topology(), CPU)
-    checkpoint_layers(model)
+    model, _ = build(cfg, adjust_spec=with_layer_checkpoint)
     tok = model(batch["tokens"], batch["position_ids"], batch["labels"])
     ((tok * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
     assert_close_loss(float((tok * batch["loss_mask"]).sum() / batch["loss_mask"].sum()), ref_loss)
@@ -169,7 +166,7 @@ def test_model_under_layer_checkpoint_matches_unchunked():
                                     ["memory.recompute_granularity=selective"],
                                     ["memory.activation_offload=memo", "memory.offload_fraction=0.5"]])
 def test_model_with_recompute_and_offload_matches_unchunked(memory):
-    """MsT inside issue 6's layer executors (full / selective recompute, Memo offload with half the tokens
+    """MsT inside the token-wise layer executors (full / selective recompute, Memo offload with half the tokens
     recomputed): the MLP function runs on token subsets in the recompute."""
     cfg = small_config(["memory.mst=true", "memory.mst_mlp_chunk_size=7", "memory.mst_head_chunks=5"] + memory)
     batch = _weighted_batch(cfg)
@@ -182,7 +179,7 @@ def test_model_with_recompute_and_offload_matches_unchunked(memory):
 def test_parameter_names_and_values_unchanged():
     cfg = small_config(["memory.mst=true"])
     plain = small_config([])
-    a, b = build_model(cfg, Topology(), CPU), build_model(plain, Topology(), CPU)
+    a, b = build(cfg, Topology())[0], build(plain, Topology())[0]
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -195,7 +192,7 @@ def test_default_chunk_rules_follow_the_paper():
     assert mst_mod.mlp_chunk_tokens(cfg) == 256  # C = d
     assert mst_mod.head_chunk_count(cfg) == math.ceil(32000 / 256) == 125  # M = V / d
     assert head_chunk_tokens(100_000, 125, explicit=False) == 800  # ceil(N / M)
-    assert head_chunk_tokens(16384, 125, explicit=False) == mst_mod.MIN_HEAD_CHUNK == 256  # floor of the default
+    assert head_chunk_tokens(16384, 125, explicit=False) == MIN_HEAD_CHUNK == 256  # floor of the default
     assert head_chunk_tokens(100, 125, explicit=False) == 100  # short: one chunk
     assert head_chunk_tokens(100, 125, explicit=True) == 1  # an explicit M is honoured
 
@@ -245,7 +242,7 @@ def test_big_intermediates_never_exist_whole(mst):
     distinct widths, and every weight has fewer than 96 rows."""
     cfg = small_config(["data.seq_length=48", "model.ffn_hidden_size=160", f"memory.mst={mst}",
                         "memory.mst_mlp_chunk_size=16", "memory.mst_head_chunks=6"])
-    model = build_model(cfg, Topology(), CPU)
+    model = build(cfg, Topology())[0]
     batch = _weighted_batch(cfg)
     m = cfg.model
     spy = _BigTensors(rows=96, widths={m.ffn_hidden_size, 2 * m.ffn_hidden_size, m.padded_vocab_size})
@@ -253,11 +250,3 @@ def test_big_intermediates_never_exist_whole(mst):
         tok = model(batch["tokens"], batch["position_ids"], batch["labels"])
         (tok * batch["loss_mask"]).sum().backward()
     assert bool(spy.seen) != mst, spy.seen[:5]
-
-
-def test_refuses_foreign_linears():
-    cfg = small_config(["memory.mst=true"])
-    model = build_model(small_config([]), Topology(), CPU)
-    model.layers[0].mlp.linear_fc1 = torch.nn.Linear(64, 256)
-    with pytest.raises(ConfigError, match="memory.mst needs"):
-        mst_mod.apply_mst(model, cfg, Topology())

@@ -4,11 +4,9 @@ import pytest
 import torch
 
 from megatron_lc.config import ConfigError
-from megatron_lc.memory.alpha import HostMemoryError
-from megatron_lc.parallel.parallelize import build_model
-from megatron_lc.parallel.topology import Topology
+from megatron_lc.memory.memo.alpha import HostMemoryError
 from tests.dist_cases_offload import GPT, memo_overrides, memo_parity, one_thread  # noqa: F401 (fixture)
-from tests.parity import batch_for, reference_loss_and_grads, small_config
+from tests.parity import batch_for, build, reference_loss_and_grads, small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ALPHAS = [0, 0.125, 0.25, 0.5, 1]
@@ -54,7 +52,7 @@ def test_memo_auto_alpha_matches_reference():
 
 def _model(overrides):
     cfg = small_config(overrides)
-    return cfg, build_model(cfg, Topology(), torch.device("cpu"))
+    return (cfg, *build(cfg))
 
 
 def _loss(model, batch):
@@ -65,10 +63,10 @@ def _loss(model, batch):
 def test_swapped_layers_really_come_back_from_host():
     """Wipe the host copies of the swapped layers between forward and backward: the gradients change, so the
     backward really reads what went through host (the rounding buffers hold other layers by then)."""
-    cfg, model = _model(memo_overrides(0.5, layers=6))
+    cfg, model, ctx = _model(memo_overrides(0.5, layers=6))
     batch = batch_for(cfg)
     _, ref_grads = reference_loss_and_grads(cfg, batch)
-    rt = model.memo_runtime
+    rt = ctx.memo
     loss = _loss(model, batch)
     assert sorted(rt.host) == [0, 1, 2, 3]  # layers 4, 5 (the last two) never leave the device
     assert rt.buffers[0].owner.layer == 4 and rt.buffers[1].owner.layer == 5
@@ -80,7 +78,7 @@ def test_swapped_layers_really_come_back_from_host():
 
 
 def test_second_forward_before_backward_is_refused():
-    cfg, model = _model(memo_overrides(0.5))
+    cfg, model, ctx = _model(memo_overrides(0.5))
     batch = batch_for(cfg)
     first = _loss(model, batch)
     _loss(model, batch)
@@ -89,7 +87,7 @@ def test_second_forward_before_backward_is_refused():
 
 
 def test_eval_forward_is_plain():
-    cfg, model = _model(memo_overrides(0.5))
+    cfg, model, ctx = _model(memo_overrides(0.5))
     batch = batch_for(cfg)
     with torch.no_grad():
         got = _loss(model, batch)
@@ -113,8 +111,8 @@ def test_selective_with_memo_is_refused():
 
 
 def test_rounding_buffers_allocated_before_training_and_accounted():
-    cfg, model = _model(memo_overrides(0.5))
-    rt = model.memo_runtime
+    cfg, model, ctx = _model(memo_overrides(0.5))
+    rt = ctx.memo
     cap = rt.buffers[0].capacity
     assert rt.buffers[1].capacity == cap and rt.account.live["memo.rounding"] == 2 * cap
     _loss(model, batch_for(cfg)).backward()
@@ -130,13 +128,13 @@ def test_bf16_autocast_recompute_keeps_dtypes_and_weight_casts_are_not_offloaded
     they are summed, so they differ from one bf16 GEMM by ~1 bf16 ulp (2^-8 relative): tolerance 2e-2 of the
     largest entry; the loss does not depend on the split."""
     def run(overrides):
-        cfg, model = _model(["model.num_layers=3"] + overrides)
+        cfg, model, ctx = _model(["model.num_layers=3"] + overrides)
         batch = batch_for(cfg)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             tok = model(batch["tokens"], batch["position_ids"], batch["labels"])
         loss = (tok.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
         loss.backward()
-        return float(loss), {n: p.grad for n, p in model.named_parameters()}, getattr(model, "memo_runtime", None)
+        return float(loss), {n: p.grad for n, p in model.named_parameters()}, ctx.memo
 
     ref_loss, ref_grads, _ = run([])
     loss, grads, rt = run(memo_overrides(0.25, layers=3))

@@ -21,7 +21,7 @@ def losses(overrides):
     cfg = load_config("configs/tiny_cpu.yaml", BASE + overrides)
     trainer = Trainer(cfg, Topology(), torch.device("cpu"))
     state = trainer.train()
-    return state.losses, getattr(trainer.model, "memo_runtime", None)
+    return state.losses, trainer.ctx.memo
 
 
 @pytest.mark.usefixtures("one_thread")

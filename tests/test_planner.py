@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from megatron_lc.memory.planner import Plan, plan_trace
-from megatron_lc.memory.planner_solvers import PlanError, Rects, best_greedy
-from megatron_lc.memory.planner_synth import LlamaShape, llama_iteration_trace, llama_layer_trace
-from megatron_lc.memory.trace import Event, Trace
-from megatron_lc.memory.trace_capture import capture_iteration
+from megatron_lc.planning.planner import Plan, plan_trace
+from megatron_lc.planning.solvers import PlanError, Rects, best_greedy
+from megatron_lc.planning.synth import LlamaShape, llama_iteration_trace, llama_layer_trace
+from megatron_lc.planning.trace import Event, Trace
+from megatron_lc.planning.capture import capture_iteration
 from tests.parity import batch_for
 
 

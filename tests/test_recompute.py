@@ -3,11 +3,9 @@ checkpointed), both exact against the plain model; the token split helper."""
 import pytest
 import torch
 
-from megatron_lc.memory.recompute import TokenSplit
-from megatron_lc.parallel.parallelize import build_model
-from megatron_lc.parallel.topology import Topology
+from megatron_lc.memory.memo.steps import TokenSplit
 from tests.dist_cases_offload import GPT, memo_parity, one_thread  # noqa: F401 (fixture)
-from tests.parity import batch_for, small_config
+from tests.parity import batch_for, build, small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,7 +24,7 @@ def test_full_recompute_matches_reference_without_recomputing_attention(arch):
 
 def test_selective_recompute_matches_reference_and_reruns_core_attention():
     cfg = small_config(["memory.recompute_granularity=selective"])
-    model = build_model(cfg, Topology(), torch.device("cpu"))
+    model, _ = build(cfg)
     calls = []
     for layer in model.layers:
         layer.self_attention.core_attention.register_forward_pre_hook(lambda *a: calls.append(1))

@@ -4,12 +4,10 @@ import json
 import pytest
 import torch
 
-from megatron_lc.memory.recompute import checkpoint_layers
-from megatron_lc.memory.trace import Event, Trace, TraceError, max_live_bytes
-from megatron_lc.memory.trace_capture import capture_iteration, capture_layer, trace_from_snapshot
-from megatron_lc.parallel.parallelize import build_model
-from megatron_lc.parallel.topology import Topology
-from tests.parity import batch_for, small_config
+from megatron_lc.memory.recompute import with_layer_checkpoint
+from megatron_lc.planning.capture import capture_iteration, capture_layer, trace_from_snapshot
+from megatron_lc.planning.trace import Event, Trace, TraceError, max_live_bytes
+from tests.parity import batch_for, build, small_config
 
 
 def _write(tmp_path, lines):
@@ -57,9 +55,8 @@ def test_corrupt_traces_get_clear_errors(tmp_path, lines, msg):
 
 def _tiny(layers, recompute=False, overrides=()):
     cfg = small_config([f"model.num_layers={layers}", *overrides])
-    model = build_model(cfg, Topology(), torch.device("cpu"))
-    if recompute:  # full activation recompute of each layer (torch's checkpoint): forward re-run in backward
-        checkpoint_layers(model)
+    # recompute: full activation recompute of each layer (torch's checkpoint): forward re-run in backward
+    model, _ = build(cfg, adjust_spec=with_layer_checkpoint if recompute else None)
     return cfg, model
 
 

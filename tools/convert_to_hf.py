@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_lc.config import Config, ConfigError, ParallelConfig  # noqa: E402
+from megatron_lc.config import Config, ConfigError, ParallelConfig, resolve_layout  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,8 +44,8 @@ def partitions(cfg: Config, tp: int) -> dict:
     plain = copy.deepcopy(cfg)  # only tp shapes the parameters; cp, SP and memory features do not
     plain.parallel = ParallelConfig(tensor_model_parallel_size=tp)
     topo = Topology(world_size=tp, rank=0, tp=tp)
-    with torch.device("meta"):
-        model = GPTModel(plain.model, ModelParts(plain, topo))
+    with torch.device("meta"):  # the default spec: the plain model's classes
+        model = GPTModel(plain.model, ModelParts(plain, resolve_layout(plain, tp), topo))
     return {n: (p.partition if getattr(p, "tensor_model_parallel", False) else None)
             for n, p in model.named_parameters()}
 

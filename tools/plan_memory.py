@@ -28,10 +28,10 @@ def main(argv=None) -> int:
                    help="relative gap to the lower bound at which no solver time is spent (default 0: try to prove)")
     args = p.parse_args(argv)
 
-    from megatron_lc.memory.cachesim import simulate
-    from megatron_lc.memory.planner import plan_trace
-    from megatron_lc.memory.planner_solvers import PlanError
-    from megatron_lc.memory.trace import Trace, TraceError
+    from megatron_lc.planning.cachesim import simulate
+    from megatron_lc.planning.planner import plan_trace
+    from megatron_lc.planning.solvers import PlanError
+    from megatron_lc.planning.trace import Trace, TraceError
 
     try:
         trace = Trace.load(args.trace)
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
                "cachesim_reserved_over_plan_peak": sim.peak_reserved_bytes / max(plan.peak_bytes, 1),
                "out": args.out}
     if args.plot:
-        from megatron_lc.memory.planner_plot import plot_plan
+        from megatron_lc.planning.plot import plot_plan
 
         plot_plan(trace, plan, args.plot)
         summary["plot"] = args.plot

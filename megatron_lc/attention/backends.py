@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from ..config import ConfigError
+
 
 class TorchCPUBackend:
     name = "torch"
@@ -94,7 +96,8 @@ class FlashAttnBackend:
     name = "flash"
 
     def __init__(self):
-        from flash_attn import flash_attn_interface as fa  # noqa: F401 - import guard
+        # optional GPU library, imported only when this backend is chosen (ImportError: ``Kernels`` refuses it)
+        from flash_attn import flash_attn_interface as fa
 
         self.fa = fa
 
@@ -126,7 +129,8 @@ class TEBackend:
     name = "te"
 
     def __init__(self):
-        from transformer_engine.pytorch.constants import TE_DType  # noqa: F401 - import guard
+        # optional GPU library, imported only when this backend is chosen (ImportError: ``Kernels`` refuses it)
+        from transformer_engine.pytorch.constants import TE_DType
         from transformer_engine.pytorch.cpp_extensions import fused_attn as tefa
 
         self.tefa, self.TE_DType = tefa, TE_DType
@@ -154,6 +158,28 @@ class TEBackend:
             self.tefa.FusedAttnBackend["F16_arbitrary_seqlen"], attn_scale=scale, dropout=0.0,
             qkv_layout="bshd_bshd_bshd", attn_mask_type="causal" if causal else "no_mask")[:3]
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+class Kernels:
+    """The local kernel named by ``parallel.attention_backend``, one instance per device type, for every module that
+    calls kernels (local, ring, Ulysses' inner attention, FPDT's chunks). A named GPU library that is not installed
+    is a ``ConfigError`` when the model is built, not an ImportError at the first forward."""
+
+    def __init__(self, name: str = "auto"):
+        self.name = name
+        if name in ("flash", "te"):
+            try:
+                get_backend(name)
+            except ImportError as e:
+                raise ConfigError(f"parallel.attention_backend {name} needs a package that is not installed "
+                                  f"({e}); use auto or torch") from None
+        self._by_device: dict = {}
+
+    def __call__(self, device: torch.device):
+        """The kernel for ``device`` (``auto``: flash-attn on CUDA when installed, torch's CPU op on CPU)."""
+        if device.type not in self._by_device:
+            self._by_device[device.type] = get_backend(self.name, device)
+        return self._by_device[device.type]
 
 
 def get_backend(name: str = "auto", device: Optional[torch.device] = None):

@@ -1,6 +1,6 @@
 """Ring attention (``cp_comm_type: p2p``): causal, zigzag load-balanced, exact forward and backward.
 
-Layout (``parallel/layout.py``): the sequence is cut into ``2R`` equal chunks; ring rank r holds chunks r and
+Layout (``parallel/token_layout.py``): the sequence is cut into ``2R`` equal chunks; ring rank r holds chunks r and
 2R-1-r, in that order (its "front" and "back" halves, c tokens each). Example R=4, 8 chunks::
 
     ring rank:   0        1        2        3
@@ -33,12 +33,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from ..config import ConfigError
 from ..parallel.collectives import count_send
 from ..parallel.topology import Axis, Topology
-from .backends import get_backend
+from .backends import Kernels
+from .core import CoreAttention, to_bnsd, to_sbnd
 from .merge import merge
 
 KV_TAG, DKV_TAG = 11, 12  # distinct p2p tags: k/v and dk/dv transfers between the same two ranks overlap
@@ -164,37 +164,39 @@ class RingAttnFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-class RingAttention(nn.Module):
+class RingAttention(CoreAttention):
     """Core attention over the ring axis: q/k/v ``[s_local, b, n, d]`` (zigzag-local order) -> ``[s_local, b, nq, d]``.
 
-    With a ring of size 1 this is plain causal attention through the chosen backend (used by Ulysses when
+    With a ring of size 1 this is plain causal attention through the chosen kernel (used by Ulysses when
     cp_comm_type is a2a)."""
 
     def __init__(self, topo: Topology, backend: str = "auto", tag: str = "attn", axis: Axis = Axis.RING):
         super().__init__()
-        self.backend_name = backend
         self.tag = tag
-        self._backends: dict = {}
-        if backend in ("flash", "te"):  # GPU libraries: refuse at build time when they are missing
-            try:
-                get_backend(backend)
-            except ImportError as e:
-                raise ConfigError(f"parallel.attention_backend {backend} needs a package that is not installed "
-                                  f"({e}); use auto or torch") from None
+        self.kernels = Kernels(backend)
         self.comm = RingComm(topo, axis)
 
-    def backend(self, device: torch.device):
-        """The local kernel for ``device`` (``auto``: flash-attn on CUDA when installed, torch's CPU op on CPU)."""
-        if device.type not in self._backends:
-            self._backends[device.type] = get_backend(self.backend_name, device)
-        return self._backends[device.type]
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        s = q.shape[0]
+    def _check_length(self, s: int) -> None:
         if self.comm.size > 1 and s % 2 != 0:
             raise ConfigError(f"ring attention: local sequence length ({s}) must be even (two zigzag chunks per "
                               f"rank, ring size {self.comm.size}); the full sequence must be divisible by "
                               f"{2 * self.comm.size} x ulysses size")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self._check_length(q.shape[0])
         q_, k_, v_ = (t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v))  # [b, n, s, d]
-        out = RingAttnFunction.apply(q_, k_, v_, self.comm, self.backend(q.device), self.tag, None)
+        out = RingAttnFunction.apply(q_, k_, v_, self.comm, self.kernels(q.device), self.tag, None)
         return out.permute(2, 0, 1, 3)
+
+    def forward_with_lse(self, q, k, v):
+        """The traffic of ``forward`` (same ops, same byte counters); lse ``[b, nq, s_local]`` fp32."""
+        self._check_length(q.shape[0])
+        with self.comm.topo.comm.tag(self.tag):
+            out, lse = ring_forward(to_bnsd(q), to_bnsd(k), to_bnsd(v), self.comm, self.kernels(q.device))
+        return to_sbnd(out.to(q.dtype)), lse
+
+    def backward_with_lse(self, dout, q, k, v, out, lse):
+        with self.comm.topo.comm.tag(self.tag):
+            dq, dk, dv = ring_backward(to_bnsd(dout), to_bnsd(q), to_bnsd(k), to_bnsd(v), to_bnsd(out), lse,
+                                       self.comm, self.kernels(q.device))
+        return to_sbnd(dq), to_sbnd(dk), to_sbnd(dv)

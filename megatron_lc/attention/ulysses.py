@@ -11,9 +11,14 @@ sequence of 4 tokens, contiguous layout (a2a)::
 q, k and v travel in one packed all-to-all (heads of each cut into U groups and concatenated per destination).
 
 GQA: query head i uses kv head i // (nq / nkv). When nkv is not a multiple of U (e.g. nkv=2, U=4) the kv heads are
-replicated ``rep = lcm(nkv, U) / nkv`` times (``repeat_interleave``, whose autograd sums the replicas' gradients
-back into the original head), so each rank receives the kv heads its query heads use. nq must be divisible by U
-(``ConfigError`` otherwise).
+replicated ``rep = lcm(nkv, U) / nkv`` times (``config.layout.kv_replication``; ``replicate_kv`` here, whose
+autograd sums the replicas' gradients back into the original head), so each rank receives the kv heads its query
+heads use. FPDT's chunks use the same two functions.
+
+The (out, lse) pair of the protocol (``core.py``) keeps the *local* out ``[s_l, b, nq, d]`` and the inner lse. Its
+backward all-gathers q/k/v and out again (two all-to-alls recomputed, no attention) besides dout, then runs the
+inner backward, then the inverse all-to-all of dq/dk/dv. Extra backward traffic per layer compared with the
+autograd forward: ``(U-1)/U * s_l * b * d * e * (2 nq + 2 nkv')`` bytes (q, k, v and out), under ``a2a_bwd``.
 
 Hybrid: the inner attention is ``RingAttention`` over the ring axis. The data layout gives ulysses rank u of ring
 rank r the u-th contiguous piece of [chunk r | chunk 2R-1-r], so the gather of the a2a yields exactly ring rank r's
@@ -28,14 +33,11 @@ recorded in ``topo.comm`` under the module's tag with ops ``a2a_fwd`` / ``a2a_bw
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from ..config import ConfigError
 from ..parallel.topology import Axis, Topology
+from .core import CoreAttention
 
 
 def _a2a(send: torch.Tensor, topo: Topology, axis: Axis, op: str) -> torch.Tensor:
@@ -88,41 +90,76 @@ class _ScatterSeq(torch.autograd.Function):
             return gather_seq(g.contiguous(), ctx.topo, ctx.axis, "a2a_bwd"), None, None, None
 
 
-def kv_replication(nq: int, nkv: int, ulysses: int) -> int:
-    """How many times each kv head is replicated so U ranks each get whole GQA groups (1 when nkv % U == 0).
-
-    >>> kv_replication(8, 2, 4)   # 2 kv heads, 4 ranks: each kv head twice -> 4 kv heads, one per rank
-    2
-    """
-    if nq % ulysses != 0:
-        raise ConfigError(f"attention heads per tp rank ({nq}) must be divisible by ulysses size ({ulysses})")
-    if nq % nkv != 0:
-        raise ConfigError(f"attention heads ({nq}) must be divisible by kv heads ({nkv})")
-    return math.lcm(nkv, ulysses) // nkv
+def replicate_kv(k: torch.Tensor, v: torch.Tensor, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each kv head ``rep`` times in place along dim 2 (autograd sums the copies' gradients back)."""
+    if rep == 1:
+        return k, v
+    return k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
 
 
-class UlyssesAttention(nn.Module):
+def sum_kv_replicas(g: torch.Tensor, rep: int) -> torch.Tensor:
+    """Inverse of ``replicate_kv`` for a gradient ``[s, b, nkv*rep, d]``: the copies of each head summed."""
+    if rep == 1:
+        return g
+    s, b, n, d = g.shape
+    return g.view(s, b, n // rep, rep, d).sum(3)
+
+
+class UlyssesAttention(CoreAttention):
     """q ``[s_l, b, nq, d]``, k/v ``[s_l, b, nkv, d]`` -> ``[s_l, b, nq, d]``; all-to-all over ``Axis.ULYSSES``
-    around ``inner`` (local causal attention for a2a, ring attention over ``Axis.RING`` for a2a+p2p)."""
+    around ``inner`` (local causal attention for a2a, ring attention over ``Axis.RING`` for a2a+p2p).
+    ``kv_rep``: the layout's ``kv_replication`` for these head counts."""
 
-    def __init__(self, topo: Topology, inner: nn.Module, nq: int, nkv: int, tag: str = "attn"):
+    def __init__(self, topo: Topology, inner: CoreAttention, nq: int, nkv: int, kv_rep: int, tag: str = "attn"):
         super().__init__()
         self.topo, self.inner, self.tag = topo, inner, tag
         self.U = topo.ulysses
-        self.rep = kv_replication(nq, nkv, self.U)
+        self.rep = kv_rep
         self.nq, self.nkv = nq, nkv
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _packed(self, q, k, v):
+        """q and the replicated k, v cut into U head groups per destination: ``[s, b, U, (nq+2nkv')/U, d]``."""
         s, b, nq, d = q.shape
         if nq != self.nq or k.shape[2] != self.nkv:
             raise ValueError(f"UlyssesAttention built for {self.nq}/{self.nkv} heads, got {nq}/{k.shape[2]}")
-        U = self.U
-        if self.rep > 1:
-            k, v = k.repeat_interleave(self.rep, dim=2), v.repeat_interleave(self.rep, dim=2)
-        nkv = k.shape[2]
-        packed = torch.cat([t.reshape(s, b, U, t.shape[2] // U, d) for t in (q, k, v)], dim=3)
-        full = _GatherSeq.apply(packed, self.topo, Axis.ULYSSES, self.tag)  # [U*s, b, (nq+2nkv)/U, d]
-        ql, kl, vl = torch.split(full, [nq // U, nkv // U, nkv // U], dim=2)
-        out = self.inner(ql, kl, vl)  # [U*s, b, nq/U, d]
+        k, v = replicate_kv(k, v, self.rep)
+        return torch.cat([t.reshape(s, b, self.U, t.shape[2] // self.U, d) for t in (q, k, v)], dim=3)
+
+    def _split(self, full):
+        """The gathered ``[U*s, b, (nq+2nkv')/U, d]`` -> local-head q, k, v."""
+        U, n_kv = self.U, self.nkv * self.rep // self.U
+        return torch.split(full, [self.nq // U, n_kv, n_kv], dim=2)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s, b, nq, d = q.shape
+        full = _GatherSeq.apply(self._packed(q, k, v), self.topo, Axis.ULYSSES, self.tag)  # [U*s, b, (nq+2nkv)/U, d]
+        out = self.inner(*self._split(full))  # [U*s, b, nq/U, d]
         back = _ScatterSeq.apply(out.contiguous(), self.topo, Axis.ULYSSES, self.tag)  # [s, b, U, nq/U, d]
         return back.reshape(s, b, nq, d)
+
+    def _gather_heads(self, t, op: str):
+        s, b, n, d = t.shape
+        return gather_seq(t.reshape(s, b, self.U, n // self.U, d), self.topo, Axis.ULYSSES, op)
+
+    def forward_with_lse(self, q, k, v):
+        s, b, nq, d = q.shape
+        with self.topo.comm.tag(self.tag):
+            full = gather_seq(self._packed(q, k, v), self.topo, Axis.ULYSSES, "a2a_fwd")
+            out_l, lse = self.inner.forward_with_lse(*(t.contiguous() for t in self._split(full)))
+            out = scatter_seq(out_l.contiguous(), self.topo, Axis.ULYSSES, "a2a_fwd").reshape(s, b, nq, d)
+        return out, lse
+
+    def backward_with_lse(self, dout, q, k, v, out, lse):
+        s, b, nq, d = q.shape
+        with self.topo.comm.tag(self.tag):
+            full = gather_seq(self._packed(q, k, v), self.topo, Axis.ULYSSES, "a2a_bwd")
+            ql, kl, vl = (t.contiguous() for t in self._split(full))
+            out_l = self._gather_heads(out, "a2a_bwd")
+            dout_l = self._gather_heads(dout.contiguous(), "a2a_bwd")
+            dql, dkl, dvl = self.inner.backward_with_lse(dout_l, ql, kl, vl, out_l, lse)
+            back = scatter_seq(torch.cat([dql, dkl, dvl], dim=2).contiguous(), self.topo, Axis.ULYSSES,
+                               "a2a_bwd")  # [s, b, U, m, d]
+        nkv_rep = self.nkv * self.rep
+        dq, dk, dv = torch.split(back, [nq // self.U, nkv_rep // self.U, nkv_rep // self.U], dim=3)
+        dk, dv = (sum_kv_replicas(t.reshape(s, b, nkv_rep, d), self.rep) for t in (dk, dv))
+        return dq.reshape(s, b, nq, d), dk, dv

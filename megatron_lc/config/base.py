@@ -10,6 +10,8 @@ import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
+import yaml
+
 
 class ConfigError(ValueError):
     """A user mistake in a config file or an override; the message is meant to be shown as is."""
@@ -140,8 +142,6 @@ def check(cond: bool, message: str) -> None:
 def read_yaml_mapping(path: str, not_a_mapping: str) -> dict:
     """The mapping in YAML file ``path`` (empty file -> {}); a one-line ConfigError if it is not YAML, or
     ``"{path}: {not_a_mapping}"`` if it is not a mapping."""
-    import yaml
-
     try:
         with open(path) as f:
             raw = yaml.safe_load(f) or {}

@@ -25,7 +25,7 @@ class MemoryConfig:
         if not isinstance(self.offload_fraction, str):
             check(0.0 <= self.offload_fraction <= 1.0,
                   f"memory.offload_fraction ({self.offload_fraction}) must be in [0, 1] or 'auto'")
-        if isinstance(self.plan, bool):  # memory.plan (issue 7): `plan: off` in YAML arrives as False
+        if isinstance(self.plan, bool):  # `plan: off` in YAML arrives as False
             check(not self.plan, "memory.plan (true) must be 'off', 'auto' or the path of a plan JSON file")
             self.plan = "off"
         check(self.plan_time_limit > 0, f"memory.plan_time_limit ({self.plan_time_limit}) must be > 0 seconds")

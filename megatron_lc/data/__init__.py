@@ -4,6 +4,8 @@ from __future__ import annotations
 from ..config import Config
 from .dataset import MockDataset, PackedDataset, make_batch, microbatch_sample_ids
 from .errors import DataError
+from .indexed import open_indexed
+from .tokenizer import SentencePieceTokenizer
 
 __all__ = ["build_dataset", "DataError", "make_batch", "microbatch_sample_ids"]
 
@@ -15,9 +17,6 @@ def build_dataset(cfg: Config):
         return MockDataset(d.seq_length, cfg.model.vocab_size, cfg.train.seed)
     if d.data_path is None:
         raise DataError("data.data_path is not set (or set data.mock_data: true for random tokens)")
-    from .indexed import open_indexed
-    from .tokenizer import SentencePieceTokenizer
-
     if d.tokenizer_type == "SentencePieceTokenizer":
         if d.tokenizer_model is None:
             raise DataError("data.tokenizer_model is not set (a SentencePiece .model file)")

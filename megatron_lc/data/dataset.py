@@ -7,7 +7,7 @@ of (files, seed, seq_length, k), so the data position saved in a checkpoint is j
 
 Batch schedule: step t uses global samples ``[t*gbs, (t+1)*gbs)``; micro-batch m of dp rank d takes
 ``t*gbs + m*mbs*dp + d*mbs + [0, mbs)``. Every cp and tp rank of a dp replica reads the same samples and keeps its
-share of the sequence (``parallel/layout.py``).
+share of the sequence (``parallel/token_layout.py``).
 """
 from __future__ import annotations
 
@@ -75,8 +75,10 @@ class MockDataset:
         return np.random.default_rng([self.seed, int(k)]).integers(0, self.vocab_size, self.seq_length + 1)
 
 
-def microbatch_sample_ids(step: int, micro: int, gbs: int, mbs: int, dp: int, dp_rank: int) -> list[int]:
-    base = step * gbs + micro * mbs * dp + dp_rank * mbs
+def microbatch_sample_ids(micro: int, gbs: int, mbs: int, dp: int, dp_rank: int) -> list[int]:
+    """Offsets, within a step's ``gbs`` samples, of micro-batch ``micro`` on dp rank ``dp_rank``: micro-batch m
+    covers ``[m*mbs*dp, (m+1)*mbs*dp)``, dp rank r its ``r``-th ``mbs`` samples."""
+    base = micro * mbs * dp + dp_rank * mbs
     return list(range(base, base + mbs))
 
 

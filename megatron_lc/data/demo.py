@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sysconfig
 import tempfile
+
+from .indexed import write_indexed
+from .tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +40,6 @@ def read_documents(files: list[str]) -> list[str]:
 
 
 def prepare_demo_data(data_path: str, tokenizer_model: str, vocab_size: int) -> None:
-    from .indexed import write_indexed
-    from .tokenizer import SentencePieceTokenizer, train_sentencepiece
-
     docs = None
     if not os.path.isfile(tokenizer_model):
         log.info("training a %d-token SentencePiece tokenizer on the Python stdlib sources -> %s",
@@ -64,8 +65,6 @@ def prepare_demo_data(data_path: str, tokenizer_model: str, vocab_size: int) -> 
 
 
 def _copy(src: str, dst: str) -> None:
-    import shutil
-
     tmp = dst + f".tmp{os.getpid()}"
     shutil.copyfile(src, tmp)
     os.replace(tmp, dst)

@@ -7,6 +7,7 @@ import os
 import warnings
 
 import numpy as np
+import torch
 
 from .errors import DataError
 
@@ -14,6 +15,7 @@ from .errors import DataError
 def _indexed_module():
     with warnings.catch_warnings():  # megatron-core warns that TE/apex are absent on CPU machines
         warnings.simplefilter("ignore")
+        # megatron-core takes seconds to import: only when .bin/.idx files are read or written
         from megatron.core.datasets import indexed_dataset
     return indexed_dataset
 
@@ -27,8 +29,6 @@ def write_indexed(prefix: str, documents, dtype=np.int32) -> int:
     tmp = f"{prefix}.tmp{os.getpid()}"
     builder = mod.IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
     total = 0
-    import torch
-
     for doc in documents:
         if len(doc) == 0:
             continue

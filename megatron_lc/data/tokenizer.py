@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
+import sentencepiece as spm
+
 from .errors import DataError
 
 
@@ -13,8 +15,6 @@ class SentencePieceTokenizer:
     def __init__(self, model_path: str):
         if not os.path.isfile(model_path):
             raise DataError(f"tokenizer model not found: {model_path} (train one with tools/train_tokenizer.py)")
-        import sentencepiece as spm
-
         self.sp = spm.SentencePieceProcessor()
         try:
             self.sp.Load(model_path)
@@ -36,8 +36,6 @@ def train_sentencepiece(text_files: list[str], model_prefix: str, vocab_size: in
     """Train a BPE SentencePiece model on the lines of ``text_files``; returns the ``.model`` path.
 
     Keeps whitespace runs (code), byte fallback (no unknown tokens), ids: 0 pad, 1 unk, 2 bos, 3 eos."""
-    import sentencepiece as spm
-
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     spm.SentencePieceTrainer.Train(
         input=",".join(text_files), model_prefix=model_prefix, vocab_size=vocab_size, model_type="bpe",

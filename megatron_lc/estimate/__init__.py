@@ -9,11 +9,10 @@
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import Config
+from ..config import Config, resolve_layout
 from .hardware import HardwareProfile, load_hardware
 from .inventory import Dims
 from .memory import MemoryEstimate, estimate_memory
@@ -43,9 +42,8 @@ def estimate(cfg: Config, hw: HardwareProfile, world_size: int,
     on CUDA when ``train.bf16``). ``states``: ``framework`` (this trainer) or a what-if preset of ``states.py``;
     ``recompute_style``: ``token_wise`` (this trainer) or the what-if ``checkpoint`` (memory.estimate_memory).
     Raises ConfigError for a layout the framework would refuse."""
-    cfg = copy.deepcopy(cfg)
-    cfg.check_layout(world_size)
-    x = dims_for(Dims.from_config(cfg, world_size, hw.device), states)
+    layout = resolve_layout(cfg, world_size)
+    x = dims_for(Dims.from_config(cfg, layout, hw.device), states)
     t_layer = estimate_time(cfg, x, hw, alpha=None).t_layer_fwd
     mem = estimate_memory(cfg, x, hw, t_layer, activation_peak_override, states, recompute_style)
     tm = estimate_time(cfg, x, hw, mem.alpha, recompute_style)

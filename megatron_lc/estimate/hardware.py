@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from ..config.base import ConfigError, build_section, check, read_yaml_mapping
+from ..units import GIB
 
-GIB = 2 ** 30
 GB = 1e9
 HARDWARE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                             "configs", "hardware")

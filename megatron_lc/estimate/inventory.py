@@ -13,13 +13,12 @@ autocast) and lse/softmax/statistics are fp32.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
-from typing import Optional
-
-from ..config import Config, ConfigError
+from ..config import Config, Layout
+from ..config.layout import kv_replication
+from ..memory.mst.rules import head_chunk_count, head_chunk_tokens, mlp_chunk_tokens
 
 Group = Literal["input", "attn", "others"]
 
@@ -61,24 +60,18 @@ class Dims:
     n_micro: int = 1
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int, device: str) -> "Dims":
-        m, p, t = cfg.model, cfg.parallel, cfg.train
-        tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
-        if world_size % (tp * cp) != 0:
-            raise ConfigError(f"world size ({world_size}) must be divisible by tp ({tp}) x cp ({cp}) = {tp * cp}")
-        dp = world_size // (tp * cp)
-        gbs = t.global_batch_size or t.micro_batch_size * dp
-        if gbs % (t.micro_batch_size * dp) != 0:
-            raise ConfigError(f"train.global_batch_size ({gbs}) must be divisible by micro_batch_size "
-                              f"({t.micro_batch_size}) x dp ({dp})")
-        bf16 = t.bf16 and device == "cuda"
+    def from_config(cls, cfg: Config, layout: Layout, device: str) -> "Dims":
+        """The sizes of ``cfg`` under its resolved ``layout`` (``config.resolve_layout``)."""
+        m = cfg.model
+        bf16 = cfg.train.bf16 and device == "cuda"
         return cls(L=m.num_layers, h=m.hidden_size, f=m.ffn_hidden_size, nq=m.num_attention_heads,
                    nkv=m.num_query_groups, d=m.kv_channels, V=m.padded_vocab_size, swiglu=m.swiglu,
                    rmsnorm=m.normalization == "RMSNorm", untied=m.untie_embeddings_and_output_weights,
                    learned_pos=m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else 0,
-                   bias=m.add_bias_linear, b=t.micro_batch_size, s=cfg.data.seq_length, tp=tp, cp=cp,
-                   ulysses=p.ulysses_size, dp=dp, sp=p.sequence_parallel and tp > 1, cp_type=p.cp_comm_type,
-                   device=device, act=2 if bf16 else 4, n_micro=gbs // (t.micro_batch_size * dp))
+                   bias=m.add_bias_linear, b=layout.micro_batch_size, s=layout.seq_length, tp=layout.tp,
+                   cp=layout.cp, ulysses=layout.ulysses, dp=layout.dp, sp=layout.sequence_parallel,
+                   cp_type=layout.cp_comm_type, device=device, act=2 if bf16 else 4,
+                   n_micro=layout.num_micro_batches)
 
     # ---- per-rank sizes ------------------------------------------------------------------------------------
     @property
@@ -122,13 +115,11 @@ class Dims:
 
     @property
     def kv_heads_after_a2a(self) -> int:
-        """kv heads per tp rank after replication for the all-to-all (elements per local token / d): Ulysses
-        replicates to lcm(nkv, U) heads (attention/ulysses.py), FPDT to nq / gcd(nq/nkv, nq/P) (attention/fpdt.py)."""
+        """kv heads per tp rank after replication for the all-to-all (elements per local token / d): Ulysses and
+        FPDT copy each kv head ``config.layout.kv_replication`` times."""
         if not self.uses_a2a:
             return self.nkv_l
-        if self.cp_type == "fpdt":
-            return self.nq_l // math.gcd(self.nq_l // self.nkv_l, self.nq_l // self.ulysses)
-        return math.lcm(self.nkv_l, self.ulysses)
+        return self.nkv_l * kv_replication(self.nq_l, self.nkv_l, self.ulysses)
 
 
 # ---- parameters -----------------------------------------------------------------------------------------------
@@ -174,30 +165,24 @@ def zero1_partition(shards: list[tuple[str, int, bool]], ranks: int) -> list[int
     return sizes
 
 
-# ---- MsT chunking (memory/mst.py) -------------------------------------------------------------------------------
-MIN_HEAD_CHUNK = 256  # memory/mst.py: the default head chunk is never shorter than this (an explicit M is exact)
-
-
+# ---- MsT chunking (memory/mst/rules.py, the modules' own rules) ------------------------------------------------
 def mst_mlp_chunk(cfg: Config, x: Dims) -> Optional[int]:
-    """Tokens per MLP mini-sequence (MsT §3.4: C = hidden size), or None when the MLP runs unchunked (MsT off, or
-    the rank's tokens fit in one chunk)."""
+    """Tokens per MLP mini-sequence, or None when the MLP runs unchunked (MsT off, or the rank's tokens fit in one
+    chunk)."""
     if not cfg.memory.mst:
         return None
-    c = cfg.memory.mst_mlp_chunk_size or x.h
+    c = mlp_chunk_tokens(cfg)
     return c if x.tokens > c else None
 
 
 def mst_head_chunk(cfg: Config, x: Dims) -> Optional[int]:
-    """Tokens per LM-head mini-sequence (M = V / h chunks, default chunks >= 256 tokens), or None if unchunked."""
+    """Tokens per LM-head mini-sequence, or None if unchunked (the head's short-sequence rule)."""
     if not cfg.memory.mst:
         return None
     explicit = cfg.memory.mst_head_chunks is not None
-    m = cfg.memory.mst_head_chunks or -(-x.V // x.h)
-    c = -(-x.tokens // m)
-    if not explicit:
-        c = max(c, min(x.tokens, MIN_HEAD_CHUNK))
-        if c >= x.tokens:
-            return None
+    c = head_chunk_tokens(x.tokens, head_chunk_count(cfg), explicit)
+    if not explicit and c >= x.tokens:
+        return None
     return c
 
 

@@ -21,12 +21,15 @@ Run it in a fresh process per measurement (the tests use ``tests/dist.run_dist``
 """
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from ..training.loop import Trainer
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -76,8 +79,7 @@ def measure_training_peak(cfg, topo, steps: int = 2) -> dict:
 
     The model, optimizer and data are built inside the tracked region, so the peak counts every tensor of the run
     (parameters included)."""
-    from ..training.loop import Trainer
-
+    cfg = copy.deepcopy(cfg)
     cfg.train.train_iters = steps
     tracker = LiveStorageTracker()
     with tracker:

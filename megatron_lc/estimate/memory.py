@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..config import Config, ConfigError
+from ..memory.memo.alpha import AlphaInputs
+from ..memory.memo.alpha import bounds as alpha_bounds
 from . import transient as T
 from .hardware import HardwareProfile
 from .inventory import Dims, final_skeletal, group_bytes, layer_skeletal, mst_head_chunk, mst_mlp_chunk, \
@@ -68,18 +70,15 @@ class MemoryEstimate:
 
 def solve_alpha(s_input: float, s_attn: float, s_others: float, pcie_bytes_per_s: float, t_layer: float,
                 n_layers: int, host_bytes_per_rank: float) -> tuple[float, str]:
-    """Memo §4.1 LP: max α s.t. (S_in + S_attn + α·S_oth)/B <= T_layer and (n-2)(S_in + S_attn + α·S_oth) <= M_cpu
-    (host budget of one rank).
-
-    One variable, two linear constraints: α = min(1, bandwidth bound, host bound), floored at 0 (input and
-    attention output are always offloaded; if even they do not overlap, α = 0 and the copy stalls). Returns
-    (α, binding constraint)."""
-    fixed = s_input + s_attn
+    """The Memo LP (``memory/memo/alpha.py``, one home) for estimated sizes: max alpha s.t. the layer's copy hides
+    under its forward and the n-2 swapped layers fit in this rank's host budget. Unlike training, a host budget
+    that fails even at alpha = 0 is not an error here: alpha = 0 and the estimate reports out of host memory.
+    Returns (alpha, binding constraint)."""
     if s_others <= 0:
         return 1.0, "nothing else to offload"
-    by_bw = (pcie_bytes_per_s * t_layer - fixed) / s_others
-    layers = max(n_layers - 2, 0)
-    by_host = (host_bytes_per_rank / layers - fixed) / s_others if layers else float("inf")
+    by_bw, by_host = alpha_bounds(AlphaInputs(s_input=s_input, s_attn=s_attn, s_others=s_others,
+                                              bandwidth=pcie_bytes_per_s, t_layer=t_layer, num_layers=n_layers,
+                                              host_budget=host_bytes_per_rank))
     alpha = min(1.0, by_bw, by_host)
     why = "alpha = 1" if alpha == 1.0 else ("PCIe bandwidth" if by_bw <= by_host else "host memory")
     return max(0.0, alpha), why

@@ -10,7 +10,9 @@ import yaml
 
 from ..config import ConfigError
 from . import Estimate
-from .hardware import GIB
+from ..planning.planner import plan_trace
+from ..planning.trace import Trace
+from ..units import GIB
 from .search import Candidate, config_overrides
 
 
@@ -117,33 +119,8 @@ def activation_peak_from(plan: Optional[str], trace: Optional[str], time_limit: 
     if trace:
         if not os.path.isfile(trace):
             raise ConfigError(f"trace file not found: {trace}")
-        try:
-            from ..memory.planner import plan_trace
-            from ..memory.trace import Trace
-        except ImportError:
-            return float(max_live_bytes(trace))
-        return float(plan_trace(Trace.load(trace), time_limit=time_limit).peak)
+        return float(plan_trace(Trace.load(trace), time_limit=time_limit).peak_bytes)
     return None
-
-
-def max_live_bytes(path: str) -> int:
-    """Max over time of the bytes of live requests of a JSONL trace (``{"op": "malloc"|"free", "id", "size"}``)."""
-    live: dict = {}
-    cur = peak = 0
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            ev = json.loads(line)
-            if ev["op"] == "malloc":
-                live[ev["id"]] = int(ev["size"])
-                cur += int(ev["size"])
-                peak = max(peak, cur)
-            elif ev["op"] == "free":
-                if ev["id"] not in live:
-                    raise ConfigError(f"{path}:{n}: free of unknown id {ev['id']}")
-                cur -= live.pop(ev["id"])
-    return peak
 
 
 def write_layout(config_path: str, out_path: str, cand: Candidate, hw_name: str, world: int) -> None:

@@ -12,7 +12,7 @@ attention forward and backward (FlashAttention's backward does 2.5x the forward 
   chunk's transfer is exposed (pipeline fill).
 * Memo offload: layer i's copy to host overlaps layer i+1's forward, the prefetch overlaps layer i+1's backward;
   only the excess stalls (n-2 layers). Dropped tokens (1-α) of the token-wise part are recomputed.
-* Recompute full: the token-wise part of each layer runs twice (attention is kept, issue 6); selective: core
+* Recompute full: the token-wise part of each layer runs twice (attention is kept: memory/memo); selective: core
   attention's forward runs twice. MsT: MLP and head forward rerun per chunk in backward.
 * Gradient all-reduce over dp x cp (+ ZeRO-1's parameter broadcast) after the last micro-batch: not overlapped.
 

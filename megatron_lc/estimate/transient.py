@@ -18,7 +18,7 @@ from .inventory import Dims, mst_head_chunk, mst_mlp_chunk
 
 def fpdt_chunks(cfg: Config, x: Dims) -> int:
     """u: chunks per sequence = ``data.seq_length / memory.fpdt_chunk_size`` (the chunk counts tokens after the
-    all-to-all); 1 when the chunk size is unset (attention/fpdt_layout.py)."""
+    all-to-all); 1 when the chunk size is unset (``config.layout.Layout.fpdt_chunks`` for a valid layout)."""
     c = cfg.memory.fpdt_chunk_size
     return max(1, x.s // c) if c else 1
 

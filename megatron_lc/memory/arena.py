@@ -4,9 +4,9 @@ The API every framework-buffer creator uses (FPDT chunk buffers, MsT chunk buffe
 chunks, all-to-all buffers) -- one call, the same on every device, with or without a plan:
 
     class MyChunkedThing(nn.Module):
-        def __init__(self):
+        def __init__(self, cfg, parts):
             super().__init__()
-            self.arena = Arena()                      # default: plain allocation; replaced by install_arena()
+            self.arena = parts.ctx.arena              # the model's ArenaHandle: plain until a plan is installed
         def forward(self, x):
             buf = self.arena.buffer("mst.mlp_chunk", (chunk, b, f), x.dtype, device=x.device)
             ...                                       # contents undefined; drop it when done
@@ -18,8 +18,8 @@ Rules of the API:
   planned slot of that tag, so the address is identical every iteration. Contents are undefined.
 - ``buffer(..., persistent=True)`` is allocated once per tag and returned again on later requests (e.g. Memo's two
   rounding buffers): ask for it each time instead of keeping it, so a newly installed arena can serve it.
-- An iteration is one forward + backward of one micro-batch; ``install_arena`` resets the per-tag counters on every
-  forward of the model root.
+- An iteration is one forward + backward of one micro-batch; the model's forward resets the per-tag counters
+  (``ArenaHandle.begin_iteration``).
 
 ``Arena`` (default) allocates fresh tensors and counts them. ``PlannedArena`` holds *one* buffer of the planned size
 and hands out views at planned offsets; a request that diverges from the plan (unknown tag or occurrence, larger
@@ -40,7 +40,6 @@ from math import prod
 from typing import Optional, Sequence
 
 import torch
-from torch import nn
 
 from ..device import DeviceAdapter
 
@@ -256,20 +255,26 @@ class PlannedArena(Arena):
         return t
 
 
-def arena_users(model: nn.Module) -> list:
-    """The submodules that create framework buffers (they have an ``arena`` attribute)."""
-    return [m for m in model.modules() if isinstance(getattr(m, "arena", None), Arena)]
+class ArenaHandle:
+    """Where a model's framework buffers come from: one handle per model, in the context ``build_model`` returns,
+    given by the model spec to every buffer creator (FPDT's chunk buffers). It serves from a plain ``Arena`` until
+    a memory plan installs a ``PlannedArena`` (or the trace capture a recording one): the creators never change.
+    The model's forward starts an arena iteration (``begin_iteration``)."""
 
+    def __init__(self, arena: Optional[Arena] = None):
+        self.current = arena if arena is not None else Arena()
 
-def install_arena(model: nn.Module, arena: Arena):
-    """Point every framework-buffer creator in ``model`` at ``arena`` and start a new arena iteration on every
-    forward of ``model``. Returns the hook handle (``.remove()`` undoes the iteration hook)."""
-    for m in arena_users(model):
-        m.arena = arena
-    old = getattr(model, "_arena_hook", None)
-    if old is not None:
-        old.remove()
-    handle = model.register_forward_pre_hook(lambda *_: arena.begin_iteration())
-    model._arena_hook = handle
-    model.arena = arena
-    return handle
+    def install(self, arena: Arena) -> Arena:
+        """Serve from ``arena`` from now on; returns the previous one."""
+        old, self.current = self.current, arena
+        return old
+
+    def buffer(self, tag: str, shape: Sequence[int], dtype: torch.dtype, *, device=None,
+               persistent: bool = False) -> torch.Tensor:
+        return self.current.buffer(tag, shape, dtype, device=device, persistent=persistent)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        self.current.record_stream(tensor, stream)
+
+    def begin_iteration(self) -> None:
+        self.current.begin_iteration()

@@ -1,4 +1,4 @@
-"""Self-attention block: QKV projection, RoPE, core attention (chosen by ``parallel/``), output projection."""
+"""Self-attention: QKV projection, RoPE, core attention (chosen by the model spec), output projection."""
 from __future__ import annotations
 
 import torch
@@ -8,14 +8,14 @@ from ..config import ModelConfig
 from .rope import apply_rotary
 
 
-class SelfAttention(nn.Module):
-    """The fused QKV weight's full layout is grouped by kv head: ``[g0: q_0..q_{r-1}, k, v][g1: ...]`` with
+class AttentionProjections(nn.Module):
+    """The projections of an attention block: ``linear_qkv`` (column parallel) and ``linear_proj`` (row parallel).
+
+    The fused QKV weight's full layout is grouped by kv head: ``[g0: q_0..q_{r-1}, k, v][g1: ...]`` with
     r = heads / kv heads, so a contiguous tp slice holds whole groups (num_query_groups % tp == 0).
+    ``qkv(x, rope)`` -> q, k, v ``[s, b, n, d]`` (local heads, RoPE applied)."""
 
-    Split into three steps so memory techniques can wrap them: ``qkv(x, rope)`` -> q, k, v ``[s, b, n, d]``;
-    ``core_attention(q, k, v)`` -> ``[s, b, nq, d]``; ``linear_proj`` -> ``[s, b, h]``."""
-
-    def __init__(self, cfg: ModelConfig, parts, layer_number: int, output_std: float):
+    def __init__(self, cfg: ModelConfig, parts, output_std: float):
         super().__init__()
         tp = parts.topo.tp
         self.d = cfg.kv_channels
@@ -24,7 +24,6 @@ class SelfAttention(nn.Module):
         qkv_out = self.d * (cfg.num_attention_heads + 2 * cfg.num_query_groups)
         self.linear_qkv = parts.column_linear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear,
                                               std=cfg.init_method_std)
-        self.core_attention = parts.core_attention(layer_number)
         self.linear_proj = parts.row_linear(cfg.num_attention_heads * self.d, cfg.hidden_size,
                                             bias=cfg.add_bias_linear, std=output_std)
         self.use_rope = cfg.position_embedding_type == "rope"
@@ -41,6 +40,15 @@ class SelfAttention(nn.Module):
             cos, sin = rope
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
+
+
+class SelfAttention(AttentionProjections):
+    """``x [s, b, h]`` -> ``qkv`` -> ``core_attention(q, k, v)`` (``attention/core.py``: local, ring, Ulysses or
+    hybrid, from the spec) -> ``linear_proj`` -> ``[s, b, h]``. Memory techniques call the three steps apart."""
+
+    def __init__(self, cfg: ModelConfig, parts, layer_number: int, output_std: float):
+        super().__init__(cfg, parts, output_std)
+        self.core_attention = parts.core_attention(layer_number)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         q, k, v = self.qkv(x, rope)

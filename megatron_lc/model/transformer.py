@@ -1,5 +1,6 @@
-"""The Llama / GPT model, built from parts. No parallel logic here: ``parts`` (from ``parallel/parallelize.py``)
-hands out the linears, the embedding and the core attention for the chosen layout."""
+"""The Llama / GPT model, built from parts. No parallel logic and no choice of technique here: ``parts`` (from
+``parallel/parallelize.py``) hands out the linears, the embedding and the core attention for the layout, and its
+``spec`` names the class of each attention block, MLP and head and the layer executor (plain, recompute, Memo)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,9 +10,6 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.tensor_parallel import _replicated, init_std_for_output
-from .attention import SelfAttention
-from .head import LMHead
-from .mlp import MLP
 from .norm import build_norm
 from .rope import RotaryEmbedding
 
@@ -24,14 +22,15 @@ class TransformerLayer(nn.Module):
         self.layer_number = layer_number
         out_std = init_std_for_output(cfg.init_method_std, cfg.num_layers)
         sp = parts.sequence_parallel
+        spec = parts.spec
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
-        self.self_attention = SelfAttention(cfg, parts, layer_number, out_std)
+        self.self_attention = spec.attention_block(cfg, parts, layer_number, out_std)
         self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
-        self.mlp = MLP(cfg, parts, out_std)
+        self.mlp = spec.mlp(cfg, parts, out_std)
 
-        # How forward runs: None = plain autograd; memory/ (recompute, Memo offload) sets an executor
-        # ``fn(layer, x, rope) -> y`` built from the token-wise parts below. Not an nn.Module: no parameters.
-        self.executor = None
+        # How forward runs: None = plain autograd, or the spec's executor ``fn(layer, x, rope) -> y`` (recompute,
+        # Memo offload) built from the token-wise parts below. Not an nn.Module: no parameters.
+        self.executor = spec.executor() if spec.executor is not None else None
 
     # The layer in three parts. ``pre_attention`` and ``post_attention`` act token by token (row i of the output
     # depends only on row i of the inputs, up to the tp collectives), only ``core_attention`` mixes tokens.
@@ -44,11 +43,15 @@ class TransformerLayer(nn.Module):
         x = x + self.self_attention.linear_proj(attn_out.flatten(2))
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
+    def plain_forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        """The layer with plain autograd, whatever the executor (the attention block may be FPDT's)."""
+        x = x + self.self_attention(self.input_layernorm(x), rope)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         if self.executor is not None:
             return self.executor(self, x, rope)
-        x = x + self.self_attention(self.input_layernorm(x), rope)  # the block may be replaced whole (FPDT)
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+        return self.plain_forward(x, rope)
 
 
 class GPTModel(nn.Module):
@@ -58,7 +61,9 @@ class GPTModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, parts):
         super().__init__()
-        self.cfg, self.parts, self.topo = cfg, parts, parts.topo
+        self.cfg, self.topo = cfg, parts.topo
+        self.sequence_parallel = parts.sequence_parallel
+        self.arena = parts.ctx.arena  # framework buffers; the forward starts one arena iteration
         self.embedding = parts.vocab_embedding(cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_method_std)
         self.position_embeddings: Optional[nn.Embedding] = None
         if cfg.position_embedding_type == "learned_absolute":
@@ -68,18 +73,19 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList([TransformerLayer(cfg, parts, i) for i in range(cfg.num_layers)])
         self.final_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, parts.sequence_parallel)
         tied = None if cfg.untie_embeddings_and_output_weights else self.embedding.weight
-        self.head = LMHead(cfg, parts, tied)
+        self.head = parts.spec.head(cfg, parts, tied)
 
     def embed(self, tokens_sb: torch.Tensor, pos_sb: torch.Tensor) -> torch.Tensor:
         h = self.embedding(tokens_sb)
         if self.position_embeddings is not None:
-            if self.parts.sequence_parallel and self.topo.tp > 1:
+            if self.sequence_parallel:
                 pos_sb = pos_sb.chunk(self.topo.tp, dim=0)[self.topo.tp_rank]
             h = h + self.position_embeddings(pos_sb)
         return h
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self.arena.begin_iteration()
         tokens_sb, pos_sb = tokens.t().contiguous(), position_ids.t().contiguous()
         rope = self.rotary(pos_sb) if self.rotary is not None else None
         h = self.embed(tokens_sb, pos_sb)

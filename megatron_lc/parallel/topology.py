@@ -90,7 +90,7 @@ class Topology:
         if self.size(axis) == 1:
             return None
         if axis not in self.groups:
-            raise RuntimeError(f"process groups were not built; call Topology.build(...) under torch.distributed")
+            raise RuntimeError("process groups were not built; call Topology.build(...) under torch.distributed")
         return self.groups[axis]
 
     def ranks(self, axis: Axis) -> list[int]:

@@ -6,6 +6,7 @@ import logging
 import torch.distributed as dist
 
 from ..config import Config
+from ..data.demo import prepare_demo_data
 from .loop import Trainer, TrainState
 from .runtime import init_distributed, shutdown
 
@@ -18,21 +19,19 @@ def prepare_data(cfg: Config, rank: int) -> None:
     if not d.prepare_demo_data or d.mock_data:
         return
     if rank == 0:
-        from ..data.demo import prepare_demo_data
-
         prepare_demo_data(d.data_path, d.tokenizer_model, cfg.model.vocab_size)
     if dist.is_initialized():
         dist.barrier()
 
 
 def run(cfg: Config) -> TrainState:
-    topo, device = init_distributed(cfg)
+    layout, topo, device = init_distributed(cfg)
     try:
         log.info("%s | layout tp=%d cp=%d (ring %d x ulysses %d, %s) dp=%d | model %.2fM params",
                  topo.describe(), topo.tp, topo.cp, topo.ring, topo.ulysses, cfg.parallel.cp_comm_type, topo.dp,
                  cfg.model.num_parameters() / 1e6)
         prepare_data(cfg, topo.rank)
-        trainer = Trainer(cfg, topo, device)
+        trainer = Trainer(cfg, topo, device, layout)
         return trainer.train()
     finally:
         shutdown()

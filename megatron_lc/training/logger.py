@@ -32,7 +32,7 @@ class MetricsLogger:
         self.path = metrics_path(cfg)
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         if cfg.logging.wandb_project:
-            import wandb
+            import wandb  # optional (the ``wandb`` extra): only when logging.wandb_project is set
 
             self.wandb = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode,
                                     dir=cfg.logging.wandb_dir or os.path.dirname(os.path.abspath(self.path)),

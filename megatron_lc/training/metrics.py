@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ..config import Config
+from ..config import Config, Layout
 
 
 def flops_per_sample(cfg: Config) -> float:
@@ -26,10 +26,11 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def step_metrics(cfg: Config, world_size: int, step_seconds: float) -> dict:
-    tokens = cfg.train.global_batch_size * cfg.data.seq_length
+def step_metrics(cfg: Config, layout: Layout, step_seconds: float) -> dict:
+    world_size = layout.world_size
+    tokens = layout.global_batch_size * cfg.data.seq_length
     tps = tokens / step_seconds
-    flops = cfg.train.global_batch_size * flops_per_sample(cfg) / step_seconds
+    flops = layout.global_batch_size * flops_per_sample(cfg) / step_seconds
     return {
         "tokens_per_s": tps,
         "tokens_per_gpu_per_s": tps / world_size,

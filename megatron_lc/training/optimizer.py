@@ -34,6 +34,7 @@ def build_optimizer(model: nn.Module, cfg: Config, topo: Topology) -> torch.opti
     kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     groups = param_groups(model, t.weight_decay)
     if cfg.parallel.use_distributed_optimizer and topo.size(Axis.DP_CP) > 1:
+        # heavy (it imports TorchScript helpers, each one a deprecation warning): only when ZeRO-1 is on
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         # ZeroRedundancyOptimizer takes one param list; weight decay per group via add_param_group.

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import Config, ConfigError, Layout, resolve_layout
 from ..parallel.topology import Topology
 
 
@@ -29,18 +29,16 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
     want = cfg.train.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            from ..config import ConfigError
-
             raise ConfigError("train.device is cuda but no CUDA device is available (use cpu or auto)")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
-def init_distributed(cfg: Config) -> tuple[Topology, torch.device]:
-    """Validate the layout for this world size, start the process group and build the topology."""
+def init_distributed(cfg: Config) -> tuple[Layout, Topology, torch.device]:
+    """Resolve the layout for this world size, start the process group and build the topology."""
     rank, world, local_rank = env_world()
-    cfg.check_layout(world)  # one-line ConfigError before any process group exists
+    layout = resolve_layout(cfg, world)  # one-line ConfigError before any process group exists
     device = pick_device(cfg, local_rank)
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if world > 1 and not dist.is_initialized():
@@ -48,10 +46,8 @@ def init_distributed(cfg: Config) -> tuple[Topology, torch.device]:
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timeout)
-    p = cfg.parallel
-    topo = Topology.build(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, ulysses=p.ulysses_size,
-                          timeout=timeout)
-    return topo, device
+    topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, timeout=timeout)
+    return layout, topo, device
 
 
 def shutdown() -> None:

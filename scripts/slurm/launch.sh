@@ -81,17 +81,16 @@ if [[ -n ${DRY_RUN:-} && ${DRY_RUN} != 0 ]]; then
 import sys
 sys.path.insert(0, ".")
 from pretrain_gpt import parse_args
-from megatron_lc.config import ConfigError, load_config
+from megatron_lc.config import ConfigError, load_config, resolve_layout
 world, args = int(sys.argv[1]), parse_args(sys.argv[2:])
 try:
     cfg = load_config(args.config, args.overrides)
-    dp = cfg.check_layout(world)
+    layout = resolve_layout(cfg, world)
 except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-p = cfg.parallel
-print(f"# config {args.config}: world {world} = tp {p.tensor_model_parallel_size} x cp {p.context_parallel_size} "
-      f"({p.cp_comm_type}) x dp {dp}; seq_length {cfg.data.seq_length}, global batch {cfg.train.global_batch_size}")
+print(f"# config {args.config}: world {world} = tp {layout.tp} x cp {layout.cp} ({layout.cp_comm_type}) x dp "
+      f"{layout.dp}; seq_length {layout.seq_length}, global batch {layout.global_batch_size}")
 PY
 fi
 

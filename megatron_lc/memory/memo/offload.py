@@ -1,4 +1,5 @@
-"""Memo's rounding buffers, host copies and their schedule (Memo §4.1, §4.3.4, Figures 6 and 11).
+"""Memo's rounding buffers, host copies and their schedule (the Memo paper's sections 4.1 and 4.3.4, Figures 6 and
+11): ``MemoRuntime``, the run-time state the model context holds for the layers' executors.
 
 Two device buffers, allocated before training, hold the skeletal tensors of the layer being computed: layer i uses
 buffer ``i % 2``. Example, 6 layers (layers 4 and 5 are the last two: never swapped)::
@@ -11,6 +12,9 @@ buffer ``i % 2``. Example, 6 layers (layers 4 and 5 are the last two: never swap
               when layer i's backward starts, buffer (i-1)%2 is free (layer i+1 is done): host[i-1] -> buffer
               (i-1)%2 on the prefetch stream while layer i computes; layer i-1 waits for that event.
 
+The buffers are sized and allocated by the calibration before training (``calibrate.py``: the exact bytes one layer
+places at the chosen alpha); a layer that would place more is an error, never a buffer that grows mid-step.
+
 On CPU (``DeviceAdapter`` twin) streams are no-ops and copies synchronous, so the same code runs here; on CUDA the
 host tensors are pinned and the copies asynchronous (never executed in this project: no GPU).
 
@@ -19,17 +23,12 @@ buffers (``account``, a ``BufferAccount``: tags ``memo.rounding``, ``memo.recomp
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
-from ..device import BufferAccount, DeviceAdapter
-from .slots import SkeletalSlot
-
-log = logging.getLogger("megatron_lc")
-
-ALIGN = 256  # bytes; every group starts on this boundary inside a buffer
+from ...device import BufferAccount, DeviceAdapter
+from .slots import ALIGN, SkeletalSlot
 
 
 class RoundingBuffer:
@@ -47,24 +46,17 @@ class RoundingBuffer:
     def capacity(self) -> int:
         return self.data.numel()
 
-    def grow(self, nbytes: int) -> None:
-        """A bigger buffer with the bytes placed so far (only when the input shape changed after profiling)."""
-        log.warning("memo: rounding buffer %d grows from %d to %d bytes (input shape changed?)", self.index,
-                    self.capacity, nbytes)
-        self.account.release("memo.rounding", self.capacity)
-        data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        data[:self.cursor].copy_(self.data[:self.cursor])
-        self.data = data
-        self.account.acquire("memo.rounding", nbytes)
-
     def reset(self) -> None:
         self.cursor = 0
 
-    def alloc(self, nbytes: int) -> int:
+    def alloc(self, nbytes: int, layer: int) -> int:
         off = self.cursor
-        self.cursor = off + (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        if self.cursor > self.capacity:
-            self.grow(max(self.cursor, self.capacity * 5 // 4))
+        end = off + (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        if end > self.capacity:
+            raise RuntimeError(f"memo: rounding buffer {self.index} ({self.capacity} bytes, sized by the calibration) "
+                               f"cannot hold layer {layer}'s skeletal tensors ({end} bytes placed so far): this step's "
+                               f"layer shape differs from the calibrated one (data.seq_length x micro_batch_size)")
+        self.cursor = end
         return off
 
     def check_owner(self, slot: SkeletalSlot) -> None:
@@ -82,13 +74,12 @@ class MemoRuntime:
     device by reference, no buffer, no host copy. ``alpha`` is the fraction of tokens of the ``other`` skeletal
     tensors kept (offloaded) rather than recomputed; it is 0 without offload."""
 
-    def __init__(self, num_layers: int, alpha: float, offload: bool, device: torch.device, measure: bool = False):
+    def __init__(self, num_layers: int, offload: bool, alpha: float = 0.0, measure: bool = False,
+                 device: Optional[torch.device] = None):
         self.n = num_layers
-        self.measure = measure  # profiler probe: count bytes by kind, copy nothing
-        self.alpha = alpha if offload else 0.0
+        self.measure = measure  # calibration probe: count bytes by kind, copy nothing
+        self.alpha = alpha if offload else 0.0  # offload: set by the calibration (``calibrate.py``)
         self.offload = offload
-        self.device = device
-        self.dev = DeviceAdapter.for_device(device)
         self.account = BufferAccount()
         self.buffers: list = [None, None]
         self.host: dict = {}  # layer -> host byte tensor
@@ -96,9 +87,18 @@ class MemoRuntime:
         self.slots: dict = {}  # layer -> slot of the latest forward
         self.fetch_events: dict = {}  # id(slot) -> event of its prefetch
         self.generation = 0
+        self.attn_forward_calls = 0  # counts core attention forwards (recompute must never add any)
+        self.profile = self.alpha_result = None  # what the calibration measured and solved (offload)
+        self.device = self.dev = self.offload_stream = self.prefetch_stream = None
+        if device is not None:
+            self.bind(device)
+
+    def bind(self, device: torch.device) -> None:
+        """The device the layers run on: its copy streams (done by the calibration, before the first forward)."""
+        self.device = device
+        self.dev = DeviceAdapter.for_device(device)
         self.offload_stream = self.dev.new_stream()
         self.prefetch_stream = self.dev.new_stream()
-        self.attn_forward_calls = 0  # counts core attention forwards (recompute must never add any)
 
     # ---- setup ---------------------------------------------------------------------------------------------
     def swapped(self, layer: int) -> bool:
@@ -110,13 +110,12 @@ class MemoRuntime:
         return int(self.alpha * s + 1e-9) if self.offload else 0
 
     def allocate(self, nbytes: int) -> None:
-        """The two rounding buffers, ``nbytes`` each (done before training from the profiled sizes)."""
+        """The two rounding buffers, ``nbytes`` each (by the calibration, before training)."""
         nbytes = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
         for b in range(2):
-            if self.buffers[b] is None:
-                self.buffers[b] = RoundingBuffer(b, nbytes, self.device, self.account)
-            elif self.buffers[b].capacity < nbytes:
-                self.buffers[b].grow(nbytes)
+            if self.buffers[b] is not None:
+                self.account.release("memo.rounding", self.buffers[b].capacity)
+            self.buffers[b] = RoundingBuffer(b, nbytes, self.device, self.account)
 
     def host_bytes(self) -> int:
         return sum(h.numel() for h in self.host.values())
@@ -131,7 +130,8 @@ class MemoRuntime:
         self.slots[layer] = slot
         if slot.mode == "rounding":
             if self.buffers[0] is None:
-                self.allocate(ALIGN)  # not profiled (a runtime built by hand): the buffers grow on first use
+                raise RuntimeError("memo offload: the rounding buffers were not allocated; calibrate the model "
+                                   "(memory.memo.calibrate_memo) before its first forward")
             buf = self.buffers[layer % 2]
             if buf.offload_event is not None:  # layer i-2's bytes must have left before we overwrite them
                 self.dev.wait_event(buf.offload_event)

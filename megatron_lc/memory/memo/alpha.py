@@ -1,4 +1,5 @@
-"""Memo's offload fraction alpha: the linear program of Memo §4.1 (equations 1-3).
+"""Memo's offload fraction alpha: the linear program of the Memo paper's section 4.1 (equations 1-3). One home: the
+calibration (``calibrate.py``) and the estimator (``estimate/memory.py``) both solve it here.
 
     maximise    alpha
     subject to  (S_input + S_attn + alpha * S_others) / B  <=  T_layer          (transfer hidden by compute)
@@ -21,21 +22,14 @@ hand-worked examples. Two infeasible cases, handled differently:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ..config import ConfigError
+from scipy.optimize import linprog
 
-GIB = float(2 ** 30)
-
-
-def fmt_bytes(n: float) -> str:
-    """1.5 GiB / 12.00 MiB / 3000 bytes."""
-    if n >= GIB:
-        return f"{n / GIB:.2f} GiB"
-    if n >= 2 ** 20:
-        return f"{n / 2 ** 20:.2f} MiB"
-    return f"{int(n)} bytes"
+from ...config import ConfigError
+from ...units import GIB, fmt_bytes
 
 
 class HostMemoryError(ConfigError):
@@ -95,10 +89,6 @@ def closed_form(inp: AlphaInputs) -> Optional[float]:
 
 
 def _linprog(inp: AlphaInputs, with_time: bool) -> Optional[float]:
-    from scipy.optimize import linprog
-
-    import math
-
     a_ub, b_ub = [], []
     if with_time and math.isfinite(inp.bandwidth * inp.t_layer):
         a_ub.append([inp.s_others / inp.bandwidth])

@@ -6,7 +6,7 @@ u chunks, ``c_local = s_local/u`` local tokens per chunk, ``c = P*c_local`` gath
 
 Forward, for q chunk i = 0..u-1:
   project chunk i (``fpdt_project``) -> q, k, v [c_local, b, *, d] -> all-to-all (heads scattered, sequence
-  gathered) -> q^, k^, v^ [b, n|m, c, d] = global tokens [i*c, (i+1)*c) (strided layout, ``fpdt_layout``);
+  gathered) -> q^, k^, v^ [b, n|m, c, d] = global tokens [i*c, (i+1)*c) (strided layout, ``parallel/token_layout.py``);
   diagonal block (causal) first, then k^/v^ go to the store (host when offloading); kv chunks j = 0..i-1 are
   fetched one after the other, the fetch of j+1 issued before the compute of j (two kv chunks on the device at
   most); online-softmax merge in fp32; q^, o^, lse to the store; o^ all-to-all back -> output rows of chunk i.
@@ -23,11 +23,11 @@ from typing import Any, Optional
 
 import torch
 
-from .fpdt_buffers import ChunkStore, FPDTBuffers
-from .fpdt_project import ProjSavedHooks, project_chunk, storage_bytes
-from .merge import merge
+from ..merge import merge
+from .buffers import ChunkStore, FPDTBuffers
+from .project import ProjSavedHooks, project_chunk, storage_bytes
 
-KV, QSET = "fpdt.fetch_kv", "fpdt.fetch_q"  # accounting tags of fetched chunks (fpdt_buffers)
+KV, QSET = "fpdt.fetch_kv", "fpdt.fetch_q"  # accounting tags of fetched chunks (buffers.py)
 
 
 @dataclass

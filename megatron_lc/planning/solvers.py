@@ -169,6 +169,7 @@ def cpsat(inst: Rects, *, lower_bound: int, upper_bound: int, hint: Optional[np.
     """CP-SAT on the instance: one base variable per item, one (time, address) box per rectangle,
     ``AddNoOverlap2D``. Minimise the peak in ``[lower_bound, upper_bound]`` or, with ``capacity``, find any
     placement under it. Returns (item offsets or None, peak, "optimal" | "feasible" | "infeasible" | "unknown")."""
+    # OR-Tools is optional (the ``planning`` extra): without it ``solve_dsa`` keeps the greedy plan
     from ortools.sat.python import cp_model
 
     unit = _unit(np.concatenate([inst.height, [lower_bound, upper_bound]]))

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .planner import Plan
+from .plan import Plan
 from .trace import Trace
 
 
 def plot_plan(trace: Trace, plan: Plan, path: str, title: Optional[str] = None) -> None:
     """Draw ``plan`` over ``trace`` into ``path`` (png/pdf/svg by extension)."""
+    # matplotlib is optional (the ``planning`` extra) and only this drawing needs it
     import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.collections import PatchCollection
     from matplotlib.patches import Rectangle
+
+    matplotlib.use("Agg")
 
     mark = {}
     for e in trace.events:

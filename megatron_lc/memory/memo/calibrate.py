@@ -1,5 +1,7 @@
-"""Memo's job profiler (§4.3.2), the part that feeds alpha: measured on the running machine, per rank, before
-training.
+"""Memo's calibration, a step of ``training/setup.py`` after the model is built and on its device: the job profiler
+(the Memo paper's section 4.3.2), the alpha of the section 4.1 LP (``alpha.py``), the rounding buffers.
+
+The profiler, measured on the running machine, per rank:
 
 * skeletal sizes of one layer (input, attention output + lse, others): one forward of layer 0 on a synthetic input
   of the training shape, every saved tensor counted by storage (``SkeletalSlot`` in measure mode);
@@ -9,10 +11,15 @@ training.
 * host memory: ``memory.host_memory_gb`` (a node's budget) or, by default, ``MemAvailable`` of /proc/meminfo,
   shared by the ranks on this node (counted by hostname).
 
-Like the paper we profile one layer and apply it to all (the layers are identical).
+Like the paper we profile one layer and apply it to all (the layers are identical). Then every rank agrees on the
+smallest alpha, and the two rounding buffers are allocated with the exact bytes layer 0 places at that alpha (each
+region padded to ``slots.ALIGN``): a buffer never grows during training.
 """
 from __future__ import annotations
 
+import json
+import logging
+import math
 import os
 import socket
 import statistics
@@ -22,9 +29,12 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ..device import DeviceAdapter
+from ...device import DeviceAdapter
+from ...units import GIB
+from .alpha import AlphaInputs, HostMemoryError, check_fixed_alpha, solve_alpha
+from .offload import MemoRuntime
 
-GIB = float(2 ** 30)
+log = logging.getLogger("megatron_lc")
 
 
 @dataclass
@@ -101,13 +111,12 @@ def bandwidth(nbytes: int, device: torch.device, repeats: int = 3) -> tuple[floa
     return nbytes / max(d2h, 1e-9), nbytes / max(h2d, 1e-9)
 
 
-def synthetic_input(model, layer, cfg, topo, device):
-    """x ``[S, b, h]`` (requires grad) and the RoPE tables for this rank's training shape."""
-    S = cfg.data.seq_length // topo.cp
-    sp = cfg.parallel.sequence_parallel and topo.tp > 1
-    b = cfg.train.micro_batch_size
+def synthetic_input(model, layout, device):
+    """x ``[S, b, h]`` (requires grad; S the rows of a block input) and the RoPE tables for this rank's shape."""
+    S = layout.local_seq_length
+    b = layout.micro_batch_size
     g = torch.Generator(device="cpu").manual_seed(1234)
-    x = torch.randn(S // topo.tp if sp else S, b, cfg.model.hidden_size, generator=g).to(device)
+    x = torch.randn(layout.block_seq_length, b, model.cfg.hidden_size, generator=g).to(device)
     x.requires_grad_(True)
     rope = None
     if model.rotary is not None:
@@ -116,38 +125,74 @@ def synthetic_input(model, layer, cfg, topo, device):
     return x, rope
 
 
-def skeletal_sizes(layer, x, rope, io, sp_groups: int) -> dict:
-    """Bytes by kind of one layer's skeletal tensors (alpha = 1: every token kept), measured by storage."""
-    from .offload import MemoRuntime
-    from .executor import MemoExecutor
-
-    rt = MemoRuntime(num_layers=3, alpha=1.0, offload=True, device=x.device, measure=True)
-    ex = MemoExecutor(rt, io, sp_groups)
+def measure_layer(layer, x, rope, alpha: float):
+    """The skeletal slot of one forward of ``layer`` at ``alpha``, measured by storage (nothing copied)."""
+    rt = MemoRuntime(num_layers=3, offload=True, alpha=alpha, measure=True, device=x.device)
     with torch.enable_grad():
-        ex(layer, x, rope)
-    return dict(rt.slots[layer.layer_number].stats.bytes)
+        layer.executor.with_runtime(rt)(layer, x, rope)
+    return rt.slots[layer.layer_number]
 
 
-def profile_layer(model, cfg, topo, io, sp_groups: int, device: torch.device, timing: bool = True,
+def profile_layer(model, layout, device: torch.device, host_memory_gb, timing: bool = True,
                   repeats: int = 3) -> LayerProfile:
     """Profile layer 0 of ``model`` on ``device`` for this rank's training shape (every rank must call this:
     the layer's tp / cp collectives run)."""
     layer = model.layers[0]
-    x, rope = synthetic_input(model, layer, cfg, topo, device)
-    sizes = skeletal_sizes(layer, x, rope, io, sp_groups)
+    x, rope = synthetic_input(model, layout, device)
+    sizes = dict(measure_layer(layer, x, rope, alpha=1.0).stats.bytes)  # alpha = 1: every token kept
     t_layer = bw_d2h = bw_h2d = float("nan")
     if timing:
         dev = DeviceAdapter.for_device(device)
-        saved_executor, layer.executor = layer.executor, None
-        try:
-            with torch.enable_grad():
-                layer(x, rope)  # warm-up
-                t_layer = _timed(lambda: layer(x, rope), dev, repeats)
-        finally:
-            layer.executor = saved_executor
+        with torch.enable_grad():
+            layer.plain_forward(x, rope)  # warm-up
+            t_layer = _timed(lambda: layer.plain_forward(x, rope), dev, repeats)
         bw_d2h, bw_h2d = bandwidth(min(sum(sizes.values()), 256 << 20), device, repeats)
-    node_bytes, source = host_budget(cfg.memory.host_memory_gb)
+    node_bytes, source = host_budget(host_memory_gb)
     return LayerProfile(s_input=sizes["input"], s_attn=sizes["attn"] + sizes["lse"], s_lse=sizes["lse"],
                         s_others=sizes["other"], t_layer=t_layer, bw_d2h=bw_d2h, bw_h2d=bw_h2d,
                         host_node_bytes=node_bytes, ranks_per_node=ranks_on_this_node(), host_source=source,
                         tokens=x.shape[0])
+
+
+def _gather(obj) -> list:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def calibrate_memo(model, runtime: MemoRuntime, memory_cfg, layout, topo, device: torch.device) -> None:
+    """Bind ``runtime`` to ``device``; with offload, profile layer 0, choose alpha (``memory.offload_fraction``:
+    the LP, or the given value checked against host memory; the smallest over ranks), allocate the rounding buffers
+    and log it all. Every rank must call this. ``HostMemoryError`` when even alpha = 0 does not fit."""
+    runtime.bind(device)
+    if not runtime.offload:
+        return
+    fixed = None if memory_cfg.offload_fraction == "auto" else float(memory_cfg.offload_fraction)
+    with topo.comm.tag("memo.profile"):
+        prof = profile_layer(model, layout, device, memory_cfg.host_memory_gb, timing=fixed is None)
+    inp = AlphaInputs(s_input=prof.s_input, s_attn=prof.s_attn, s_others=prof.s_others,
+                      bandwidth=prof.bw_d2h if fixed is None else math.inf,
+                      t_layer=prof.t_layer if fixed is None else math.inf,
+                      num_layers=len(model.layers), host_budget=prof.host_budget)
+    result, error = None, None
+    try:
+        result = solve_alpha(inp) if fixed is None else check_fixed_alpha(inp, fixed)
+    except HostMemoryError as e:
+        error = f"rank {topo.rank}: {e}"
+    gathered = _gather((None if result is None else result.alpha, error))
+    errors = [e for _, e in gathered if e is not None]
+    if errors:
+        raise HostMemoryError(errors[0])
+    runtime.alpha = min(a for a, _ in gathered)
+    runtime.profile, runtime.alpha_result = prof, result
+    x, rope = synthetic_input(model, layout, device)
+    with topo.comm.tag("memo.profile"):
+        need = measure_layer(model.layers[0], x, rope, runtime.alpha).placed_bytes()
+    runtime.allocate(need)
+    log.info("memo offload: %s", json.dumps({
+        "alpha": runtime.alpha, "alpha_this_rank": result.alpha, "binding": result.binding, "hidden": result.hidden,
+        "kept_tokens": runtime.kept_tokens(prof.tokens), "tokens": prof.tokens, "inputs": inp.as_dict(),
+        "profile": prof.as_dict(), "host_bytes": result.host_bytes,
+        "rounding_buffer_bytes": runtime.buffers[0].capacity}))

@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from .fpdt_buffers import FPDTBuffers, nbytes
+from ..ulysses import replicate_kv
+from .buffers import FPDTBuffers, nbytes
 
 
 class Box:
@@ -107,8 +108,7 @@ def project_chunk(qkv_fn, x_chunk: torch.Tensor, rope, kv_repeat: int, build_gra
 
     def run(x):
         q, k, v = qkv_fn(x, rope)
-        if kv_repeat > 1:  # GQA with fewer kv heads than Ulysses ranks: replicate; autograd sums the copies' grads
-            k, v = k.repeat_interleave(kv_repeat, dim=2), v.repeat_interleave(kv_repeat, dim=2)
+        k, v = replicate_kv(k, v, kv_repeat)  # GQA with fewer kv heads than Ulysses ranks
         return q, k, v
 
     if not build_graph:

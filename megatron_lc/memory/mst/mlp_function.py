@@ -1,4 +1,4 @@
-"""MsT autograd functions: the mini-sequence MLP here, the LM head + cross entropy in ``mst_head.py``.
+"""MsT autograd functions: the mini-sequence MLP here, the LM head + cross entropy in ``head_function.py``.
 
 Both work on token rows ``[N, h]`` (the ``[s, b]`` token grid flattened, s-major) and cut them into chunks of
 ``chunk`` rows; the last chunk holds the remainder (N = 4100, chunk = 1024 -> 1024, 1024, 1024, 1024, 4), so no
@@ -10,7 +10,7 @@ outside autograd: that skips gradient hooks, ignores ``torch.autograd.grad`` and
 being accumulated over micro-batches by autograd itself.)
 
 Communication stays outside: the tp/SP input mapping (all-gather or copy) and output mapping (reduce-scatter or
-all-reduce) are applied by the modules in ``mst.py`` on whole tensors, so these functions return *partial* input
+all-reduce) are applied by the modules in ``modules.py`` on whole tensors, so these functions return *partial* input
 gradients under tp, exactly like ``F.linear`` in the unchunked column/row linears.
 
 Mixed precision: under autocast the matmuls run in the autocast dtype, weight gradients are accumulated in the

@@ -23,8 +23,9 @@ import subprocess
 import tempfile
 
 import numpy as np
+import torch
 
-from .planner import Plan
+from .plan import Plan
 
 log = logging.getLogger("megatron_lc")
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "plan_alloc.c")
@@ -69,8 +70,6 @@ class PlanReplay:
 
     @classmethod
     def install(cls, plan: Plan) -> "PlanReplay":  # pragma: no cover - GPU only, never executed here
-        import torch
-
         so = build(host=False)
         alloc = torch.cuda.memory.CUDAPluggableAllocator(so, "plan_malloc", "plan_free")
         torch.cuda.memory.change_current_allocator(alloc)

@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
 
-from .planner_solvers import Rects, _unit
+from .solvers import Rects, _unit
 
 
 def mip(inst: Rects, *, lower_bound: int, upper_bound: int, time_limit: float
@@ -18,9 +20,6 @@ def mip(inst: Rects, *, lower_bound: int, upper_bound: int, time_limit: float
     """The paper's big-M MIP with scipy's HiGHS, M_cap = ``upper_bound``: min M s.t. A_i + S_i <= M and, for every
     pair of time-overlapping items, A_i + S_i <= A_j + z_ij M_cap and A_j + S_j <= A_i + (1 - z_ij) M_cap (for a
     shaped item, S is the height of its rectangle that overlaps the other's)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
-
     unit = _unit(np.concatenate([inst.height, [upper_bound]]))
     H = inst.height // unit
     n = inst.n

@@ -23,8 +23,9 @@ import time
 
 import numpy as np
 
-from .planner import Plan, align_size, solve_dsa
-from .planner_solvers import Rects, best_greedy
+from .dsa import align_size, solve_dsa
+from .plan import Plan
+from .solvers import Rects, best_greedy
 from .trace import Trace
 
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..parallel.collectives import all_reduce
-from ..parallel.topology import Axis, Topology
-from .mst_functions import _accumulate_mm, _cast, _compute_dtype, chunk_bounds
+from ...parallel.collectives import all_reduce
+from ...parallel.topology import Axis, Topology
+from .mlp_function import _accumulate_mm, _cast, _compute_dtype, chunk_bounds
 
 
 def _target(labels: torch.Tensor, per: int, start: int, ignore_index: int):

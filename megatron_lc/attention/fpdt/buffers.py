@@ -29,10 +29,9 @@ from typing import Optional
 
 import torch
 
-from ..device import BufferAccount, DeviceAdapter
-from ..memory.arena import Arena
-from ..parallel.collectives import all_to_all
-from ..parallel.topology import Axis, Topology
+from ...device import BufferAccount, DeviceAdapter
+from ...parallel.collectives import all_to_all
+from ...parallel.topology import Axis, Topology
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -56,16 +55,33 @@ class Pending:
     owned: list = field(default_factory=list)
 
 
-class FPDTBuffers:
-    """Accounting + transfers for one device; shared by the FPDT blocks of a model (one ``BufferAccount``)."""
+class FPDTState:
+    """Run-time state of a model's FPDT blocks, shared by all its layers and returned in the model's context:
+    the device and host byte accounts and, per device, one ``FPDTBuffers`` (so one pair of copy streams).
 
-    def __init__(self, device: torch.device, account: BufferAccount, host_account: Optional[BufferAccount] = None):
-        self.device, self.account = device, account
-        self.host_account = host_account if host_account is not None else BufferAccount()  # bytes parked on host
+    ``arena``: where framework buffers come from -- anything with ``buffer(tag, shape, dtype, device=...)`` and
+    ``record_stream(t, stream)`` (``memory.arena``'s handle: plain allocations until a memory plan is installed)."""
+
+    def __init__(self, arena):
+        self.arena = arena
+        self.account = BufferAccount()  # device-resident bytes of the blocks' buffers
+        self.host_account = BufferAccount()  # bytes parked on the host
+        self._by_device: dict = {}
+
+    def buffers(self, device: torch.device) -> "FPDTBuffers":
+        if device not in self._by_device:
+            self._by_device[device] = FPDTBuffers(device, self.account, self.host_account, self.arena)
+        return self._by_device[device]
+
+
+class FPDTBuffers:
+    """Accounting + transfers for one device; shared by the FPDT blocks of a model (see ``FPDTState``)."""
+
+    def __init__(self, device: torch.device, account: BufferAccount, host_account: BufferAccount, arena):
+        self.device, self.account, self.host_account, self.arena = device, account, host_account, arena
         self.dev = DeviceAdapter.for_device(device)
         self.d2h = self.dev.new_stream()
         self.h2d = self.dev.new_stream()
-        self.arena = Arena()  # memory.plan (issue 7): set to the owner block's arena before each use
 
     # ---- accounting ----------------------------------------------------------------------------------------
     def track(self, tag: str, *ts: Optional[torch.Tensor]) -> None:

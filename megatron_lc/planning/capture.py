@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .arena import Arena, arena_users, install_arena
+from ..memory.arena import Arena
 from .trace import Event, Trace
 
 
@@ -166,18 +166,16 @@ class RecordingArena(Arena):
         return t
 
 
-def capture_iteration(model: torch.nn.Module, batch: dict, layers=None, meta=None) -> Trace:
+def capture_iteration(model: torch.nn.Module, batch: dict, arena=None, layers=None, meta=None) -> Trace:
     """Trace one forward + backward of ``model`` (a GPTModel: ``model(tokens, position_ids, labels)`` -> per-token
     loss) on ``batch``. Gradients are left in ``.grad`` (never freed in the trace); the caller clears them.
-    Framework buffers (modules with an ``arena``) are served by a ``RecordingArena`` during the capture (tagged in
-    the trace; the persistent ones listed in ``trace.meta["persistent"]``), then the previous arenas are restored."""
+    ``arena``: the model context's ``ArenaHandle``; its framework buffers are served by a ``RecordingArena`` during
+    the capture (tagged in the trace; the persistent ones listed in ``trace.meta["persistent"]``), then the
+    previous arena is put back."""
     layers = layers if layers is not None else getattr(model, "layers", [])
     tracer = DispatchTracer()
-    users = arena_users(model)
-    old = [(m, m.arena) for m in users]
     rec = RecordingArena(tracer)
-    if users:
-        install_arena(model, rec)
+    old = arena.install(rec) if arena is not None else None
     handles = _mark_layers(tracer, layers)
     try:
         with tracer:
@@ -190,10 +188,8 @@ def capture_iteration(model: torch.nn.Module, batch: dict, layers=None, meta=Non
     finally:
         for h in handles:
             h.remove()
-        if users:
-            install_arena(model, old[0][1])
-            for m, a in old:
-                m.arena = a
+        if arena is not None:
+            arena.install(old)
     m = dict(meta or {})
     m["persistent"] = rec.persistent_layout()
     return tracer.trace(m)

@@ -27,6 +27,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 KINDS = ("input", "attn", "lse", "other")
+ALIGN = 256  # bytes; every region starts on this boundary inside a rounding buffer
 
 
 @dataclass
@@ -134,7 +135,7 @@ class SkeletalSlot:
             self._views[vkey] = r
         self.regions.append(r)
         if self.mode == "rounding":
-            r.offset = self.buffer.alloc(r.nbytes)
+            r.offset = self.buffer.alloc(r.nbytes, self.layer)
             dst = self.buffer.data[r.offset:r.offset + r.nbytes]
             if dense:
                 src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), 0,
@@ -159,6 +160,10 @@ class SkeletalSlot:
             self.stats.bytes[kind] += t.numel() * t.element_size()
             return _Handle(None, ref=t.detach())
         return self._place(t.detach(), kind)
+
+    def placed_bytes(self) -> int:
+        """Bytes the regions take in a rounding buffer, each padded to ``ALIGN`` (what a buffer must hold)."""
+        return sum(-(-r.nbytes // ALIGN) * ALIGN for r in self.regions)
 
     def flush(self) -> None:
         """The layer's forward is over: count the placed bytes by kind."""

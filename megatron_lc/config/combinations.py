@@ -1,0 +1,27 @@
+"""Feature pairs the framework refuses, each with its reason, checked before anything is built.
+
+Every other pair of features runs and gives the plain model's losses (``tests/test_feature_pairs.py`` trains each
+pair two steps against the single-process model). A refusal is one line naming both keys and why."""
+from __future__ import annotations
+
+from .base import ConfigError
+
+
+def _refusals(cfg):
+    """(condition, message) for every refused pair."""
+    m, p = cfg.memory, cfg.parallel
+    yield (m.recompute_granularity == "selective" and m.activation_offload != "none",
+           f"memory.recompute_granularity=selective with memory.activation_offload={m.activation_offload}: "
+           f"selective recomputes core attention, offload keeps its output; use recompute_granularity full or none "
+           f"with memo")
+    yield (m.recompute_granularity == "selective" and p.cp_comm_type == "fpdt",
+           "memory.recompute_granularity=selective with parallel.cp_comm_type=fpdt: selective checkpoints the core "
+           "attention, and FPDT's block has none (it keeps only its chunks, on the host with fpdt_offload); use "
+           "recompute_granularity full (token-wise recompute around the FPDT block) or none")
+
+
+def check_combinations(cfg) -> None:
+    """Raise ``ConfigError`` for the first refused feature pair of ``cfg``."""
+    for refused, message in _refusals(cfg):
+        if refused:
+            raise ConfigError(message)

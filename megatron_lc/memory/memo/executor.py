@@ -1,0 +1,137 @@
+"""A transformer layer's forward under token-wise recompute / Memo offload (the token split is in ``steps.py``).
+The model spec constructs one executor per layer; ``TransformerLayer.forward`` hands itself to it.
+
+Two layer shapes, two executors:
+
+* ``MemoExecutor`` (``SelfAttention`` with a core attention): ``pre`` = norm 1 + QKV + RoPE -> q, k, v; core
+  attention through its (out, lse) pair (``attention/core.py``), run once; ``post`` = out-proj + residual + MLP.
+* ``MemoBlockExecutor`` (FPDT's block, which chunks QKV, attention and out-proj and keeps/offloads its own
+  tensors): ``pre`` = norm 1; the block runs on all tokens with autograd and whatever it saves through autograd is
+  kept whole as ``attn`` (offloaded, never recomputed); ``post`` = residual + MLP. The kept/dropped token split
+  applies to norm 1 and to residual + MLP.
+
+Both take the model's ``MemoRuntime`` (run-time state: rounding buffers, host copies, counters) and the number of
+sequence-parallel blocks G of a gathered tensor (tp with Megatron SP, else 1).
+"""
+from __future__ import annotations
+
+import torch
+
+from .offload import MemoRuntime
+from .steps import LayerStep, TokenSplit, _Attention, _PostDropped, _PreDropped
+
+
+def _param_storages(layer) -> set:
+    return {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+
+class MemoExecutor:
+    """Token-wise recompute (``runtime.offload`` False: ``recompute_granularity: full``) or Memo (True) of a layer
+    with a separate core attention."""
+
+    block_mode = False
+
+    def __init__(self, runtime: MemoRuntime, sp_groups: int):
+        self.runtime, self.G = runtime, sp_groups
+        self._rope_key = None
+        self._rope_split = None
+        # passed to the dropped-token Functions so their outputs require grad (and parameter grads flow) even
+        # when the layer input does not
+        self._always_grad = torch.empty(0, requires_grad=True)
+
+    def with_runtime(self, runtime: MemoRuntime) -> "MemoExecutor":
+        """The same executor on another runtime (the calibration's measuring one)."""
+        return type(self)(runtime, self.G)
+
+    def rope_parts(self, rope, split: TokenSplit):
+        """RoPE tables of the kept and dropped tokens (computed once per model forward, shared by the layers)."""
+        if rope is None:
+            return None, None, set()
+        key = (id(rope[0]), rope[0].data_ptr(), split.S, split.sA)
+        if key != self._rope_key:
+            cos_a, cos_d = split.gathered(rope[0])
+            sin_a, sin_d = split.gathered(rope[1])
+            self._rope_key, self._rope_split = key, ((cos_a, sin_a), (cos_d, sin_d), rope)
+        a, d, _ = self._rope_split
+        return a, d, {t.untyped_storage().data_ptr() for pair in (a, d, rope) for t in pair}
+
+    def _step(self, layer, x: torch.Tensor, rope) -> tuple:
+        """The layer's ``LayerStep`` (its slot placed from now on) and the RoPE rows of the kept tokens."""
+        rt = self.runtime
+        S = x.shape[0]
+        split = TokenSplit(S, rt.kept_tokens(S), self.G)
+        rope_a, rope_d, rope_refs = self.rope_parts(rope, split)
+        slot = rt.new_slot(layer.layer_number, _param_storages(layer) | rope_refs)
+        st = LayerStep(rt, layer, layer.self_attention.core_attention, slot, split, rope_d, layer.pre_attention,
+                       layer.post_attention)
+        return st, rope_a
+
+    def _attend(self, st: LayerStep, layer, pre_a, pre_d, rope) -> torch.Tensor:
+        return _Attention.apply(st, *(pre_a or (None,) * 3), *(pre_d or (None,) * 3))
+
+    def __call__(self, layer, x: torch.Tensor, rope) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return layer.plain_forward(x, rope)
+        rt = self.runtime
+        x = x.contiguous()
+        st, rope_a = self._step(layer, x, rope)
+        split, slot = st.split, st.slot
+        slot.stats.tokens, slot.stats.tokens_kept, slot.stats.tokens_recomputed = split.S, split.sA, split.sD
+        st.h_input = slot.keep("input", x)
+        x_a, x_d = split.local(x)
+        with torch.autograd.graph.saved_tensors_hooks(slot.pack, slot.unpack):
+            pre_a = st.pre_fn(x_a, rope_a) if split.sA else None
+            pre_d = _PreDropped.apply(st, x_d, self._always_grad) if split.sD else None
+            out = self._attend(st, layer, pre_a, pre_d, rope)
+            n = split.G * split.sA
+            ys = []
+            if split.sA:
+                ys.append(st.post_fn(x_a, out[:n]))
+            if split.sD:
+                ys.append(_PostDropped.apply(st, x_d, out[n:], self._always_grad))
+            y = torch.cat(ys) if len(ys) > 1 else ys[0]
+        rt.after_forward(slot)
+        if y.requires_grad:
+            y.register_hook(lambda g, slot=slot: (rt.before_backward(slot), g)[1])
+        return y
+
+
+def _block_post(layer):
+    def post(x: torch.Tensor, block_out: torch.Tensor) -> torch.Tensor:
+        r = x + block_out
+        return r + layer.mlp(layer.pre_mlp_layernorm(r))
+    return post
+
+
+class MemoBlockExecutor(MemoExecutor):
+    """Token-wise recompute / Memo around an attention block that is one autograd op (FPDT's); see module doc."""
+
+    block_mode = True
+
+    def __init__(self, runtime: MemoRuntime, sp_groups: int):
+        super().__init__(runtime, 1)  # the token split acts on the block's input rows: never gathered
+
+    def _step(self, layer, x: torch.Tensor, rope) -> tuple:
+        rt = self.runtime
+        S = x.shape[0]
+        split = TokenSplit(S, rt.kept_tokens(S), 1)
+        rope_refs = {t.untyped_storage().data_ptr() for t in rope} if rope is not None else set()
+        slot = rt.new_slot(layer.layer_number, _param_storages(layer) | rope_refs)
+        st = LayerStep(rt, layer, None, slot, split, None, lambda x_, rope_: (layer.input_layernorm(x_),),
+                       _block_post(layer))
+        return st, None
+
+    def _attend(self, st: LayerStep, layer, pre_a, pre_d, rope) -> torch.Tensor:
+        """The attention block on all tokens, with autograd; what it saves is kept whole (``attn``)."""
+        a = torch.cat([pre_a[0], pre_d[0]]) if (pre_a and pre_d) else (pre_a or pre_d)[0]
+        slot = st.slot
+        slot.default_kind = "attn"
+        try:
+            out = layer.self_attention(a, rope)
+        finally:
+            slot.default_kind = "other"
+        st.runtime.attn_forward_calls += 1
+        st.h_attn = slot.keep("attn", out)  # the dropped tokens' post part is recomputed from it
+        if not st.split.sD:
+            out.register_hook(lambda g: (st.runtime.layer_backward_done(slot), g)[1])
+        return out

@@ -1,0 +1,191 @@
+"""Token-wise recompute that never re-runs attention, and Memo's token split (the Memo paper's section 4.1; LightSeq's
+rematerialization-aware checkpointing): the token split and the autograd functions ``executor.py`` runs a layer with.
+
+A layer is ``pre`` (norm, QKV, RoPE: token-wise) -> core attention (mixes tokens) -> ``post`` (out-proj, residual,
+norm, MLP: token-wise). Its S local tokens are split: the first ``sA = floor(alpha * S)`` are *kept* -- ``pre`` and
+``post`` run on them with autograd and every tensor they save goes to the layer's ``SkeletalSlot`` (offloaded by
+Memo) -- and the other ``sD = S - sA`` are *dropped*: ``pre``/``post`` run on them without autograd and are run
+again, on those tokens only, just before their backward. The layer input and the attention output + lse are always
+kept whole, so attention runs once per step and the recompute is exact (only token-wise ops are repeated).
+
+    alpha = 0   (``recompute_granularity: full``; Memo with no offload of "others"): every token recomputed
+    alpha = 1   nothing recomputed; Memo offloads every skeletal tensor
+
+With Megatron sequence parallelism (tp = G > 1) ``pre`` all-gathers over tp, so its outputs hold G blocks of S
+tokens, rank order: kept tokens of such a tensor are rows ``[g*S, g*S + sA)`` of every block g. ``TokenSplit``
+cuts and merges both kinds. Example S = 4, sA = 1, G = 2 (rank r holds tokens r0..r3)::
+
+    local x on rank r     [r0 r1 r2 r3]              -> kept [r0]        dropped [r1 r2 r3]
+    gathered q            [00 01 02 03 10 11 12 13]  -> kept [00 10]     dropped [01 02 03 11 12 13]
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from .offload import MemoRuntime
+from .slots import SkeletalSlot
+
+
+class TokenSplit:
+    """The first ``sA`` of ``S`` local tokens kept, the rest dropped; gathered tensors have ``G`` blocks of S."""
+
+    def __init__(self, S: int, sA: int, G: int):
+        self.S, self.sA, self.sD, self.G = S, sA, S - sA, G
+
+    def local(self, t: torch.Tensor):
+        return t[:self.sA], t[self.sA:]
+
+    def gathered(self, t: torch.Tensor):
+        """A tensor over the G*S gathered tokens -> (kept rows, dropped rows), each in block order."""
+        if self.G == 1:
+            return t[:self.sA], t[self.sA:]
+        v = t.view(self.G, self.S, *t.shape[1:])
+        return (v[:, :self.sA].reshape(self.G * self.sA, *t.shape[1:]),
+                v[:, self.sA:].reshape(self.G * self.sD, *t.shape[1:]))
+
+    def merge(self, a: Optional[torch.Tensor], d: Optional[torch.Tensor]) -> torch.Tensor:
+        """Inverse of ``gathered``."""
+        if a is None or self.sA == 0:
+            return d
+        if d is None or self.sD == 0:
+            return a
+        if self.G == 1:
+            return torch.cat([a, d])
+        rest = a.shape[1:]
+        return torch.cat([a.view(self.G, self.sA, *rest), d.view(self.G, self.sD, *rest)], 1).view(-1, *rest)
+
+
+class LayerStep:
+    """Everything one layer's forward leaves for its backward (held by the autograd Functions' ctx)."""
+
+    def __init__(self, runtime: MemoRuntime, layer, core, slot: SkeletalSlot, split: TokenSplit, rope_d, pre_fn,
+                 post_fn):
+        # core: the layer's core attention (``attention/core.py`` protocol); None in block mode
+        self.runtime, self.layer, self.core, self.slot, self.split = runtime, layer, core, slot, split
+        self.rope_d = rope_d
+        self.pre_fn, self.post_fn = pre_fn, post_fn  # token-wise parts: (x, rope) -> tuple, (x, attn) -> y
+        # autocast state of the forward (bf16 on GPU), re-entered for the recompute, as torch.utils.checkpoint does
+        self.autocast = [(dev, torch.get_autocast_dtype(dev)) for dev in ("cuda", "cpu")
+                         if torch.is_autocast_enabled(dev)]
+        self.h_input = self.h_attn = self.h_lse = None
+        self.h_qkv_kept: Optional[list] = None
+        self.pre_d = None  # (leaf x, (q, k, v)) of the recomputed dropped tokens
+
+    def kept_input(self) -> torch.Tensor:
+        return self.slot.unpack(self.h_input)
+
+    def kept_attn(self) -> torch.Tensor:
+        return self.slot.unpack(self.h_attn)
+
+    def _measure(self, fn, *args):
+        """Run ``fn`` with grad, counting the bytes it saves (the recomputed skeletal tensors) by storage."""
+        refs = set(self.slot.refs) | {self.kept_input().untyped_storage().data_ptr(),
+                                      self.kept_attn().untyped_storage().data_ptr()}
+        probe = SkeletalSlot(self.slot.layer, "measure", refs)
+        with contextlib.ExitStack() as stack:
+            for dev, dtype in self.autocast:
+                stack.enter_context(torch.autocast(dev, dtype=dtype))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack))
+            out = fn(*args)
+        return out, probe
+
+    def recompute_pre(self):
+        """The pre-attention outputs (q, k, v) of the dropped tokens, with their autograd graph (once)."""
+        if self.pre_d is None:
+            x = self.split.local(self.kept_input())[1].detach().requires_grad_()
+            qkv, probe = self._measure(lambda *a: tuple(self.pre_fn(*a)), x, self.rope_d)
+            if self.core is not None:  # the attention backward needs them: count them like the kept q, k, v
+                for t in qkv:
+                    probe.keep("other", t.detach())
+            probe.flush()
+            self.slot.stats.bytes_recomputed += probe.stats.bytes["other"]
+            self.runtime.account.acquire("memo.recompute", probe.stats.bytes["other"])
+            self.pre_d = (x, qkv, probe.stats.bytes["other"])
+        return self.pre_d
+
+
+class _PreDropped(torch.autograd.Function):
+    """q, k, v (or the norm output, block mode) of the dropped tokens: no graph; recomputed before their backward."""
+
+    @staticmethod
+    def forward(ctx, st: LayerStep, x_d, always_grad):
+        ctx.st = st
+        return tuple(st.pre_fn(x_d, st.rope_d))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        st = ctx.st
+        x, qkv, nbytes = st.recompute_pre()
+        pairs = [(t, g) for t, g in zip(qkv, grads) if g is not None]
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        st.pre_d = None
+        st.runtime.account.release("memo.recompute", nbytes)
+        st.runtime.layer_backward_done(st.slot)
+        return None, x.grad, None
+
+
+class _PostDropped(torch.autograd.Function):
+    """Out-proj + residual + MLP of the dropped tokens: no graph in forward, recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, st: LayerStep, x_d, o_d, always_grad):
+        ctx.st = st
+        return st.post_fn(x_d, o_d)
+
+    @staticmethod
+    def backward(ctx, dy):
+        st = ctx.st
+        x = st.split.local(st.kept_input())[1].detach().requires_grad_()
+        o = st.kept_attn()[st.split.G * st.split.sA:].detach().requires_grad_()  # dropped rows come last
+        y, probe = st._measure(st.post_fn, x, o)
+        probe.flush()
+        st.slot.stats.bytes_recomputed += probe.stats.bytes["other"]
+        st.runtime.account.acquire("memo.recompute", probe.stats.bytes["other"])
+        torch.autograd.backward(y, dy)
+        st.runtime.account.release("memo.recompute", probe.stats.bytes["other"])
+        return None, x.grad, o.grad, None
+
+
+class _Attention(torch.autograd.Function):
+    """Core attention once; keeps out (in kept-then-dropped token order) and lse, and the kept tokens' q, k, v."""
+
+    @staticmethod
+    def forward(ctx, st: LayerStep, qa, ka, va, qd, kd, vd):
+        sp = st.split
+        q, k, v = sp.merge(qa, qd), sp.merge(ka, kd), sp.merge(va, vd)
+        out, lse = st.core.forward_with_lse(q, k, v)
+        st.runtime.attn_forward_calls += 1
+        if sp.G > 1 and sp.sA and sp.sD:
+            out = torch.cat(sp.gathered(out))  # kept rows first, so both parts are views of one tensor
+        st.h_attn = st.slot.keep("attn", out)
+        st.h_lse = st.slot.keep("lse", lse)
+        if sp.sA:
+            st.h_qkv_kept = [st.slot.keep("other", t) for t in (qa, ka, va)]
+        ctx.st = st
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        st = ctx.st
+        sp, slot = st.split, st.slot
+        out, lse = st.kept_attn(), slot.unpack(st.h_lse)
+        qa = ka = va = qd = kd = vd = None
+        if sp.sA:
+            qa, ka, va = (slot.unpack(h) for h in st.h_qkv_kept)
+        if sp.sD:
+            qd, kd, vd = (t.detach() for t in st.recompute_pre()[1])
+        q, k, v = sp.merge(qa, qd), sp.merge(ka, kd), sp.merge(va, vd)
+        if sp.G > 1 and sp.sA and sp.sD:
+            n = sp.G * sp.sA
+            out, dout = sp.merge(out[:n], out[n:]), sp.merge(dout[:n], dout[n:])
+        dq, dk, dv = st.core.backward_with_lse(dout, q, k, v, out, lse)
+        grads = []
+        for g in (dq, dk, dv):
+            grads.append(sp.gathered(g) if (sp.sA and sp.sD) else ((g, None) if sp.sA else (None, g)))
+        if not sp.sD:
+            st.runtime.layer_backward_done(slot)
+        return (None, grads[0][0], grads[1][0], grads[2][0], grads[0][1], grads[1][1], grads[2][1])

@@ -1,0 +1,130 @@
+"""The package's import graph: no cycles, and no imports hidden inside functions.
+
+The graph is read from the source (``ast``), not from ``sys.modules``, so a cycle is found even when the import
+order of the day happens to work. A module imports a module M and, implicitly, every package above M that is not
+also above the importer (Python runs those ``__init__`` files first). A function-local import is allowed only for
+an optional or heavy third-party dependency, with its reason in a comment on the line or over its group; a
+function-local import of ``megatron_lc`` is always a hidden edge of this graph, and refused."""
+from __future__ import annotations
+
+import ast
+import os
+
+PKG = "megatron_lc"
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PKG)
+
+
+def _modules(root: str = ROOT) -> dict:
+    """{dotted module name: path}; a package is its ``__init__``."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(d, f), os.path.dirname(root))[:-3].split(os.sep)
+                if rel[-1] == "__init__":
+                    rel = rel[:-1]
+                out[".".join(rel)] = os.path.join(d, f)
+    return out
+
+
+def _imports(name: str, path: str, modules: dict):
+    """(target module, line, at module level?) of every import of a ``megatron_lc`` module in ``path``, and the
+    function-local imports of other modules as (module, line)."""
+    tree = ast.parse(open(path).read(), path)
+    is_pkg = path.endswith("__init__.py")
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    local_nodes = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for n in ast.walk(f)}
+    internal, external = [], []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            mod = node.module or ""
+            if node.level:
+                mod = ".".join(base[:len(base) - node.level + 1] + ([mod] if mod else []))
+            # ``from pkg import name``: name may be a submodule of pkg
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+        top = id(node) not in local_nodes
+        for t in targets:
+            if t.split(".")[0] == PKG:
+                internal.append((t, node.lineno, top))
+            elif not top:
+                external.append((t, node.lineno))
+    return internal, external
+
+
+def import_graph(root: str = ROOT) -> dict:
+    """{module: set of modules it imports, parent packages included (see module doc)}. Imports inside functions
+    count too: they are the same dependency, run later."""
+    modules = _modules(root)
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for target, _, _ in _imports(name, path, modules)[0]:
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                t = ".".join(parts[:i])
+                if t in modules and not (name == t or name.startswith(t + ".")):
+                    edges.add(t)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict) -> list:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_detector_sees_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_no_hidden_imports():
+    """No function-local import of the package; a function-local third-party import says why in a comment."""
+    modules = _modules()
+    bad = []
+    for name, path in sorted(modules.items()):
+        internal, external = _imports(name, path, modules)
+        lines = open(path).read().splitlines()
+        bad += [f"{path}:{line}: imports {t} inside a function" for t, line, top in internal if not top]
+        for t, line in external:
+            near = lines[max(0, line - 5):line]  # the line, or a comment over its group of imports
+            if not any("#" in ln for ln in near):
+                bad.append(f"{path}:{line}: imports {t} inside a function without a comment saying why")
+    assert not bad, "\n".join(bad)
