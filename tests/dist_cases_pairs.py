@@ -109,6 +109,15 @@ def run_case(case: tuple, world: int, topos: dict, tmp: str) -> dict:
         return {"error": traceback.format_exc(limit=12)}
 
 
+def train_losses(rank: int, world: int, config: list) -> list[float]:
+    """Losses of ``config`` (full overrides) trained on ``world`` ranks (1: in this process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(None, list(config) + [f"logging.metrics_file={os.path.join(tmp, 'm.jsonl')}"])
+        layout = resolve_layout(cfg, world)
+        topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
+        return Trainer(cfg, topo, layout=layout).train().losses
+
+
 def run_cases(rank: int, world: int, names: list) -> dict:
     torch.set_num_threads(1)
     topos: dict = {}
