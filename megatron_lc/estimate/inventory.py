@@ -58,6 +58,7 @@ class Dims:
     act: int  # bytes of the compute dtype
     res: int = 4  # bytes of the residual stream
     n_micro: int = 1
+    fpdt_chunks: int = 1  # u, FPDT's chunks per rank (the layout's)
 
     @classmethod
     def from_config(cls, cfg: Config, layout: Layout, device: str) -> "Dims":
@@ -71,7 +72,7 @@ class Dims:
                    bias=m.add_bias_linear, b=layout.micro_batch_size, s=layout.seq_length, tp=layout.tp,
                    cp=layout.cp, ulysses=layout.ulysses, dp=layout.dp, sp=layout.sequence_parallel,
                    cp_type=layout.cp_comm_type, device=device, act=2 if bf16 else 4,
-                   n_micro=layout.num_micro_batches)
+                   n_micro=layout.num_micro_batches, fpdt_chunks=layout.fpdt_chunks)
 
     # ---- per-rank sizes ------------------------------------------------------------------------------------
     @property

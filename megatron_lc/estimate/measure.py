@@ -1,9 +1,10 @@
 """Measured peak of the framework's own training steps on CPU: the calibration target of the memory model.
 
-What is measured: the peak of the bytes of *live tensor storages*, tracked at the dispatcher. A
-``TorchDispatchMode`` sees every op's outputs (parameters, gradients, optimizer states, activations, communication
-buffers the framework allocates, autograd's backward included); each new storage is counted until a weak reference
-to it fires (the storage is freed, in whatever thread drops it last). This is the CPU twin of
+What is measured: the peak of the bytes of *live tensor storages*, tracked at the dispatcher by the memory planner's
+own tracer (``planning/capture.DispatchTracer``: one tracker in the package). A ``TorchDispatchMode`` sees every
+op's outputs (parameters, gradients, optimizer states, activations, communication buffers the framework allocates,
+autograd's backward included); each new storage is a malloc of the trace until a weak reference to it fires (the
+storage is freed, in whatever thread drops it last); the peak is the trace's max-live bytes. This is the CPU twin of
 ``torch.cuda.max_memory_allocated`` restricted to tensors the program holds: no allocator caching, no
 fragmentation, no interpreter or library memory.
 
@@ -22,56 +23,12 @@ Run it in a fresh process per measurement (the tests use ``tests/dist.run_dist``
 from __future__ import annotations
 
 import copy
-import threading
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from ..planning.capture import DispatchTracer
+from ..planning.trace import max_live_bytes
 from ..training.loop import Trainer
-
-
-class LiveStorageTracker(TorchDispatchMode):
-    """Bytes of live storages created under the mode; ``peak_bytes`` is their running maximum."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._live: dict[int, int] = {}
-        self._refs: dict[int, weakref.ref] = {}
-        self._lock = threading.Lock()
-        self.current_bytes = 0
-        self.peak_bytes = 0
-
-    def _freed(self, key: int) -> None:
-        with self._lock:
-            self.current_bytes -= self._live.pop(key, 0)
-            self._refs.pop(key, None)
-
-    def _track(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta":
-            return
-        st = t.untyped_storage()
-        if st.data_ptr() == 0:
-            return
-        key, n = id(st), st.nbytes()
-        with self._lock:
-            old = self._live.get(key)
-            if old is None:
-                self._refs[key] = weakref.ref(st, lambda _r, k=key: self._freed(k))
-                old = 0
-            elif old == n:
-                return
-            self._live[key] = n  # new storage, or one that an op resized
-            self.current_bytes += n - old
-            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
 
 
 def measure_training_peak(cfg, topo, steps: int = 2) -> dict:
@@ -81,9 +38,12 @@ def measure_training_peak(cfg, topo, steps: int = 2) -> dict:
     (parameters included)."""
     cfg = copy.deepcopy(cfg)
     cfg.train.train_iters = steps
-    tracker = LiveStorageTracker()
-    with tracker:
+    tracer = DispatchTracer()
+    with tracer:
         trainer = Trainer(cfg, topo, torch.device("cpu"))
         trainer.train()
-    return {"peak_bytes": tracker.peak_bytes, "final_bytes": tracker.current_bytes,
+    trace = tracer.trace()
+    requests = trace.requests()
+    return {"peak_bytes": max_live_bytes(requests),
+            "final_bytes": sum(r.size for r in requests if r.end == len(trace.events)),
             "losses": list(trainer.state.losses)}

@@ -28,7 +28,6 @@ from ..config import Config
 from .flops import head_flops_fwd, layer_flops, model_flops_per_sample
 from .hardware import HardwareProfile
 from .inventory import Dims, group_bytes, layer_skeletal, mst_mlp_chunk, param_shards
-from .transient import fpdt_chunks
 
 
 @dataclass
@@ -65,7 +64,7 @@ def layer_comm(cfg: Config, x: Dims, hw: HardwareProfile, attn_fwd_s: float, att
         out["cp_fwd"] += (ring - 1) * max(0.0, kv_bytes / bw - step_f)
         out["cp_bwd"] += (ring - 1) * max(0.0, (kv_bytes + 2 * x.tokens * kv * d * 4) / bw - step_b)
     if x.fpdt and cfg.memory.fpdt_offload:
-        n = fpdt_chunks(cfg, x)
+        n = x.fpdt_chunks
         pcie = hw.pcie_gbps * 1e9
         kv_chunk = 2 * x.tokens / n * kv * d * a
         q_chunk = x.tokens / n * (3 * x.nq_l * d * a + x.nq_l * 4 + 2 * x.nq_l * d * 4)  # q, out, dout, lse, dq r/w

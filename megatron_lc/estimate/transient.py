@@ -16,17 +16,10 @@ from ..config import Config
 from .inventory import Dims, mst_head_chunk, mst_mlp_chunk
 
 
-def fpdt_chunks(cfg: Config, x: Dims) -> int:
-    """u: chunks per sequence = ``data.seq_length / memory.fpdt_chunk_size`` (the chunk counts tokens after the
-    all-to-all); 1 when the chunk size is unset (``config.layout.Layout.fpdt_chunks`` for a valid layout)."""
-    c = cfg.memory.fpdt_chunk_size
-    return max(1, x.s // c) if c else 1
-
-
 def fpdt_chunk_bytes(cfg: Config, x: Dims) -> dict:
     """Per chunk and rank (FPDT §4, attention/fpdt_core.py): Q = q (or out, dout) in the compute dtype, Qf = an fp32
     accumulator of q's shape, K = k (or v), Kf = fp32 dk (or dv), L = lse (fp32)."""
-    c = x.tokens / fpdt_chunks(cfg, x)
+    c = x.tokens / x.fpdt_chunks
     kv = x.kv_heads_after_a2a
     return {"Q": c * x.nq_l * x.d * x.act, "Qf": c * x.nq_l * x.d * 4, "K": c * kv * x.d * x.act,
             "Kf": c * kv * x.d * 4, "L": c * x.nq_l * 4}
@@ -69,7 +62,7 @@ def layer_backward(cfg: Config, x: Dims) -> float:
     if x.uses_a2a and x.cp_type != "fpdt":
         attn += 2 * t * x.nq_l * d * a
     if x.fpdt:
-        u, b = fpdt_chunks(cfg, x), fpdt_chunk_bytes(cfg, x)
+        u, b = x.fpdt_chunks, fpdt_chunk_bytes(cfg, x)
         qset = 3 * b["Q"] + b["Qf"] + b["L"]  # q, out, dout, dq accumulator, lse of one q chunk
         grads = b["Q"] + 2 * b["K"]  # one block's dq, dk, dv
         kv = 2 * b["K"] + 2 * b["Kf"]  # kv chunk in use + its fp32 dk/dv accumulators
