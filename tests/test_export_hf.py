@@ -5,6 +5,7 @@ Tolerance: both sides run fp32 on CPU; they differ only in how sums are ordered 
 our SDPA call vs HF's eager attention, RoPE frequencies rounded from float64 vs computed in float32), each ~1e-7
 relative, for logits of magnitude ~1. Measured max |difference|: 2.4e-7 to 3.0e-7. 1e-5 absolute leaves 30x
 margin and is far below any mapping mistake (swapping gate and up gave 1.5e-2 to 2.7e-2)."""
+import importlib.util
 import json
 import os
 import sys
@@ -98,3 +99,23 @@ def test_non_llama_checkpoint_is_refused(tmp_path, capsys):
     assert convert_to_hf.main([ck, str(tmp_path / "hf")]) == 2
     assert capsys.readouterr().err.strip() == ("error: only Llama-style models (RMSNorm, SwiGLU, RoPE) export to "
                                                "LlamaForCausalLM; this checkpoint has model.normalization=LayerNorm")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ortools") is not None,
+                    reason="the planning extra (OR-Tools) pins protobuf < 6.34, older than transformers' "
+                           "SentencePiece proto needs: a known conflict of that extra")
+def test_exported_tokenizer_loads_in_transformers(tmp_path):
+    """The copied SentencePiece model loads with ``AutoTokenizer`` (the default install carries a protobuf that
+    transformers accepts; OR-Tools is an extra) and encodes like the framework's tokenizer."""
+    from megatron_lc.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"def f{i}(x):\n    return x * {i} + 'hello world'" for i in range(3000)))
+    model = train_sentencepiece([str(corpus)], str(tmp_path / "sp"), 300)
+    out = tmp_path / "hf"
+    out.mkdir()
+    convert_to_hf.copy_tokenizer(model, str(out))
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "def g(y):\n    return y * 7 + 'hello'"
+    ids = tok(text)["input_ids"]
+    assert ids == SentencePieceTokenizer(model).encode(text) and tok.decode(ids) == text

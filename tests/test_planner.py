@@ -54,7 +54,7 @@ def random_trace(n, seed, layers=0, max_units=64):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("solver", ["greedy", "cpsat"])
+@pytest.mark.parametrize("solver", ["greedy", pytest.param("cpsat", marks=pytest.mark.ortools)])
 def test_random_traces_valid(seed, solver):
     t = random_trace(40, seed)
     plan = plan_trace(t, mode="flat", solver=solver, time_limit=1.0)
@@ -64,6 +64,7 @@ def test_random_traces_valid(seed, solver):
         assert plan.peak_bytes == plan.lower_bound_bytes or "cpsat" in plan.solver
 
 
+@pytest.mark.ortools
 def test_cpsat_improves_on_greedy_and_mip_runs():
     # seed 5 of random_trace(60): greedy is 7% above the bound, CP-SAT proves the bound (measured)
     t = random_trace(60, 5)
@@ -151,9 +152,31 @@ def test_plans_valid_on_captured_tiny_traces(layers, recompute, overrides):
     # whose gap moves with the trace: the bound here is "a few percent", the ordering against rectangles is strict.
     assert peaks["skyline"] <= peaks["rectangle"]
     assert peaks["skyline"] <= 1.05 * plan.lower_bound_bytes
-    if recompute:  # CP-SAT never makes it worse (with enough time it reaches the bound here: x1.0)
-        c = plan_trace(t, mode="bilevel", solver="cpsat", time_limit=2.0)
-        assert c.peak_bytes <= peaks["skyline"]
+
+
+@pytest.mark.ortools
+def test_cpsat_never_worse_than_greedy_on_a_captured_trace():
+    from tests.test_trace import _tiny
+
+    cfg, model = _tiny(2, True, [])
+    t = capture_iteration(model, batch_for(cfg))
+    greedy = plan_trace(t, mode="bilevel", pseudo="skyline", solver="greedy")
+    # CP-SAT never makes it worse (with enough time it reaches the bound here: x1.0)
+    c = plan_trace(t, mode="bilevel", solver="cpsat", time_limit=2.0)
+    assert c.peak_bytes <= greedy.peak_bytes
+
+
+def test_cpsat_named_without_ortools_is_refused(monkeypatch):
+    """``solver cpsat`` without OR-Tools is an error naming the extra; ``auto`` keeps the greedy plan."""
+    from megatron_lc.planning import dsa
+
+    monkeypatch.setattr(dsa, "have_ortools", lambda: False)
+    t = random_trace(20, 0)
+    with pytest.raises(PlanError, match=r"solver cpsat needs OR-Tools.*megatron_lc\[planning\]"):
+        plan_trace(t, mode="flat", solver="cpsat")
+    plan = plan_trace(t, mode="flat", solver="auto")
+    plan.validate(t)
+    assert plan.solver.startswith("greedy")
 
 
 def test_synthetic_llama_traces_plan_to_the_bound():

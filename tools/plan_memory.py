@@ -6,6 +6,7 @@ status, solve seconds, and the simulated PyTorch caching allocator's reserved by
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -18,7 +19,8 @@ def main(argv=None) -> int:
     p.add_argument("trace", help="JSONL trace")
     p.add_argument("--out", required=True, help="plan JSON to write")
     p.add_argument("--plot", help="draw the plan (png/pdf/svg)")
-    p.add_argument("--solver", default="cpsat", choices=["greedy", "cpsat", "mip"])
+    p.add_argument("--solver", default="auto", choices=["auto", "greedy", "cpsat", "mip"],
+                   help="auto: CP-SAT when OR-Tools is installed (the planning extra), else greedy")
     p.add_argument("--time-limit", type=float, default=10.0, help="seconds for the whole plan (default 10)")
     p.add_argument("--mode", default="auto", choices=["auto", "bilevel", "flat"])
     p.add_argument("--pseudo", default="skyline", choices=["skyline", "rectangle"],
@@ -27,6 +29,10 @@ def main(argv=None) -> int:
     p.add_argument("--gap", type=float, default=0.0,
                    help="relative gap to the lower bound at which no solver time is spent (default 0: try to prove)")
     args = p.parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("error: --plot needs matplotlib, which is not installed (pip install 'megatron_lc[plot]')",
+              file=sys.stderr)
+        return 2
 
     from megatron_lc.planning.cachesim import simulate
     from megatron_lc.planning.planner import plan_trace

@@ -11,6 +11,7 @@ with a red x on the loss axis.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -93,6 +94,10 @@ def main(argv=None) -> int:
     p.add_argument("--title")
     p.add_argument("--smooth", type=int, default=1, help="moving average window for the loss")
     a = p.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:
+        print("error: plotting needs matplotlib, which is not installed (pip install 'megatron_lc[plot]')",
+              file=sys.stderr)
+        return 2
     runs = []
     for i, path in enumerate(a.metrics):
         if not os.path.isfile(path):

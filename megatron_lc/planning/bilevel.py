@@ -54,7 +54,7 @@ def skyline(starts: np.ndarray, ends: np.ndarray, tops: np.ndarray, t0: int, t1:
     return [(t0 + a, t0 + b, hh) for a, b, hh in runs if hh > 0]
 
 
-def plan_bilevel(trace: Trace, *, solver: str = "cpsat", time_limit: float = 10.0, alignment: int = 512,
+def plan_bilevel(trace: Trace, *, solver: str = "auto", time_limit: float = 10.0, alignment: int = 512,
                  workers: int = 2, pseudo: str = "skyline", gap: float = 0.0) -> Plan:
     """Plan ``trace`` level by level; see the module docstring. ``pseudo``: "rectangle" (the paper: a block is one
     request of its first-level peak) or "skyline" (a block is a rigid shape of its first-level top over time)."""

@@ -1,18 +1,38 @@
 """One dynamic-storage-allocation instance solved: greedy largest-first warm start, then CP-SAT to improve or prove
 (the Memo paper's big-M MIP on HiGHS as ``solver="mip"``); the result validated. The rectangles are ``solvers.Rects``.
+
+Solvers: ``auto`` (the default) is CP-SAT when OR-Tools is installed (the ``planning`` extra) and the greedy plan
+otherwise; ``cpsat`` named explicitly without OR-Tools is an error, never a silent greedy.
 """
 from __future__ import annotations
 
+import importlib.util
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from .mip import mip
-from .solvers import Rects, best_greedy, cpsat, cpsat_bisect, validate
+from .solvers import PlanError, Rects, best_greedy, cpsat, cpsat_bisect, validate
 
-SOLVERS = ("greedy", "cpsat", "mip")
+SOLVERS = ("auto", "greedy", "cpsat", "mip")
 CPSAT_BUILD_SECONDS_PER_RECT = 4e-4  # measured on this 2-core machine: ~3.5 s to build+presolve 10,000 boxes
+
+
+def have_ortools() -> bool:
+    return importlib.util.find_spec("ortools") is not None
+
+
+def resolve_solver(solver: str) -> str:
+    """``auto`` -> ``cpsat`` or ``greedy`` (see module doc); ``cpsat`` without OR-Tools is a PlanError."""
+    if solver not in SOLVERS:
+        raise ValueError(f"solver {solver!r} is not one of {SOLVERS}")
+    if solver == "auto":
+        return "cpsat" if have_ortools() else "greedy"
+    if solver == "cpsat" and not have_ortools():
+        raise PlanError("solver cpsat needs OR-Tools, which is not installed (pip install 'megatron_lc[planning]'); "
+                        "use solver auto or greedy")
+    return solver
 
 
 def align_size(n: int, alignment: int) -> int:
@@ -30,13 +50,12 @@ class Solution:
     seconds: float
 
 
-def solve_dsa(inst: Rects, *, solver: str = "cpsat", time_limit: float = 10.0, workers: int = 2,
+def solve_dsa(inst: Rects, *, solver: str = "auto", time_limit: float = 10.0, workers: int = 2,
               names=None, orders=("size", "area", "lifetime", "start"), gap: float = 0.0) -> Solution:
     """Plan one DSA instance: greedy warm start; stop if it is within ``gap`` (relative) of the max-live bound; else
     improve with ``solver`` within ``time_limit`` seconds. The result is validated (``names``: item names for the
     error message)."""
-    if solver not in SOLVERS:
-        raise ValueError(f"solver {solver!r} is not one of {SOLVERS}")
+    solver = resolve_solver(solver)
     t0 = time.perf_counter()
     lb = inst.lower_bound()
     off, peak, order = best_greedy(inst, orders, lower_bound=lb, time_limit=0.3 * time_limit)

@@ -25,7 +25,7 @@ from .solvers import Rects
 from .trace import Trace
 
 
-def plan_flat(trace: Trace, *, solver: str = "cpsat", time_limit: float = 10.0, alignment: int = ALIGNMENT,
+def plan_flat(trace: Trace, *, solver: str = "auto", time_limit: float = 10.0, alignment: int = ALIGNMENT,
               workers: int = 2, orders=("size", "area", "lifetime", "start"), gap: float = 0.0) -> Plan:
     """The whole trace as one DSA problem."""
     reqs = trace.requests()
@@ -39,7 +39,7 @@ def plan_flat(trace: Trace, *, solver: str = "cpsat", time_limit: float = 10.0, 
                 {"mode": "flat", "requests": len(reqs)})
 
 
-def plan_trace(trace: Trace, *, mode: str = "auto", solver: str = "cpsat", time_limit: float = 10.0,
+def plan_trace(trace: Trace, *, mode: str = "auto", solver: str = "auto", time_limit: float = 10.0,
                alignment: int = ALIGNMENT, workers: int = 2, pseudo: str = "skyline", gap: float = 0.0) -> Plan:
     """Plan a trace. ``mode``: "bilevel" (needs layer marks), "flat", or "auto" (bi-level when the trace has
     layer blocks, flat otherwise); ``pseudo``: how a block enters the second level ("skyline" or the paper's
@@ -84,7 +84,7 @@ def plan_arena(trace: Trace, alignment: int = ALIGNMENT, gap: float = 0.0) -> di
     size = 0
     slots = []
     if tagged:
-        sub = plan_flat(trace.subset(r.id for r in tagged), solver="cpsat", time_limit=2.0, alignment=alignment,
+        sub = plan_flat(trace.subset(r.id for r in tagged), solver="auto", time_limit=2.0, alignment=alignment,
                         gap=gap)
         seen: dict = {}
         for r in tagged:

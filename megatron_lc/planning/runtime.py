@@ -27,6 +27,7 @@ from ..config import ConfigError
 from ..memory.arena import ArenaHandle, ArenaLayout, PlannedArena, Slot
 from .cachesim import simulate
 from .capture import capture_iteration
+from .dsa import have_ortools
 from .plan import Plan
 from .planner import plan_trace
 from .solvers import PlanError
@@ -86,6 +87,9 @@ def plan_memory(setting: str, model, arena: ArenaHandle, batch: dict, device: to
     if setting == "auto":
         trace, prof_s = _profile(model, arena, batch, autocast, rank, device)
         plan = plan_trace(trace, time_limit=time_limit, gap=AUTO_GAP)
+        if not have_ortools():
+            log.info("memory plan (auto): greedy placement only; OR-Tools (pip install 'megatron_lc[planning]') "
+                     "would let CP-SAT improve or prove it")
         sim = simulate(trace)
         log.info("memory plan (auto): profiled %d requests in %.2fs, planned in %.2fs: peak %.2f MiB, lower bound "
                  "%.2f MiB (x%.4f), %s, %s; caching allocator would reserve %.2f MiB (x%.3f of the plan)",
