@@ -128,3 +128,23 @@ def test_no_hidden_imports():
             if not any("#" in ln for ln in near):
                 bad.append(f"{path}:{line}: imports {t} inside a function without a comment saying why")
     assert not bad, "\n".join(bad)
+
+
+def package_graph(graph: dict) -> dict:
+    """The module graph folded into top-level packages, ``parallel.parallelize`` kept apart (it builds the model
+    from every technique, the rest of ``parallel`` is used by them)."""
+    def pkg(m):
+        return "parallelize" if m == f"{PKG}.parallel.parallelize" else (m.split(".") + ["(top)"])[1]
+    out: dict = {}
+    for a, bs in graph.items():
+        out.setdefault(pkg(a), set()).update(pkg(b) for b in bs if pkg(b) != pkg(a))
+    return out
+
+
+def test_packages_are_layered():
+    """config <- parallel <- model <- attention | memory <- parallelize <- training <- estimate (planning on memory):
+    no package cycle, and memory and attention independent of each other."""
+    packages = package_graph(import_graph())
+    assert not cycles(packages), cycles(packages)
+    assert "attention" not in packages["memory"] and "memory" not in packages["attention"]
+    assert packages["config"] <= {"(top)"}
