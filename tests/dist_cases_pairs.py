@@ -52,8 +52,9 @@ FEATURES = {
 }
 EXCLUSIVE = [{"tp2", "tp2+sp"}, {"ring", "ulysses", "hybrid", "fpdt", "fpdt+offload"}, {"memo", "memo-auto"}]
 # what users run together beyond pairs
-TRIPLES = [("tp2+sp", "ring", "mst", "memo"), ("tp2", "ulysses", "mst", "memo-auto"), ("tp2+sp", "fpdt+offload", "mst", "full"),
-           ("hybrid", "mst", "memo", "plan"), ("tp2+sp", "hybrid", "mst", "full"), ("ring", "mst", "memo", "zero1", "accum")]
+TRIPLES = [("tp2+sp", "ring", "mst", "memo"), ("tp2", "ulysses", "mst", "memo-auto"),
+           ("tp2+sp", "fpdt+offload", "mst", "full"), ("hybrid", "mst", "memo", "plan"),
+           ("tp2+sp", "hybrid", "mst", "full"), ("ring", "mst", "memo", "zero1", "accum")]
 
 
 def cases() -> list[tuple]:

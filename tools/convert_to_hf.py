@@ -106,14 +106,24 @@ def to_hf(state: dict, m, keep_padded_vocab: bool = False) -> dict:
     return out
 
 
-def hf_config(m, dtype: str, keep_padded_vocab: bool, bos: int | None, eos: int | None) -> dict:
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def hf_config(m, dtype: str, keep_padded_vocab: bool, bos: int | None, eos: int | None,
+              trained_length: int = 0) -> dict:
+    """The ``config.json`` of model section ``m``; ``max_position_embeddings`` is at least ``trained_length`` (the
+    sequence length the checkpoint was trained at, which may exceed the declared value under RoPE)."""
     rope = {"rope_type": "default", "rope_theta": m.rotary_base}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": m.padded_vocab_size if keep_padded_vocab else m.vocab_size,
         "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_query_groups,
-        "head_dim": m.kv_channels, "hidden_act": "silu", "max_position_embeddings": m.max_position_embeddings,
+        "head_dim": m.kv_channels, "hidden_act": "silu",
+        "max_position_embeddings": max(m.max_position_embeddings, trained_length),
         "rms_norm_eps": m.norm_epsilon,
         "rope_theta": m.rotary_base, "rope_parameters": rope,  # transformers < 5 reads the first, >= 5 the second
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
@@ -124,8 +134,15 @@ def hf_config(m, dtype: str, keep_padded_vocab: bool, bos: int | None, eos: int 
 
 
 def write_safetensors(tensors: dict, out: str, max_shard_bytes: int) -> list[str]:
-    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``."""
-    from safetensors.torch import save_file
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``; files get
+    the permissions of their siblings (safetensors writes through a private 0600 temporary file)."""
+    from safetensors.torch import save_file as _save_file
+
+    mode = 0o666 & ~_umask()
+
+    def save_file(tensors_, path, metadata):
+        _save_file(tensors_, path, metadata=metadata)
+        os.chmod(path, mode)
 
     shards, current, size = [], {}, 0
     for name, t in tensors.items():
@@ -181,16 +198,21 @@ def convert(checkpoint: str, out: str, dtype: str = "float32", keep_padded_vocab
     if path is None:
         raise ConfigError(f"no complete checkpoint (a directory with meta.json) at {checkpoint}")
     meta = read_meta(path)
-    cfg = Config.from_dict(meta["config"])
+    saved = meta["config"]
+    data = saved.get("data", {})
+    if data.get("prepare_demo_data") and (data.get("data_path") or data.get("tokenizer_model")):
+        # checkpoints from before the demo files were keyed by vocabulary name both: those paths are the files
+        saved = dict(saved, data=dict(data, prepare_demo_data=False))
+    cfg = Config.from_dict(saved)
     check_exportable(cfg.model)
     state = to_hf(load_full_state(path, cfg, meta["tp"]), cfg.model, keep_padded_vocab)
     os.makedirs(out, exist_ok=True)
     bos = eos = None
-    tok = tokenizer or cfg.data.tokenizer_model
+    tok = tokenizer or cfg.data.files(cfg.model.vocab_size)[1]
     if tok and os.path.isfile(tok):
         bos, eos = copy_tokenizer(tok, out)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_config(cfg.model, dtype, keep_padded_vocab, bos, eos), f, indent=1)
+        json.dump(hf_config(cfg.model, dtype, keep_padded_vocab, bos, eos, cfg.data.seq_length), f, indent=1)
     write_safetensors({k: v.to(DTYPES[dtype]) for k, v in state.items()}, out, _size(max_shard_size))
     return path
 

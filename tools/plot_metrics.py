@@ -4,9 +4,10 @@ over steps, one PNG.
     python tools/plot_metrics.py runs/tiny_cpu/metrics.jsonl -o docs/images/tiny_cpu_metrics.png
     python tools/plot_metrics.py a/metrics.jsonl b/metrics.jsonl --label dp2 --label tp2 -o compare.png
 
-A resumed run appends to the same file, so steps between the last checkpoint and the interruption appear twice;
-the later record of each step (the one the resumed run kept) is plotted. Skipped (non-finite) steps are marked
-with a red x on the loss axis.
+A resumed run appends to the same file, after a ``{"resumed_from": ..., "step": N}`` record: steps between the last
+checkpoint and the interruption appear twice; the later record of each step (the one the resumed run kept) is
+plotted, and every resume point is a dotted vertical line. Skipped (non-finite) steps are marked with a red x on
+the loss axis; steps without an MFU (the peak was wrong for the machine) leave a gap.
 """
 from __future__ import annotations
 
@@ -25,20 +26,32 @@ PANELS = [  # (record key, axis label, scale)
 ]
 
 
-def read_metrics(path: str) -> list[dict]:
-    """Records of ``path`` ordered by step, the last record of a repeated step kept."""
-    by_step: dict[int, dict] = {}
+def _records(path: str) -> list[dict]:
     with open(path) as f:
         lines = [line for line in f if line.strip()]
+    out = []
     for n, line in enumerate(lines, 1):
         try:
-            rec = json.loads(line)
+            out.append(json.loads(line))
         except json.JSONDecodeError:
             if n == len(lines):  # the last line of a killed run may be cut short
                 continue
             raise ValueError(f"{path}: record {n} is not a JSON line") from None
-        by_step[int(rec["step"])] = rec
+    return out
+
+
+def read_metrics(path: str) -> list[dict]:
+    """Step records of ``path`` ordered by step, the last record of a repeated step kept."""
+    by_step: dict[int, dict] = {}
+    for rec in _records(path):
+        if "resumed_from" not in rec:
+            by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
+
+
+def resume_points(path: str) -> list[int]:
+    """The iterations a run of ``path`` was resumed at."""
+    return [int(r["step"]) for r in _records(path) if "resumed_from" in r]
 
 
 def moving_average(values: list[float], n: int) -> list[float]:
@@ -50,7 +63,8 @@ def moving_average(values: list[float], n: int) -> list[float]:
     return out
 
 
-def plot(runs: list[tuple[str, list[dict]]], out: str, title: str | None = None, smooth: int = 1) -> None:
+def plot(runs: list[tuple[str, list[dict]]], out: str, title: str | None = None, smooth: int = 1,
+         resumes: list[int] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,8 +73,8 @@ def plot(runs: list[tuple[str, list[dict]]], out: str, title: str | None = None,
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
     for (key, label, scale), ax in zip(PANELS, axes.flat):
         for name, recs in runs:
-            steps = [r["step"] for r in recs if key in r]
-            vals = [float(r[key]) * scale for r in recs if key in r]
+            steps = [r["step"] for r in recs if r.get(key) is not None]
+            vals = [float(r[key]) * scale for r in recs if r.get(key) is not None]
             if key == "loss" and smooth > 1:
                 ax.plot(steps, vals, alpha=0.25, lw=0.8)
                 ax.plot(steps, moving_average(vals, smooth), label=f"{name} (mean of {smooth})", lw=1.4,
@@ -72,12 +86,14 @@ def plot(runs: list[tuple[str, list[dict]]], out: str, title: str | None = None,
                 if bad:
                     finite = [v for v in vals if math.isfinite(v)] or [0.0]
                     ax.plot(bad, [max(finite)] * len(bad), "rx", label="skipped (non-finite)")
+        for i, step in enumerate(sorted(set(resumes))):
+            ax.axvline(step, ls=":", color="gray", lw=1, label="resumed" if i == 0 else None)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("step")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    if len(runs) > 1 or any("skipped" in lb for lb in labels):
+    if len(runs) > 1 or any(lb in ("resumed", "skipped (non-finite)") for lb in labels):
         axes[0][0].legend(fontsize=8)
     fig.suptitle(title or ", ".join(name for name, _ in runs))
     fig.tight_layout()
@@ -98,7 +114,7 @@ def main(argv=None) -> int:
         print("error: plotting needs matplotlib, which is not installed (pip install 'megatron_lc[plot]')",
               file=sys.stderr)
         return 2
-    runs = []
+    runs, resumes = [], []
     for i, path in enumerate(a.metrics):
         if not os.path.isfile(path):
             print(f"error: {path} not found", file=sys.stderr)
@@ -109,7 +125,8 @@ def main(argv=None) -> int:
             return 2
         name = a.label[i] if i < len(a.label) else os.path.basename(os.path.dirname(os.path.abspath(path)))
         runs.append((name, recs))
-    plot(runs, a.output, a.title, a.smooth)
+        resumes += resume_points(path)
+    plot(runs, a.output, a.title, a.smooth, resumes)
     print(f"wrote {a.output} ({sum(len(r) for _, r in runs)} steps)")
     return 0
 

@@ -22,7 +22,8 @@ from .model import ModelConfig
 from .parallel import ParallelConfig
 from .train import TrainConfig
 
-__all__ = ["Config", "ConfigError", "load_config", "Layout", "resolve_layout", "ModelConfig", "ParallelConfig", "MemoryConfig",
+__all__ = ["Config", "ConfigError", "load_config", "Layout", "resolve_layout", "ModelConfig", "ParallelConfig",
+           "MemoryConfig",
            "DataConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig"]
 
 

@@ -13,6 +13,7 @@ class CheckpointConfig:
     load: Optional[str] = None  # a save directory to resume from (its latest complete checkpoint)
     save_interval: Optional[int] = None  # steps; a final checkpoint is always written when save is set
     keep_last: Optional[int] = None  # keep only the newest N checkpoints
+    load_fallback: bool = True  # a missing / corrupt file: resume from the newest older checkpoint that loads
 
     def __post_init__(self) -> None:
         check(self.save_interval is None or self.save_interval >= 1,

@@ -6,6 +6,19 @@ from typing import Literal, Optional
 
 from .base import check
 
+DEMO_DIR = "data/demo"  # relative to the working directory, like every relative path of a config
+
+
+def demo_files(vocab_size: int) -> tuple[str, str]:
+    """The demo corpus' own files for a vocabulary size: (``.bin/.idx`` prefix, SentencePiece model). Keyed by the
+    vocabulary, so a demo run with another ``model.vocab_size`` builds its own tokenizer and data beside the others.
+
+    >>> demo_files(8000)
+    ('data/demo/stdlib_py_sp8000', 'data/demo/stdlib_py_sp8000.model')
+    """
+    prefix = f"{DEMO_DIR}/stdlib_py_sp{vocab_size}"
+    return prefix, prefix + ".model"
+
 
 @dataclass
 class DataConfig:
@@ -14,7 +27,20 @@ class DataConfig:
     tokenizer_type: Literal["SentencePieceTokenizer", "NullTokenizer"] = "SentencePieceTokenizer"  # Megatron names
     tokenizer_model: Optional[str] = None  # SentencePiece .model file
     mock_data: bool = False  # random tokens, no files (Megatron's --mock-data)
-    prepare_demo_data: bool = False  # build tokenizer + .bin/.idx from the Python stdlib sources if missing
+    # the demo corpus (the Python stdlib sources) and its tokenizer, built on first use under data/demo/ (demo_files);
+    # data_path and tokenizer_model stay unset: files you name are never written by the demo
+    prepare_demo_data: bool = False
 
     def __post_init__(self) -> None:
         check(self.seq_length >= 2, f"data.seq_length ({self.seq_length}) must be >= 2")
+        named = [k for k in ("data_path", "tokenizer_model") if getattr(self, k) is not None]
+        check(not (self.prepare_demo_data and named),
+              f"data.prepare_demo_data builds the demo's own files under {DEMO_DIR}/ and never writes a path you "
+              f"name: unset data.{' and data.'.join(named)}, or set data.prepare_demo_data: false to train on them")
+
+    def files(self, vocab_size: int) -> tuple[Optional[str], Optional[str]]:
+        """(data path prefix, tokenizer model) this run reads: the demo's for ``prepare_demo_data``, else the
+        configured ones."""
+        if self.prepare_demo_data:
+            return demo_files(vocab_size)
+        return self.data_path, self.tokenizer_model

@@ -36,7 +36,8 @@ def kv_replication(heads: int, kv_heads: int, ulysses: int) -> int:
     """
     if heads % ulysses != 0:
         raise ConfigError(f"attention heads per tp rank ({heads}) must be divisible by ulysses size ({ulysses}): the "
-                          f"all-to-all hands every rank whole heads, so their count must be divisible by the Ulysses size")
+                          f"all-to-all hands every rank whole heads, so their count must be divisible by the "
+                          f"Ulysses size")
     if heads % kv_heads != 0:
         raise ConfigError(f"attention heads ({heads}) must be divisible by kv heads ({kv_heads})")
     return math.lcm(kv_heads, ulysses) // kv_heads

@@ -14,7 +14,10 @@ class LoggingConfig:
     wandb_project: Optional[str] = None  # wandb is used only when a project is set
     wandb_mode: Literal["offline", "online"] = "offline"
     wandb_dir: Optional[str] = None
-    peak_tflops: float = 989.0  # per device, for MFU (H100 bf16 dense); CPU configs set their own
+    # per device, for MFU; unset: measured at start (a GEMM in the training dtype), and the log says which
+    peak_tflops: Optional[float] = None
 
     def __post_init__(self) -> None:
         check(self.log_interval >= 1, f"logging.log_interval ({self.log_interval}) must be >= 1")
+        check(self.peak_tflops is None or self.peak_tflops > 0,
+              f"logging.peak_tflops ({self.peak_tflops}) must be > 0 (or unset: measured)")

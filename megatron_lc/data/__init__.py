@@ -15,17 +15,18 @@ def build_dataset(cfg: Config):
     d = cfg.data
     if d.mock_data:
         return MockDataset(d.seq_length, cfg.model.vocab_size, cfg.train.seed)
-    if d.data_path is None:
+    data_path, tokenizer_model = d.files(cfg.model.vocab_size)
+    if data_path is None:
         raise DataError("data.data_path is not set (or set data.mock_data: true for random tokens)")
     if d.tokenizer_type == "SentencePieceTokenizer":
-        if d.tokenizer_model is None:
+        if tokenizer_model is None:
             raise DataError("data.tokenizer_model is not set (a SentencePiece .model file)")
-        tok = SentencePieceTokenizer(d.tokenizer_model)
+        tok = SentencePieceTokenizer(tokenizer_model)
         if tok.vocab_size > cfg.model.vocab_size:
-            raise DataError(f"tokenizer {d.tokenizer_model} has {tok.vocab_size} tokens, more than model.vocab_size "
+            raise DataError(f"tokenizer {tokenizer_model} has {tok.vocab_size} tokens, more than model.vocab_size "
                             f"({cfg.model.vocab_size})")
         eod = tok.eod
     else:
         eod = cfg.model.vocab_size - 1
-    indexed = open_indexed(d.data_path)
+    indexed = open_indexed(data_path)
     return PackedDataset(indexed, d.seq_length, cfg.train.seed, eod)

@@ -216,7 +216,7 @@ def attention_skeletal(x: Dims, fpdt_offload: bool) -> list[Item]:
 
 def layer_skeletal(x: Dims, mlp_chunked: bool, fpdt_offload: bool, token_wise: bool = False) -> list[Item]:
     """Every tensor one transformer layer keeps for its backward (no recompute, no offload); with MsT's chunked MLP
-    only its input is kept (``memory/mst_functions.py`` recomputes each chunk in backward)."""
+    only its input is kept (``memory/mst/mlp_function.py`` recomputes each chunk in backward)."""
     tr, t, h, a, r, d = x.tokens_res, x.tokens, x.h, x.act, x.res, x.d
     items = [Item("layer input [s/cp/tp, b, h] (input_layernorm's input)", tr * h * r, "input")]
     # fused norms on both devices (RMSNorm: model/norm.py's twin on CPU): input + rstd (LayerNorm: + mean)
@@ -224,12 +224,12 @@ def layer_skeletal(x: Dims, mlp_chunked: bool, fpdt_offload: bool, token_wise: b
     items += norm_extra
     if x.fpdt and fpdt_offload:
         # the projection's saved chunk inputs go to the host, but each chunk's detached leaf (a view) keeps the
-        # block input itself alive on the device (attention/fpdt_project.py: ChunkProjection.x_leaf)
+        # block input itself alive on the device (attention/fpdt/project.py: ChunkProjection.x_leaf)
         items.append(Item("FPDT block input (norm out, held by the chunk projections)", tr * h * r))
     else:
         items.append(Item("linear_qkv input (norm out, all-gathered with SP)", t * h * a))
     if token_wise and not x.fpdt:
-        # recompute full / Memo (memory/recompute.py): the layer's slot keeps the local q, k (after RoPE) and v
+        # recompute full / Memo (memory/memo/steps.py): the layer's slot keeps the local q, k (after RoPE) and v
         # (before any all-to-all), the local attention output and lse -- whatever the cp flavour
         items += [Item("q, k (after RoPE), v (local)", t * (x.nq_l + 2 * x.nkv_l) * d * a),
                   Item("attention output (local)", t * x.nq_l * d * a, "attn"),

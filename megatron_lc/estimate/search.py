@@ -15,9 +15,10 @@ What is searched (model, data and batch sizes stay as configured):
   on / off; ZeRO-1 (``use_distributed_optimizer``) whenever dp x cp > 1.
 
 Skipped: anything ``config.resolve_layout`` rejects; recompute/Memo with FPDT unless ``allow_fpdt_recompute`` (the
-framework runs them in Memo's block mode, but no calibration case covers the estimate of it yet); selective recompute (saves nothing with flash-style
-kernels, runs attention twice). With ``memory.offload_fraction: auto`` the α written to the config is the
-estimator's LP solution; the framework re-solves it from its own profiler at start-up (memory/memo.py).
+framework runs them in Memo's block mode, but no calibration case covers the estimate of it yet); selective recompute
+(saves nothing with flash-style kernels, runs attention twice). With ``memory.offload_fraction: auto`` the α written
+to the config is the estimator's LP solution; the framework re-solves it from its own profiler at start-up
+(memory/memo/calibrate.py).
 """
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ def estimate_time(cfg: Config, x: Dims, hw: HardwareProfile, alpha: Optional[flo
         stall = max(0.0, xfer - fwd) + max(0.0, xfer - (bwd + recompute))
     n_swapped = max(x.L - 2, 0)
     head_f = head_flops_fwd(x) / (peak * eff.gemm) * scale
-    head = 3 * head_f  # MsT's head computes its gradient in forward: no recompute (memory/mst_head.py)
+    head = 3 * head_f  # MsT's head computes its gradient in forward: no recompute (memory/mst/head_function.py)
     micro = x.L * (fwd + bwd + recompute) + n_swapped * stall + head
     # gradient sync over dp x cp (fp32, ring all-reduce), ZeRO-1 parameter broadcast, AdamW (memory bound)
     numel = sum(n for _, n, _ in param_shards(x))

@@ -17,7 +17,7 @@ from .inventory import Dims, mst_head_chunk, mst_mlp_chunk
 
 
 def fpdt_chunk_bytes(cfg: Config, x: Dims) -> dict:
-    """Per chunk and rank (FPDT §4, attention/fpdt_core.py): Q = q (or out, dout) in the compute dtype, Qf = an fp32
+    """Per chunk and rank (FPDT §4, attention/fpdt/pipeline.py): Q = q (or out, dout) in the compute dtype, Qf = an fp32
     accumulator of q's shape, K = k (or v), Kf = fp32 dk (or dv), L = lse (fp32)."""
     c = x.tokens / x.fpdt_chunks
     kv = x.kv_heads_after_a2a
@@ -78,7 +78,7 @@ def layer_backward(cfg: Config, x: Dims) -> float:
 
 def head_forward(cfg: Config, x: Dims) -> float:
     """Logits and the vocab-parallel cross entropy's fp32 copies; with MsT per chunk, plus the gradient the MsT head
-    computes in forward (memory/mst_head.py: u = (softmax - onehot) W ``[N, h]`` and the weight-gradient sum
+    computes in forward (memory/mst/head_function.py: u = (softmax - onehot) W ``[N, h]`` and the weight-gradient sum
     ``[V/tp, h]`` fp32, which becomes the weight's ``.grad``)."""
     small = 40
     c = mst_head_chunk(cfg, x)

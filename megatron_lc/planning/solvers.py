@@ -8,7 +8,7 @@ Instances are ``Rects``: items (requests, or bi-level blocks as rigid skyline sh
 - ``cpsat``: OR-Tools CP-SAT, ``AddNoOverlap2D`` over (time interval, address interval), greedy as hint and the
   max-live bound as the peak's lower bound, so reaching it proves optimality. ``capacity=`` turns it into a
   feasibility question ("fit under C"), which ``cpsat_bisect`` uses between the lower bound and the best peak.
-- ``mip`` (planner_mip.py): the paper's big-M MIP (Memo §4.2) on HiGHS through ``scipy.optimize.milp`` (scipy's
+- ``mip`` (mip.py): the paper's big-M MIP (Memo §4.2) on HiGHS through ``scipy.optimize.milp`` (scipy's
   HiGHS does not clash with ortools, unlike ``highspy``), with the greedy peak as ``M_cap``.
 - ``validate``: a sweep over time with the live address intervals kept sorted; raises ``PlanError`` naming the pair.
 """

@@ -9,6 +9,13 @@ Layout of ``checkpoint.save``::
         rng_rank00000.pt ...          RNG states of every rank
     latest_checkpointed_iteration.txt newest complete iteration (written by rename; a hint, re-checked on load)
 
+``meta.json`` lists every file with its size and SHA-256 (each rank hashes what it wrote). A resume checks the files
+a rank reads before loading them; a missing, truncated or corrupt file names itself in one line, and with
+``checkpoint.load_fallback`` (the default) every rank falls back together to the newest older checkpoint that loads
+(logged). ``checkpoint.load`` that does not exist, holds no checkpoint, or is a Hugging Face model directory is an
+error -- except ``load == save`` with nothing saved yet, the first start of an auto-resuming job. A ``save``
+directory that already holds another run's checkpoints is refused unless this run resumes it (``load == save``).
+
 A save writes into ``iter_0000006.tmp/`` and renames it when every rank has finished, so a save killed midway
 leaves the previous checkpoint intact; ``find_latest`` ignores ``*.tmp`` directories and picks the newest
 directory with a ``meta.json``. Re-saving an existing iteration moves the old one to ``iter_0000006.old/`` first;
@@ -17,7 +24,9 @@ if the save dies between the two renames, the ``.old`` copy is found and loaded.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -31,8 +40,29 @@ import torch.distributed as dist
 from ..config import Config, ConfigError
 from ..parallel.topology import Axis, Topology
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.json lists every file's size and sha256
 LATEST = "latest_checkpointed_iteration.txt"
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+log = logging.getLogger("megatron_lc")
+
+
+def _gather(obj) -> list:
+    """``obj`` of every rank (this rank's alone without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def file_digest(path: str) -> dict:
+    """``{"bytes": size, "sha256": hex}`` of a file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return {"bytes": os.path.getsize(path), "sha256": h.hexdigest()}
 
 
 def _barrier(topo: Topology) -> None:
@@ -101,18 +131,24 @@ def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, con
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier(topo)
+    written = []
     if topo.axis_rank(Axis.DP_CP) == 0:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        _atomic_torch_save(state, os.path.join(tmp, f"model_tp{topo.tp_rank:02d}.pt"))
+        written.append(f"model_tp{topo.tp_rank:02d}.pt")
+        _atomic_torch_save(state, os.path.join(tmp, written[-1]))
     name = _optim_file(topo, opt)
     if name is not None:
+        written.append(name)
         _atomic_torch_save(_optim_state(opt), os.path.join(tmp, name))
-    _atomic_torch_save(rng_state(), os.path.join(tmp, f"rng_rank{topo.rank:05d}.pt"))
-    _barrier(topo)
+    written.append(f"rng_rank{topo.rank:05d}.pt")
+    _atomic_torch_save(rng_state(), os.path.join(tmp, written[-1]))
+    files = {}
+    for mine in _gather({n: file_digest(os.path.join(tmp, n)) for n in written}):
+        files.update(mine)
     if topo.rank == 0:
         meta = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
                 "world_size": topo.world_size, "tp": topo.tp, "cp": topo.cp, "dp": topo.dp,
-                "zero": _zero(opt), "config": cfg.to_dict(), **(extra or {})}
+                "zero": _zero(opt), "config": cfg.to_dict(), "files": files, **(extra or {})}
         _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         if os.path.isdir(final):  # re-saving the same iteration: move the old one aside first
             old = final + ".old"
@@ -166,12 +202,39 @@ def complete_iterations(save: str) -> list[int]:
     return sorted(complete_checkpoints(save))
 
 
+def checkpoints_newest_first(load: str) -> list[str]:
+    """Complete checkpoint directories under ``load`` (or ``load`` itself if it is one), newest first."""
+    if os.path.isfile(os.path.join(load, "meta.json")):
+        return [load]
+    dirs = complete_checkpoints(load)
+    return [dirs[it] for it in sorted(dirs, reverse=True)]
+
+
 def find_latest(load: str) -> Optional[str]:
     """Directory of the newest complete checkpoint under ``load`` (or ``load`` itself if it is one)."""
-    if os.path.isfile(os.path.join(load, "meta.json")):
-        return load
-    dirs = complete_checkpoints(load)
-    return dirs[max(dirs)] if dirs else None
+    found = checkpoints_newest_first(load)
+    return found[0] if found else None
+
+
+def is_hf_model_dir(path: str) -> bool:
+    """A Hugging Face model directory (``config.json`` beside safetensors / PyTorch weights)."""
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        os.path.isfile(os.path.join(path, f)) for f in HF_WEIGHTS)
+
+
+def _same_dir(a: Optional[str], b: Optional[str]) -> bool:
+    return bool(a and b) and os.path.abspath(a) == os.path.abspath(b)
+
+
+def check_save_dir(cfg: Config) -> None:
+    """Refuse to save into a directory that holds another run's checkpoints (resuming it is ``load == save``)."""
+    save, load = cfg.checkpoint.save, cfg.checkpoint.load
+    if not save or _same_dir(save, load):
+        return
+    done = complete_iterations(save)
+    if done:
+        raise ConfigError(f"checkpoint.save ({save}) already holds a run (checkpoints up to iteration {done[-1]}): "
+                          f"resume it with checkpoint.load={save}, or save this run to another directory")
 
 
 def read_meta(path: str) -> dict:
@@ -197,28 +260,85 @@ def check_compatible(meta: dict, cfg: Config, topo: Topology, path: str, zero: b
                           f"this run has use_distributed_optimizer={zero}, dp*cp={topo.dp * topo.cp}")
 
 
+def _check_files(path: str, meta: dict, names: list[str]) -> Optional[str]:
+    """Why this rank cannot load ``names`` from checkpoint ``path`` (missing, size or sha256 differs), or None."""
+    listed = meta.get("files")
+    for name in names:
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            return f"{f} is missing"
+        if listed is None:  # format 1: no checksums (torch.load errors still name the file)
+            continue
+        want = listed.get(name)
+        if want is None:
+            return f"{f} is not listed in its meta.json"
+        if os.path.getsize(f) != want["bytes"]:
+            return f"{f} is truncated or corrupt ({os.path.getsize(f)} bytes, saved {want['bytes']})"
+        if file_digest(f)["sha256"] != want["sha256"]:
+            return f"{f} is corrupt (sha256 differs from its meta.json)"
+    return None
+
+
+def _load_from(path: str, meta: dict, topo: Topology, model, opt) -> Optional[str]:
+    """Load this rank's share of checkpoint ``path``; returns why it could not (naming the file), or None."""
+    names = [f"model_tp{topo.tp_rank:02d}.pt",
+             f"optim_tp{topo.tp_rank:02d}_dpcp{topo.axis_rank(Axis.DP_CP):04d}.pt" if _zero(opt)
+             else f"optim_tp{topo.tp_rank:02d}.pt"]
+    rng_file = f"rng_rank{topo.rank:05d}.pt"
+    restore_rng = meta["world_size"] == topo.world_size and os.path.isfile(os.path.join(path, rng_file))
+    problem = _check_files(path, meta, names + ([rng_file] if restore_rng else []))
+    if problem is not None:
+        return problem
+    name = names[0]
+    try:
+        state = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ConfigError(f"checkpoint {os.path.join(path, name)} does not match the model: missing "
+                              f"{missing[:5]}, unexpected {unexpected[:5]}")
+        name = names[1]
+        ostate = torch.load(os.path.join(path, name), map_location="cpu", weights_only=False)
+        (opt.optim if _zero(opt) else opt).load_state_dict(ostate)
+        if restore_rng:
+            name = rng_file
+            set_rng_state(torch.load(os.path.join(path, name), map_location="cpu", weights_only=False))
+    except (RuntimeError, OSError, EOFError, ValueError, KeyError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        return f"{os.path.join(path, name)} does not load ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    return None
+
+
 def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
-    """Resume from ``cfg.checkpoint.load`` if it holds a checkpoint; returns its meta (or None: fresh start)."""
-    load = cfg.checkpoint.load
+    """Resume from ``cfg.checkpoint.load`` (see module doc); returns the loaded checkpoint's meta, or None for a
+    fresh start. Every rank must call this (ranks agree on which checkpoint loaded)."""
+    load, save = cfg.checkpoint.load, cfg.checkpoint.save
     if not load:
         return None
-    path = find_latest(load)
-    if path is None:
-        return None
-    meta = read_meta(path)
-    check_compatible(meta, cfg, topo, path, _zero(opt))
-    model_file = os.path.join(path, f"model_tp{topo.tp_rank:02d}.pt")
-    state = torch.load(model_file, map_location="cpu", weights_only=True)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ConfigError(f"checkpoint {model_file} does not match the model: missing {missing[:5]}, "
-                          f"unexpected {unexpected[:5]}")
-    name = (f"optim_tp{topo.tp_rank:02d}_dpcp{topo.axis_rank(Axis.DP_CP):04d}.pt" if _zero(opt)
-            else f"optim_tp{topo.tp_rank:02d}.pt")
-    ostate = torch.load(os.path.join(path, name), map_location="cpu", weights_only=False)
-    (opt.optim if _zero(opt) else opt).load_state_dict(ostate)
-    rng_file = os.path.join(path, f"rng_rank{topo.rank:05d}.pt")
-    if os.path.isfile(rng_file) and meta["world_size"] == topo.world_size:
-        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
-    meta["path"] = path
-    return meta
+    auto_resume = _same_dir(load, save)
+    if not os.path.exists(load) and not auto_resume:
+        raise ConfigError(f"checkpoint.load ({load}) does not exist")
+    if os.path.isdir(load) and is_hf_model_dir(load):
+        raise ConfigError(f"checkpoint.load ({load}) is a Hugging Face model directory, not a megatron_lc "
+                          f"checkpoint; importing Hugging Face weights is not supported yet")
+    candidates = checkpoints_newest_first(load) if os.path.isdir(load) else []
+    if not candidates:
+        if auto_resume:
+            log.info("no checkpoint in %s yet: starting from scratch", load)
+            return None
+        raise ConfigError(f"checkpoint.load ({load}) holds no megatron_lc checkpoint (no iter_*/meta.json)")
+    failed = []
+    for path in candidates:
+        meta = read_meta(path)
+        check_compatible(meta, cfg, topo, path, _zero(opt))
+        problems = [p for p in _gather(_load_from(path, meta, topo, model, opt)) if p is not None]
+        if not problems:
+            if failed:
+                log.warning("resumed from %s, an older checkpoint, because %s", path, "; ".join(failed))
+            meta["path"] = path
+            return meta
+        failed.append(problems[0])
+        if not cfg.checkpoint.load_fallback:
+            raise ConfigError(f"cannot resume: {problems[0]} (checkpoint.load_fallback: true resumes from the newest "
+                              f"older checkpoint that loads)")
+    raise ConfigError(f"cannot resume: no checkpoint in {load} loads ({'; '.join(failed)})")

@@ -14,12 +14,13 @@ log = logging.getLogger("megatron_lc")
 
 
 def prepare_data(cfg: Config, rank: int) -> None:
-    """Build the demo corpus when the config asks for it and the files are missing (rank 0 builds, others wait)."""
+    """Build the demo corpus and its tokenizer when the config asks for the demo and they are missing (rank 0
+    builds, others wait). Only the demo's own paths (``config.data.demo_files``) are ever written."""
     d = cfg.data
     if not d.prepare_demo_data or d.mock_data:
         return
     if rank == 0:
-        prepare_demo_data(d.data_path, d.tokenizer_model, cfg.model.vocab_size)
+        prepare_demo_data(*d.files(cfg.model.vocab_size), cfg.model.vocab_size)
     if dist.is_initialized():
         dist.barrier()
 

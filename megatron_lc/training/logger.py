@@ -23,7 +23,11 @@ def metrics_path(cfg: Config) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, cfg: Config, rank: int):
+    """Rank 0 appends one JSON line per step to the metrics file. A resumed run first appends a ``resumed_from``
+    record (``tools/plot_metrics.py`` marks it); a fresh run never appends to an earlier run's file: that file is
+    moved aside (``metrics.jsonl`` -> ``metrics.1.jsonl``, the first free number) and the move logged."""
+
+    def __init__(self, cfg: Config, rank: int, resumed: Optional[dict] = None):
         self.cfg, self.rank = cfg, rank
         self.path: Optional[str] = None
         self.wandb = None
@@ -31,6 +35,16 @@ class MetricsLogger:
             return
         self.path = metrics_path(cfg)
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        if resumed is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"resumed_from": resumed["path"], "step": resumed["iteration"]}) + "\n")
+        elif os.path.isfile(self.path) and os.path.getsize(self.path) > 0:
+            stem, ext = os.path.splitext(self.path)
+            n = 1
+            while os.path.exists(f"{stem}.{n}{ext}"):
+                n += 1
+            os.replace(self.path, f"{stem}.{n}{ext}")
+            log.warning("%s held an earlier run's metrics: moved to %s", self.path, f"{stem}.{n}{ext}")
         if cfg.logging.wandb_project:
             import wandb  # optional (the ``wandb`` extra): only when logging.wandb_project is set
 
@@ -56,7 +70,8 @@ class MetricsLogger:
 def format_line(r: dict) -> str:
     parts = [f"step {r['step']:>6}/{r['train_iters']}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}",
              f"grad_norm {r['grad_norm']:.3f}", f"tok/s {r['tokens_per_s']:.0f}",
-             f"tok/gpu/s {r['tokens_per_gpu_per_s']:.0f}", f"MFU {100 * r['mfu']:.2f}%",
+             f"tok/gpu/s {r['tokens_per_gpu_per_s']:.0f}",
+             "MFU n/a" if r["mfu"] is None else f"MFU {100 * r['mfu']:.2f}%",
              f"peak_mem {r['peak_memory_bytes'] / 2**30:.2f}GiB", f"{r['step_seconds']:.2f}s"]
     if r.get("skipped"):
         parts.append("SKIPPED (non-finite)")

@@ -21,7 +21,7 @@ from ..parallel.topology import Axis, Topology
 from .checkpoint import save_checkpoint
 from .faults import SkipCounter, StopControl, collective_errors
 from .logger import MetricsLogger
-from .metrics import peak_memory_bytes, step_metrics
+from .metrics import peak_flops, peak_memory_bytes, step_metrics
 from .optimizer import clip_grad_norm, lr_at, set_lr, sync_gradients
 from .setup import setup_training
 
@@ -52,7 +52,10 @@ class Trainer:
         if s.resumed is not None:
             self.state.iteration = s.resumed["iteration"]
             self.state.consumed_samples = s.resumed["consumed_samples"]
-        self.metrics = MetricsLogger(cfg, topo.rank)
+        self.metrics = MetricsLogger(cfg, topo.rank, s.resumed)
+        self.peak, source = peak_flops(cfg, self.device)
+        self.mfu_valid = True
+        log.info("MFU is relative to %.3g TFLOP/s per rank (%s)", self.peak / 1e12, source)
 
     def forward_backward(self, batches: list[dict]) -> float:
         """Accumulate gradients of the global-mean loss over the micro-batches; returns the global loss."""
@@ -88,7 +91,14 @@ class Trainer:
                "grad_norm": grad_norm, "skipped": skipped, "step_seconds": dt,
                "consumed_samples": self.state.consumed_samples + self.layout.global_batch_size,
                "peak_memory_bytes": peak_memory_bytes(self.device)}
-        rec.update(step_metrics(self.cfg, self.layout, dt))
+        rec.update(step_metrics(self.cfg, self.layout, dt, self.peak))
+        if rec["mfu"] > 1.0 and self.mfu_valid:  # the peak is wrong for this machine: say so once, show no MFU
+            self.mfu_valid = False
+            log.warning("MFU came out at %.0f%% of the peak (%.3g TFLOP/s): that peak is too low for this machine; "
+                        "MFU is left out of the metrics (set logging.peak_tflops, or unset it to measure)",
+                        100 * rec["mfu"], self.peak / 1e12)
+        if not self.mfu_valid:
+            rec["mfu"] = None
         rec["stop"] = StopControl.reason(signum, time_up)
         return rec
 
@@ -102,6 +112,11 @@ class Trainer:
     def train(self) -> TrainState:
         c = self.cfg
         last_saved = self.state.iteration
+        if self.state.iteration >= c.train.train_iters:
+            log.info("nothing to do: the checkpoint is at iteration %d and train.train_iters is %d (raise "
+                     "train.train_iters to train on)", self.state.iteration, c.train.train_iters)
+            self.metrics.close()
+            return self.state
         self.stop.install()
         try:
             while self.state.iteration < c.train.train_iters:

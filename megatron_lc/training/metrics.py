@@ -2,11 +2,14 @@
 
 Model FLOPs per sample (Memo §5.1, FlashAttention with the causal mask): ``6*s*P + 6*n*h*s^2`` with s the sequence
 length, P the parameter count, n the number of layers and h the hidden size. MFU = model FLOPs per second /
-(devices x ``logging.peak_tflops``)."""
+(devices x peak), the peak ``logging.peak_tflops`` or, unset, measured at start on this device (``measure_peak``:
+the best of a few square GEMMs in the training dtype with this process's threads; the log says which). An MFU
+above 100% means the peak is wrong for this machine: it is reported once and left out, never printed."""
 from __future__ import annotations
 
 import resource
 import sys
+import time
 
 import torch
 
@@ -26,7 +29,34 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def step_metrics(cfg: Config, layout: Layout, step_seconds: float) -> dict:
+def measure_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 3) -> float:
+    """FLOP/s of the best of ``repeats`` ``n x n`` GEMMs on ``device`` (after one warm-up)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    best = float("inf")
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
+
+
+def peak_flops(cfg: Config, device: torch.device) -> tuple[float, str]:
+    """(peak FLOP/s per device, how it was obtained) for MFU."""
+    if cfg.logging.peak_tflops is not None:
+        return cfg.logging.peak_tflops * 1e12, "logging.peak_tflops"
+    bf16 = cfg.train.bf16 and device.type == "cuda"
+    n = 8192 if device.type == "cuda" else 1024
+    return measure_peak(device, torch.bfloat16 if bf16 else torch.float32, n), \
+        f"measured: {'bf16' if bf16 else 'fp32'} GEMM {n}x{n}"
+
+
+def step_metrics(cfg: Config, layout: Layout, step_seconds: float, peak: float) -> dict:
     world_size = layout.world_size
     tokens = layout.global_batch_size * cfg.data.seq_length
     tps = tokens / step_seconds
@@ -35,5 +65,5 @@ def step_metrics(cfg: Config, layout: Layout, step_seconds: float) -> dict:
         "tokens_per_s": tps,
         "tokens_per_gpu_per_s": tps / world_size,
         "tflops_per_gpu": flops / world_size / 1e12,
-        "mfu": flops / (world_size * cfg.logging.peak_tflops * 1e12),
+        "mfu": flops / (world_size * peak),
     }

@@ -24,7 +24,7 @@ from ..parallel.parallelize import ModelContext, ModelSpec, build_model
 from ..parallel.token_layout import shard_batch
 from ..parallel.topology import Topology
 from ..planning.runtime import check_plan_setting, plan_memory
-from .checkpoint import load_checkpoint
+from .checkpoint import check_save_dir, load_checkpoint
 from .optimizer import build_optimizer
 
 log = logging.getLogger("megatron_lc")
@@ -73,6 +73,15 @@ def microbatches(cfg: Config, layout: Layout, topo: Topology, dataset, consumed:
     return out
 
 
+def check_positions(cfg: Config) -> None:
+    """RoPE past ``model.max_position_embeddings``: trains, said once (learned positions are refused by the layout)."""
+    m, s = cfg.model, cfg.data.seq_length
+    if m.position_embedding_type == "rope" and s > m.max_position_embeddings:
+        log.warning("data.seq_length (%d) exceeds model.max_position_embeddings (%d): RoPE goes past the length the "
+                    "model was declared for; set max_position_embeddings to at least %d (an export records %d)",
+                    s, m.max_position_embeddings, s, s)
+
+
 def check_topology(layout: Layout, topo: Topology) -> None:
     if (topo.world_size, topo.tp, topo.cp, topo.ulysses) != (layout.world_size, layout.tp, layout.cp, layout.ulysses):
         raise ConfigError(f"the topology ({topo.describe()}) does not match the config's layout (world "
@@ -99,6 +108,8 @@ def setup_training(cfg: Config, topo: Topology, device: Optional[torch.device] =
     layout = layout or resolve_layout(cfg, topo.world_size)  # 1. every layout rule and refused feature pair
     check_topology(layout, topo)
     check_plan_setting(cfg.memory.plan)  # a plan path that does not exist or does not parse: before the work
+    check_save_dir(cfg)  # never mix two runs in one checkpoint.save
+    check_positions(cfg)
     dataset = build_dataset(cfg)  # 2. data files checked before the (possibly long) model build
     torch.manual_seed(cfg.train.seed)
     model, ctx = build_and_calibrate(cfg, layout, topo, device, adjust_spec)  # 3-5.

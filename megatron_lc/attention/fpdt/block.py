@@ -78,7 +78,8 @@ class FPDTSelfAttention(AttentionProjections):
             keep |= {t.untyped_storage().data_ptr() for t in rope}
         run = FPDTRun(qkv_fn=self.qkv, topo=self.topo, backend=self.kernels(x.device),
                       bufs=self.state.buffers(x.device), num_chunks=u, rope_chunks=rope_chunks,
-                      kv_repeat=self.kv_repeat, offload=self.offload, build_graph=build_graph, keep_ptrs=keep, head_dim=self.d, dtype=x.dtype,
+                      kv_repeat=self.kv_repeat, offload=self.offload, build_graph=build_graph, keep_ptrs=keep,
+                      head_dim=self.d, dtype=x.dtype,
                       x_requires_grad=x.requires_grad, tag=f"layer{self.layer_number}.fpdt", params=tuple(params))
         nq = self.groups_per_rank * self.q_per_group
         out = _FPDTBlock.apply(x, run, (s_local, x.shape[1], nq * self.d), *params)

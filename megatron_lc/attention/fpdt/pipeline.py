@@ -5,7 +5,7 @@ u chunks, ``c_local = s_local/u`` local tokens per chunk, ``c = P*c_local`` gath
 ``nq, nkv`` (after tp; nkv already replicated for Ulysses), ``n = nq/P``, ``m = nkv/P`` heads after the all-to-all.
 
 Forward, for q chunk i = 0..u-1:
-  project chunk i (``fpdt_project``) -> q, k, v [c_local, b, *, d] -> all-to-all (heads scattered, sequence
+  project chunk i (``project.py``) -> q, k, v [c_local, b, *, d] -> all-to-all (heads scattered, sequence
   gathered) -> q^, k^, v^ [b, n|m, c, d] = global tokens [i*c, (i+1)*c) (strided layout, ``parallel/token_layout.py``);
   diagonal block (causal) first, then k^/v^ go to the store (host when offloading); kv chunks j = 0..i-1 are
   fetched one after the other, the fetch of j+1 issued before the compute of j (two kv chunks on the device at
