@@ -15,6 +15,7 @@ setup(
         "sentencepiece",
         "megatron-core>=0.16,<0.17",
         "scipy",
+        "tqdm",
     ],
     # OR-Tools (CP-SAT for the memory planner; memory.plan: auto falls back to the greedy plan without it) pins
     # protobuf < 6.34, and transformers then cannot load an exported tokenizer: an extra, not a requirement.

@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch first and pinned: this resolves to the CPU wheel on this disk; an unpinned torch would be a CUDA build.
-.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
+.venv/bin/pip install --disable-pip-version-check --progress-bar on torch==2.13.0
+.venv/bin/pip install --disable-pip-version-check --progress-bar on -e ".[dev]"
 .venv/bin/python -c "import torch, megatron_lc; print('installed: torch', torch.__version__, '| megatron_lc', megatron_lc.__version__)"

@@ -2,7 +2,8 @@
 from megatron_lc.memory.mst import MiniSequenceLMHead, MiniSequenceMLP
 from megatron_lc.parallel.topology import Topology
 from megatron_lc.training.optimizer import sync_gradients
-from tests.parity import assert_close_grads, assert_close_loss, build, full_grads, reference_loss_and_grads, small_config
+from tests.parity import (assert_close_grads, assert_close_loss, build, full_grads, reference_loss_and_grads,
+                          small_config)
 from tests.test_mst import _weighted_batch
 
 

@@ -40,13 +40,15 @@ def main(argv=None) -> int:
     from megatron_lc.data import DataError
     from megatron_lc.data.indexed import write_indexed
     from megatron_lc.data.tokenizer import SentencePieceTokenizer
+    from tqdm import tqdm
 
     missing = [p for p in args.input if not os.path.isfile(p)]
     try:
         if missing:
             raise DataError(f"input not found: {missing[0]}")
         tok = SentencePieceTokenizer(args.tokenizer_model)
-        n = write_indexed(args.output_prefix, (tok.encode(d) for d in iter_documents(args.input, args.json_key)))
+        docs = tqdm(iter_documents(args.input, args.json_key), desc="tokenizing", unit="doc", mininterval=1.0)
+        n = write_indexed(args.output_prefix, (tok.encode(d) for d in docs))
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

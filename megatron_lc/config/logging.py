@@ -10,7 +10,7 @@ from .base import check
 @dataclass
 class LoggingConfig:
     log_interval: int = 1
-    metrics_file: Optional[str] = None  # default: <checkpoint.save>/metrics.jsonl, else ./metrics.jsonl
+    metrics_file: Optional[str] = None  # default: <checkpoint.save>/metrics.jsonl, else none (console only)
     wandb_project: Optional[str] = None  # wandb is used only when a project is set
     wandb_mode: Literal["offline", "online"] = "offline"
     wandb_dir: Optional[str] = None

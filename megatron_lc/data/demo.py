@@ -10,6 +10,8 @@ import shutil
 import sysconfig
 import tempfile
 
+from tqdm import tqdm
+
 from .indexed import write_indexed
 from .tokenizer import SentencePieceTokenizer, train_sentencepiece
 
@@ -30,7 +32,7 @@ def stdlib_source_files() -> list[str]:
 
 def read_documents(files: list[str]) -> list[str]:
     docs = []
-    for f in files:
+    for f in tqdm(files, desc="reading the stdlib sources", unit="file", mininterval=1.0):
         try:
             with open(f, encoding="utf-8") as fh:
                 docs.append(fh.read())
@@ -42,8 +44,8 @@ def read_documents(files: list[str]) -> list[str]:
 def prepare_demo_data(data_path: str, tokenizer_model: str, vocab_size: int) -> None:
     docs = None
     if not os.path.isfile(tokenizer_model):
-        log.info("training a %d-token SentencePiece tokenizer on the Python stdlib sources -> %s",
-                 vocab_size, tokenizer_model)
+        log.info("training a %d-token SentencePiece tokenizer on the Python stdlib sources -> %s (about a minute "
+                 "on 2 cores; SentencePiece reports nothing until it is done)", vocab_size, tokenizer_model)
         docs = read_documents(stdlib_source_files())
         with tempfile.TemporaryDirectory() as tmp:
             text = os.path.join(tmp, "corpus.txt")
@@ -60,7 +62,8 @@ def prepare_demo_data(data_path: str, tokenizer_model: str, vocab_size: int) -> 
         log.info("tokenizing the Python stdlib sources -> %s.bin/.idx", data_path)
         docs = docs if docs is not None else read_documents(stdlib_source_files())
         tok = SentencePieceTokenizer(tokenizer_model)
-        n = write_indexed(data_path, (tok.encode(d) for d in docs))
+        bar = tqdm(docs, desc="tokenizing", unit="doc", mininterval=1.0)
+        n = write_indexed(data_path, (tok.encode(d) for d in bar))
         log.info("wrote %d tokens in %d documents", n, len(docs))
 
 

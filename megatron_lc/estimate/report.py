@@ -61,14 +61,22 @@ def estimate_table(est: Estimate) -> str:
 
 
 def search_table(cands: list[Candidate], top: int, best: Optional[Candidate] = None) -> str:
-    """The ``top`` layouts, fastest first; ``*`` marks ``best``."""
+    """The ``top`` layouts, fastest first, numbered by rank; ``*`` marks ``best``, shown after a ``...`` row with its
+    own rank when it is not among them. TGS: tokens per GPU per second."""
     rows = [f"{'#':>3} {'layout':52s} {'peak/GPU':>9} {'host/node':>10} {'step s':>9} {'TGS':>8} {'MFU':>6}"]
-    shown = cands[:top] + ([best] if best is not None and best not in cands[:top] else [])
-    for i, c in enumerate(shown, 1):
+    shown = list(enumerate(cands[:top], 1))
+    if best is not None and best not in cands[:top]:
+        shown.append((None, None))
+        shown.append((cands.index(best) + 1 if best in cands else "-", best))
+    for i, c in shown:
+        if c is None:
+            rows.append(f"{'...':>3}")
+            continue
         e = c.est
         mark = "*" if c is best else " "
         rows.append(f"{mark}{i:>2} {c.label():52s} {e.memory.peak / GIB:7.1f}Gi {e.memory.host_per_node / GIB:8.1f}Gi "
                     f"{e.time.step_seconds:9.2f} {e.time.tokens_per_gpu_per_s:8.1f} {e.time.mfu:6.1%}")
+    rows.append("TGS: tokens per GPU per second; MFU: model FLOPs (6sP + 6nhs^2 per sample) over the peak")
     return "\n".join(rows)
 
 

@@ -14,12 +14,13 @@ from ..config import Config
 log = logging.getLogger("megatron_lc")
 
 
-def metrics_path(cfg: Config) -> str:
+def metrics_path(cfg: Config) -> Optional[str]:
+    """``logging.metrics_file``, else ``<checkpoint.save>/metrics.jsonl``, else None (console only)."""
     if cfg.logging.metrics_file:
         return cfg.logging.metrics_file
     if cfg.checkpoint.save:
         return os.path.join(cfg.checkpoint.save, "metrics.jsonl")
-    return "metrics.jsonl"
+    return None
 
 
 class MetricsLogger:
@@ -34,6 +35,18 @@ class MetricsLogger:
         if rank != 0:
             return
         self.path = metrics_path(cfg)
+        if self.path is None:
+            log.info("metrics go to the console only (set logging.metrics_file or checkpoint.save for a file)")
+        else:
+            self._open(resumed)
+        if cfg.logging.wandb_project:
+            import wandb  # optional (the ``wandb`` extra): only when logging.wandb_project is set
+
+            self.wandb = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode,
+                                    dir=cfg.logging.wandb_dir or os.path.dirname(os.path.abspath(self.path or ".")),
+                                    config=cfg.to_dict())
+
+    def _open(self, resumed: Optional[dict]) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         if resumed is not None:
             with open(self.path, "a") as f:
@@ -45,21 +58,17 @@ class MetricsLogger:
                 n += 1
             os.replace(self.path, f"{stem}.{n}{ext}")
             log.warning("%s held an earlier run's metrics: moved to %s", self.path, f"{stem}.{n}{ext}")
-        if cfg.logging.wandb_project:
-            import wandb  # optional (the ``wandb`` extra): only when logging.wandb_project is set
-
-            self.wandb = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode,
-                                    dir=cfg.logging.wandb_dir or os.path.dirname(os.path.abspath(self.path)),
-                                    config=cfg.to_dict())
 
     def log_step(self, record: dict) -> None:
         if self.rank != 0:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
-        if record["step"] % self.cfg.logging.log_interval == 0 or record["step"] == self.cfg.train.train_iters:
+        step = record["step"]  # the first step too: a sign of life before the first interval
+        if step == 1 or step % self.cfg.logging.log_interval == 0 or step == self.cfg.train.train_iters:
             log.info(format_line(record))
 
     def close(self) -> None:
