@@ -46,7 +46,10 @@ def _export_and_compare(tmp_path, world, extra, **convert_kwargs):
     (2, ["parallel.tensor_model_parallel_size=2", "model.num_query_groups=2"]),
     (2, ["parallel.tensor_model_parallel_size=2", "model.untie_embeddings_and_output_weights=false",
          "model.add_bias_linear=true", "model.kv_channels=16"]),
-], ids=["tp1-gqa", "tp2-gqa", "tp2-tied-bias-headdim16"])
+    (1, ["model.rope_scaling={rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, "
+         "original_max_position_embeddings: 16}"]),
+    (1, ["model.rope_scaling={rope_type: yarn, factor: 4, original_max_position_embeddings: 8}"]),
+], ids=["tp1-gqa", "tp2-gqa", "tp2-tied-bias-headdim16", "rope-llama3", "rope-yarn"])
 def test_exported_model_gives_the_framework_logits(tmp_path, world, extra):
     out, model, _ = _export_and_compare(tmp_path, world, extra)
     with open(os.path.join(out, "config.json")) as f:

@@ -116,7 +116,8 @@ def hf_config(m, dtype: str, keep_padded_vocab: bool, bos: int | None, eos: int 
               trained_length: int = 0) -> dict:
     """The ``config.json`` of model section ``m``; ``max_position_embeddings`` is at least ``trained_length`` (the
     sequence length the checkpoint was trained at, which may exceed the declared value under RoPE)."""
-    rope = {"rope_type": "default", "rope_theta": m.rotary_base}
+    scaling = dict(m.rope_scaling or {"rope_type": "default"})
+    rope = {**scaling, "rope_theta": m.rotary_base}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": m.padded_vocab_size if keep_padded_vocab else m.vocab_size,
@@ -125,7 +126,8 @@ def hf_config(m, dtype: str, keep_padded_vocab: bool, bos: int | None, eos: int 
         "head_dim": m.kv_channels, "hidden_act": "silu",
         "max_position_embeddings": max(m.max_position_embeddings, trained_length),
         "rms_norm_eps": m.norm_epsilon,
-        "rope_theta": m.rotary_base, "rope_parameters": rope,  # transformers < 5 reads the first, >= 5 the second
+        # transformers < 5 reads rope_theta and rope_scaling, >= 5 rope_parameters
+        "rope_theta": m.rotary_base, "rope_scaling": m.rope_scaling, "rope_parameters": rope,
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
         "attention_bias": m.add_bias_linear, "mlp_bias": m.add_bias_linear, "attention_dropout": 0.0,
         "initializer_range": m.init_method_std, "bos_token_id": bos, "eos_token_id": eos, "use_cache": True,

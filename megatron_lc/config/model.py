@@ -4,7 +4,42 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from .base import check
+from .base import ConfigError, check
+
+# rope_scaling fields by type, named as in a Hugging Face config.json: (required, optional)
+ROPE_SCALING = {
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")),
+}
+
+
+def check_rope_scaling(s: Optional[dict]) -> Optional[dict]:
+    """Validate ``model.rope_scaling``; returns it with ``type`` (older Hugging Face configs) named ``rope_type``
+    and without ``rope_theta`` (that is ``model.rotary_base``). None / ``default``: no scaling."""
+    if s is None:
+        return None
+    s = {("rope_type" if k == "type" else k): v for k, v in s.items() if k != "rope_theta"}
+    kind = s.get("rope_type")
+    if kind in (None, "default"):
+        if set(s) - {"rope_type"}:
+            raise ConfigError(f"model.rope_scaling: fields {sorted(set(s) - {'rope_type'})} need a rope_type "
+                              f"(one of {', '.join(ROPE_SCALING)})")
+        return None
+    if kind not in ROPE_SCALING:
+        raise ConfigError(f"model.rope_scaling.rope_type {kind!r} is not supported; valid: "
+                          f"{', '.join(ROPE_SCALING)} (or default)")
+    required, optional = ROPE_SCALING[kind]
+    missing = [k for k in required if s.get(k) is None]
+    unknown = sorted(set(s) - {"rope_type", *required, *optional})
+    if missing:
+        raise ConfigError(f"model.rope_scaling ({kind}) needs {', '.join(missing)}")
+    if unknown:
+        raise ConfigError(f"model.rope_scaling ({kind}): unknown field {unknown[0]!r}; valid: "
+                          f"{', '.join(required + optional)}")
+    check(float(s["factor"]) >= 1.0, f"model.rope_scaling.factor ({s['factor']}) must be >= 1")
+    return s
 
 
 @dataclass
@@ -21,7 +56,9 @@ class ModelConfig:
     vocab_size: int = 32000
     make_vocab_size_divisible_by: int = 128
     max_position_embeddings: int = 4096
-    rotary_base: float = 10000.0
+    rotary_base: float = 10000.0  # RoPE theta; may change between stages of a context extension (ABF)
+    # Hugging Face's rope_scaling / rope_parameters mapping: {"rope_type": "linear" | "llama3" | "yarn", ...}
+    rope_scaling: Optional[dict] = None
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     norm_epsilon: float = 1e-5
     swiglu: bool = True
@@ -50,6 +87,9 @@ class ModelConfig:
               f"model.num_query_groups ({self.num_query_groups})")
         check(self.kv_channels % 2 == 0 or self.position_embedding_type != "rope",
               f"model.kv_channels ({self.kv_channels}) must be even for RoPE")
+        self.rope_scaling = check_rope_scaling(self.rope_scaling)
+        check(self.rope_scaling is None or self.position_embedding_type == "rope",
+              "model.rope_scaling needs model.position_embedding_type: rope")
 
     @property
     def padded_vocab_size(self) -> int:

@@ -69,7 +69,8 @@ class GPTModel(nn.Module):
         if cfg.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
             _replicated(self.position_embeddings.weight, ("normal", cfg.init_method_std), parts.sequence_parallel)
-        self.rotary = RotaryEmbedding(cfg.kv_channels, cfg.rotary_base) if cfg.position_embedding_type == "rope" else None
+        self.rotary = (RotaryEmbedding(cfg.kv_channels, cfg.rotary_base, cfg.rope_scaling)
+                       if cfg.position_embedding_type == "rope" else None)
         self.layers = nn.ModuleList([TransformerLayer(cfg, parts, i) for i in range(cfg.num_layers)])
         self.final_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, parts.sequence_parallel)
         tied = None if cfg.untie_embeddings_and_output_weights else self.embedding.weight
