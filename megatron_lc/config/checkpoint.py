@@ -14,6 +14,10 @@ class CheckpointConfig:
     save_interval: Optional[int] = None  # steps; a final checkpoint is always written when save is set
     keep_last: Optional[int] = None  # keep only the newest N checkpoints
     load_fallback: bool = True  # a missing / corrupt file: resume from the newest older checkpoint that loads
+    # the stages of a run (Megatron's names): weights only, or weights and a fresh iteration / data position / schedule
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False  # load the weights only; iteration, consumed samples and the LR schedule start at 0
 
     def __post_init__(self) -> None:
         check(self.save_interval is None or self.save_interval >= 1,

@@ -238,13 +238,19 @@ def param_is_replicated_grad_partial(p: nn.Parameter) -> bool:
     return bool(getattr(p, "sequence_parallel", False))
 
 
+def cut_shard(full: torch.Tensor, partition: Optional[tuple], tp: int, tp_rank: int) -> torch.Tensor:
+    """tp rank ``tp_rank``'s piece of ``full`` for ``partition = (dim, stride)`` (None: replicated, the whole)."""
+    if partition is None or tp == 1:
+        return full
+    dim, stride = partition
+    blocks = full.chunk(stride, dim=dim)
+    return torch.cat([b.chunk(tp, dim=dim)[tp_rank] for b in blocks], dim=dim)
+
+
 def shard_full_tensor(full: torch.Tensor, p: nn.Parameter, topo: Topology) -> torch.Tensor:
     """This rank's piece of ``full`` according to ``p.partition`` (identity for replicated params)."""
-    if not getattr(p, "tensor_model_parallel", False) or topo.tp == 1:
-        return full
-    dim, stride = p.partition
-    blocks = full.chunk(stride, dim=dim)
-    return torch.cat([b.chunk(topo.tp, dim=dim)[topo.tp_rank] for b in blocks], dim=dim)
+    partition = p.partition if getattr(p, "tensor_model_parallel", False) else None
+    return cut_shard(full, partition, topo.tp, topo.tp_rank)
 
 
 def full_shape(p: nn.Parameter, tp: int) -> tuple:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..config import Config, ConfigError
 from ..parallel.topology import Axis, Topology
+from .reshard import check_tp_change, model_state_for, optimizer_state_for
 
 FORMAT_VERSION = 2  # 2: meta.json lists every file's size and sha256
 LATEST = "latest_checkpointed_iteration.txt"
@@ -164,6 +165,31 @@ def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, con
     return final
 
 
+def write_model_checkpoint(save: str, cfg: Config, shards: list[dict], extra: Optional[dict] = None) -> str:
+    """A weights-only checkpoint at iteration 0 (an import): ``shards[r]`` is tp rank r's model state. Written
+    atomically like a training save, with checksums; ``"optimizer": false`` tells a resume to start AdamW afresh."""
+    final = iter_dir(save, 0)
+    tmp = final + ".tmp"
+    os.makedirs(save, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    files = {}
+    for r, state in enumerate(shards):
+        name = f"model_tp{r:02d}.pt"
+        _atomic_torch_save(state, os.path.join(tmp, name))
+        files[name] = file_digest(os.path.join(tmp, name))
+    tp = len(shards)
+    meta = {"format_version": FORMAT_VERSION, "iteration": 0, "consumed_samples": 0, "world_size": tp, "tp": tp,
+            "cp": 1, "dp": 1, "zero": False, "optimizer": False, "config": cfg.to_dict(), "files": files,
+            **(extra or {})}
+    _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+    if os.path.isdir(final):
+        raise ConfigError(f"{final} already exists; import into an empty directory")
+    os.replace(tmp, final)
+    _atomic_write_text(os.path.join(save, LATEST), "0")
+    return final
+
+
 def _prune(save: str, keep_last: Optional[int]) -> None:
     if not keep_last:
         return
@@ -245,19 +271,35 @@ def read_meta(path: str) -> dict:
         raise ConfigError(f"checkpoint {path}: meta.json unreadable ({e})") from None
 
 
+# model fields that change a parameter's shape or meaning; the others (rotary_base, rope_scaling, norm_epsilon,
+# init_method_std, max_position_embeddings under RoPE) may change between the stages of a run, said in the log
+SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "vocab_size", "make_vocab_size_divisible_by", "normalization", "swiglu",
+                "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear")
+
+
 def check_compatible(meta: dict, cfg: Config, topo: Topology, path: str, zero: bool) -> None:
-    """A checkpoint of another model or layout -> ConfigError naming every differing key."""
+    """A checkpoint of another model -> ConfigError naming every differing shape field; other model changes are
+    logged; a ZeRO-1 checkpoint at another layout -> ConfigError (``reshard.check_tp_change``)."""
     saved = meta["config"]["model"]
     now = cfg.to_dict()["model"]
-    diffs = [f"model.{k}={saved.get(k)!r} (this run: {now[k]!r})" for k in now if saved.get(k) != now[k]]
+    shape = list(SHAPE_FIELDS) + (["max_position_embeddings"] if now["position_embedding_type"] != "rope" else [])
+    diffs = [f"model.{k}={saved.get(k)!r} (this run: {now[k]!r})" for k in shape if saved.get(k) != now[k]]
     if diffs:
         raise ConfigError(f"checkpoint {path} was saved for another model: " + "; ".join(diffs))
-    if meta["tp"] != topo.tp:
-        raise ConfigError(f"checkpoint {path} has tp={meta['tp']} shards, this run has tp={topo.tp}; "
-                          f"resume with parallel.tensor_model_parallel_size={meta['tp']}")
-    if meta["zero"] and (not zero or meta["dp"] * meta["cp"] != topo.dp * topo.cp):
-        raise ConfigError(f"checkpoint {path} holds ZeRO-1 optimizer shards for dp*cp={meta['dp'] * meta['cp']}; "
-                          f"this run has use_distributed_optimizer={zero}, dp*cp={topo.dp * topo.cp}")
+    changed = [f"model.{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if k not in shape and saved.get(k) != now[k]]
+    if changed and topo.rank == 0:
+        log.info("checkpoint %s: continuing with %s", path, ", ".join(changed))
+    c = cfg.checkpoint
+    problem = check_tp_change(meta, topo, zero, not (c.no_load_optim or c.finetune))
+    if problem is not None:
+        raise ConfigError(f"checkpoint {path} {problem}")
+
+
+def _param_names(model, opt) -> list[str]:
+    """Parameter names in the optimizer's index order (its param groups, in order)."""
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return [by_id[id(p)] for g in opt.param_groups for p in g["params"]]
 
 
 def _check_files(path: str, meta: dict, names: list[str]) -> Optional[str]:
@@ -279,26 +321,36 @@ def _check_files(path: str, meta: dict, names: list[str]) -> Optional[str]:
     return None
 
 
-def _load_from(path: str, meta: dict, topo: Topology, model, opt) -> Optional[str]:
-    """Load this rank's share of checkpoint ``path``; returns why it could not (naming the file), or None."""
-    names = [f"model_tp{topo.tp_rank:02d}.pt",
-             f"optim_tp{topo.tp_rank:02d}_dpcp{topo.axis_rank(Axis.DP_CP):04d}.pt" if _zero(opt)
-             else f"optim_tp{topo.tp_rank:02d}.pt"]
+def _load_from(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> Optional[str]:
+    """Load this rank's share of checkpoint ``path`` (resharded when it was saved at another tp); returns why it
+    could not (naming the file), or None."""
+    c, tp = cfg.checkpoint, meta["tp"]
+    load_optim = not (c.no_load_optim or c.finetune) and meta.get("optimizer", True)
+    same_tp = tp == topo.tp
+    names = [f"model_tp{topo.tp_rank:02d}.pt"] if same_tp else [f"model_tp{r:02d}.pt" for r in range(tp)]
+    if load_optim:
+        names += ([f"optim_tp{topo.tp_rank:02d}_dpcp{topo.axis_rank(Axis.DP_CP):04d}.pt"] if _zero(opt) else
+                  [f"optim_tp{topo.tp_rank:02d}.pt"] if same_tp else [f"optim_tp{r:02d}.pt" for r in range(tp)])
     rng_file = f"rng_rank{topo.rank:05d}.pt"
-    restore_rng = meta["world_size"] == topo.world_size and os.path.isfile(os.path.join(path, rng_file))
+    restore_rng = (meta["world_size"] == topo.world_size and not (c.no_load_rng or c.finetune)
+                   and os.path.isfile(os.path.join(path, rng_file)))
     problem = _check_files(path, meta, names + ([rng_file] if restore_rng else []))
     if problem is not None:
         return problem
     name = names[0]
     try:
-        state = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+        state = model_state_for(path, cfg, tp, topo)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ConfigError(f"checkpoint {os.path.join(path, name)} does not match the model: missing "
                               f"{missing[:5]}, unexpected {unexpected[:5]}")
-        name = names[1]
-        ostate = torch.load(os.path.join(path, name), map_location="cpu", weights_only=False)
-        (opt.optim if _zero(opt) else opt).load_state_dict(ostate)
+        if load_optim:
+            name = names[-1]
+            if _zero(opt):
+                opt.optim.load_state_dict(torch.load(os.path.join(path, name), map_location="cpu",
+                                                     weights_only=False))
+            else:
+                opt.load_state_dict(optimizer_state_for(path, cfg, tp, topo, _param_names(model, opt)))
         if restore_rng:
             name = rng_file
             set_rng_state(torch.load(os.path.join(path, name), map_location="cpu", weights_only=False))
@@ -307,6 +359,25 @@ def _load_from(path: str, meta: dict, topo: Topology, model, opt) -> Optional[st
             raise
         return f"{os.path.join(path, name)} does not load ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     return None
+
+
+def _stage_notices(meta: dict, cfg: Config, topo: Topology) -> None:
+    """What a new stage changed, logged once; ``checkpoint.finetune`` restarts iteration, data position and
+    schedule (the returned meta says 0)."""
+    c = cfg.checkpoint
+    said = []
+    if meta["tp"] != topo.tp:
+        said.append(f"weights resharded from tp={meta['tp']} to tp={topo.tp}")
+    if not meta.get("optimizer", True):
+        said.append("no optimizer state in the checkpoint: AdamW starts afresh")
+    elif c.no_load_optim or c.finetune:
+        said.append("optimizer state not loaded (checkpoint.no_load_optim / finetune)")
+    if c.finetune:
+        said.append(f"checkpoint.finetune: iteration {meta['iteration']} -> 0, the data position and the schedule "
+                    f"start again")
+        meta["iteration"] = meta["consumed_samples"] = 0
+    if said and topo.rank == 0:
+        log.info("checkpoint %s: %s", meta["path"], "; ".join(said))
 
 
 def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
@@ -331,11 +402,12 @@ def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
     for path in candidates:
         meta = read_meta(path)
         check_compatible(meta, cfg, topo, path, _zero(opt))
-        problems = [p for p in _gather(_load_from(path, meta, topo, model, opt)) if p is not None]
+        problems = [p for p in _gather(_load_from(path, meta, cfg, topo, model, opt)) if p is not None]
         if not problems:
             if failed:
                 log.warning("resumed from %s, an older checkpoint, because %s", path, "; ".join(failed))
             meta["path"] = path
+            _stage_notices(meta, cfg, topo)
             return meta
         failed.append(problems[0])
         if not cfg.checkpoint.load_fallback:
