@@ -7,6 +7,7 @@ the best of a few square GEMMs in the training dtype with this process's threads
 above 100% means the peak is wrong for this machine: it is reported once and left out, never printed."""
 from __future__ import annotations
 
+import functools
 import resource
 import sys
 import time
@@ -29,10 +30,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+@functools.lru_cache(maxsize=None)
 def measure_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 3) -> float:
-    """FLOP/s of the best of ``repeats`` ``n x n`` GEMMs on ``device`` (after one warm-up)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    """FLOP/s of the best of ``repeats`` ``n x n`` GEMMs on ``device`` (after one warm-up); once per process."""
+    g = torch.Generator(device=device).manual_seed(0)  # the training RNG stays untouched
+    a = torch.randn(n, n, device=device, generator=g).to(dtype)
+    b = torch.randn(n, n, device=device, generator=g).to(dtype)
     best = float("inf")
     for i in range(repeats + 1):
         if device.type == "cuda":
