@@ -4,9 +4,12 @@ techniques (token-wise recompute, Memo offload) call.
 Core attention maps this rank's q ``[s, b, nq, d]`` and k, v ``[s, b, nkv, d]`` (local heads after tp, local tokens
 after cp, in the layout's token order) to the output ``[s, b, nq, d]``, causal over global positions::
 
-    out = core(q, k, v)                                   # with autograd (the plain layer)
-    out, lse = core.forward_with_lse(q, k, v)             # no graph; lse fp32, its layout the implementation's own
-    dq, dk, dv = core.backward_with_lse(dout, q, k, v, out, lse)   # from the merged out and lse of that forward
+    out = core(q, k, v, documents)                        # with autograd (the plain layer)
+    out, lse = core.forward_with_lse(q, k, v, documents)  # no graph; lse fp32, its layout the implementation's own
+    dq, dk, dv = core.backward_with_lse(dout, q, k, v, out, lse, documents)  # from that forward's merged out, lse
+
+``documents``: None, or the full-sequence document ids ``[b, s]`` of packed documents (``masks.py``): a token then
+sees only its own document, on every path.
 
 The pair lets a layer keep the attention output and lse instead of recomputing attention (LightSeq's
 rematerialization-aware checkpointing; Memo keeps them whole). Implementations:
@@ -24,6 +27,8 @@ All of them reach the local kernels through ``backends.Kernels``; ``backends.py`
 (``[b, n, s, d]`` tensors, ``causal`` for diagonal blocks).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -45,12 +50,15 @@ def to_sbnd(t: torch.Tensor) -> torch.Tensor:
 class CoreAttention(nn.Module):
     """Base of the core attentions (see the module doc). Subclasses implement all three calls."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward_with_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         documents: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def backward_with_lse(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          out: torch.Tensor, lse: torch.Tensor, documents: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError

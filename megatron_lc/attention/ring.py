@@ -36,9 +36,11 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..parallel.collectives import count_send
+from ..parallel.token_layout import zigzag_index
 from ..parallel.topology import Axis, Topology
 from .backends import Kernels
 from .core import CoreAttention, to_bnsd, to_sbnd
+from .masks import overlap, select, visible
 from .merge import merge
 
 KV_TAG, DKV_TAG = 11, 12  # distinct p2p tags: k/v and dk/dv transfers between the same two ranks overlap
@@ -83,14 +85,30 @@ class RingComm:
         return _Pending(dist.batch_isend_irecv(ops), t, buf)
 
 
-def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None):
-    """Forward of ring attention on zigzag-local tensors ``[b, n, 2c, d]``; returns fp32 (out, lse)."""
+def _block_masks(docs: Optional[list], r: int, j: int, c: int):
+    """Document masks of step j's block on ring rank r (see module doc for the three cases); (None, True) without
+    documents; ``(mask, False)`` when no query of the block sees a key (the block is skipped)."""
+    if docs is None:
+        return None, True
+    if j == r:
+        dq, dk = docs[r], docs[r]
+    elif j < r:
+        dq, dk = docs[r], docs[j][:, :c]
+    else:
+        dq, dk = docs[r][:, c:], docs[j]
+    return visible(dq, dk), j == r or overlap(dq, dk)
+
+
+def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None, docs: Optional[list] = None):
+    """Forward of ring attention on zigzag-local tensors ``[b, n, 2c, d]``; returns fp32 (out, lse). ``docs``: the
+    document ids of every ring rank's local tokens (``masks.py``), or None."""
     R, r = comm.size, comm.rank
-    out, lse = backend.forward(q, k, v, True, scale)  # step 0: own k/v, causal on the local order
+    c = q.shape[2] // 2
+    mask, _ = _block_masks(docs, r, r, c)
+    out, lse = backend.forward(q, k, v, True, scale, visible=mask)  # step 0: own k/v, causal on the local order
     out, lse = out.float(), lse.float()
     if R == 1:
         return out, lse
-    c = q.shape[2] // 2
     q_back = q[:, :, c:].contiguous()
     kv = torch.stack([k, v])
     pending = comm.send_recv(kv, KV_TAG, "p2p_fwd")
@@ -99,23 +117,29 @@ def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None
         if i + 1 < R:
             pending = comm.send_recv(kv, KV_TAG, "p2p_fwd")  # next transfer in flight during this block
         j = (r - i) % R
+        mask, seen = _block_masks(docs, r, j, c)
+        if not seen:  # no query of this block shares a document with its keys
+            continue
         if j < r:  # all queries x front keys of j
-            o, l = backend.forward(q, kv[0, :, :, :c].contiguous(), kv[1, :, :, :c].contiguous(), False, scale)
+            o, l = backend.forward(q, kv[0, :, :, :c].contiguous(), kv[1, :, :, :c].contiguous(), False, scale,
+                                   visible=mask)
             out, lse = merge(out, lse, o, l)
         else:  # back queries x all keys of j
-            o, l = backend.forward(q_back, kv[0], kv[1], False, scale)
+            o, l = backend.forward(q_back, kv[0], kv[1], False, scale, visible=mask)
             ob, lb = merge(out[:, :, c:], lse[:, :, c:], o, l)
             out, lse = torch.cat([out[:, :, :c], ob], dim=2), torch.cat([lse[:, :, :c], lb], dim=2)
     return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, comm: RingComm, backend, scale: Optional[float] = None):
+def ring_backward(dout, q, k, v, out, lse, comm: RingComm, backend, scale: Optional[float] = None,
+                  docs: Optional[list] = None):
     """Backward of ``ring_forward`` given the merged ``out`` and ``lse``; returns dq, dk, dv in input dtypes."""
     R, r = comm.size, comm.rank
-    dq0, dk0, dv0 = backend.backward(dout, q, k, v, out, lse, True, scale)
+    c = q.shape[2] // 2
+    mask, _ = _block_masks(docs, r, r, c)
+    dq0, dk0, dv0 = backend.backward(dout, q, k, v, out, lse, True, scale, visible=mask)
     if R == 1:
         return dq0, dk0, dv0
-    c = q.shape[2] // 2
     dq = dq0.float()
     own = torch.stack([dk0, dv0]).float()
     back = (dout[:, :, c:].contiguous(), q[:, :, c:].contiguous(), out[:, :, c:].contiguous(),
@@ -128,13 +152,17 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm, backend, scale: Optio
         if i + 1 < R:
             pending_kv = comm.send_recv(kv, KV_TAG, "p2p_bwd")
         j = (r - i) % R
-        if j < r:
+        mask, seen = _block_masks(docs, r, j, c)
+        if not seen:  # nothing of this block was seen: j's dk/dv accumulator passes through unchanged
+            blk = torch.zeros_like(kv, dtype=torch.float32)
+        elif j < r:
             kf, vf = kv[0, :, :, :c].contiguous(), kv[1, :, :, :c].contiguous()
-            dq_, dk_, dv_ = backend.backward(dout, q, kf, vf, out, lse, False, scale)
+            dq_, dk_, dv_ = backend.backward(dout, q, kf, vf, out, lse, False, scale, visible=mask)
             dq += dq_.float()
             blk = F.pad(torch.stack([dk_, dv_]).float(), (0, 0, 0, c))  # zero grads for j's back chunk
         else:
-            dq_, dk_, dv_ = backend.backward(back[0], back[1], kv[0], kv[1], back[2], back[3], False, scale)
+            dq_, dk_, dv_ = backend.backward(back[0], back[1], kv[0], kv[1], back[2], back[3], False, scale,
+                                             visible=mask)
             dq[:, :, c:] += dq_.float()
             blk = torch.stack([dk_, dv_]).float()
         if pending_dkv is not None:
@@ -148,10 +176,10 @@ class RingAttnFunction(torch.autograd.Function):
     """q ``[b, nq, 2c, d]``, k/v ``[b, nkv, 2c, d]`` (zigzag-local order) -> out ``[b, nq, 2c, d]``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: RingComm, backend, tag: str, scale: Optional[float]):
-        ctx.comm, ctx.backend, ctx.tag, ctx.scale = comm, backend, tag, scale
+    def forward(ctx, q, k, v, comm: RingComm, backend, tag: str, scale: Optional[float], docs: Optional[list]):
+        ctx.comm, ctx.backend, ctx.tag, ctx.scale, ctx.docs = comm, backend, tag, scale, docs
         with comm.topo.comm.tag(tag):
-            out, lse = ring_forward(q, k, v, comm, backend, scale)
+            out, lse = ring_forward(q, k, v, comm, backend, scale, docs)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -160,8 +188,9 @@ class RingAttnFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         with ctx.comm.topo.comm.tag(ctx.tag):
-            dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.comm, ctx.backend, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+            dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.comm, ctx.backend, ctx.scale,
+                                       ctx.docs)
+        return dq, dk, dv, None, None, None, None, None
 
 
 class RingAttention(CoreAttention):
@@ -182,21 +211,32 @@ class RingAttention(CoreAttention):
                               f"rank, ring size {self.comm.size}); the full sequence must be divisible by "
                               f"{2 * self.comm.size} x ulysses size")
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def ring_documents(self, documents: Optional[torch.Tensor]) -> Optional[list]:
+        """The document ids of every ring rank's zigzag part of the full sequence (a ring of size 1: in order)."""
+        if documents is None:
+            return None
+        s, R = documents.shape[1], self.comm.size
+        if R == 1:
+            return [documents]
+        return [select(documents, zigzag_index(s, R, j)) for j in range(R)]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
         self._check_length(q.shape[0])
         q_, k_, v_ = (t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v))  # [b, n, s, d]
-        out = RingAttnFunction.apply(q_, k_, v_, self.comm, self.kernels(q.device), self.tag, None)
+        out = RingAttnFunction.apply(q_, k_, v_, self.comm, self.kernels(q.device), self.tag, None,
+                                     self.ring_documents(documents))
         return out.permute(2, 0, 1, 3)
 
-    def forward_with_lse(self, q, k, v):
+    def forward_with_lse(self, q, k, v, documents=None):
         """The traffic of ``forward`` (same ops, same byte counters); lse ``[b, nq, s_local]`` fp32."""
         self._check_length(q.shape[0])
         with self.comm.topo.comm.tag(self.tag):
-            out, lse = ring_forward(to_bnsd(q), to_bnsd(k), to_bnsd(v), self.comm, self.kernels(q.device))
+            out, lse = ring_forward(to_bnsd(q), to_bnsd(k), to_bnsd(v), self.comm, self.kernels(q.device),
+                                    docs=self.ring_documents(documents))
         return to_sbnd(out.to(q.dtype)), lse
 
-    def backward_with_lse(self, dout, q, k, v, out, lse):
+    def backward_with_lse(self, dout, q, k, v, out, lse, documents=None):
         with self.comm.topo.comm.tag(self.tag):
             dq, dk, dv = ring_backward(to_bnsd(dout), to_bnsd(q), to_bnsd(k), to_bnsd(v), to_bnsd(out), lse,
-                                       self.comm, self.kernels(q.device))
+                                       self.comm, self.kernels(q.device), docs=self.ring_documents(documents))
         return to_sbnd(dq), to_sbnd(dk), to_sbnd(dv)

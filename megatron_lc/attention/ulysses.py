@@ -130,10 +130,10 @@ class UlyssesAttention(CoreAttention):
         U, n_kv = self.U, self.nkv * self.rep // self.U
         return torch.split(full, [self.nq // U, n_kv, n_kv], dim=2)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
         s, b, nq, d = q.shape
         full = _GatherSeq.apply(self._packed(q, k, v), self.topo, Axis.ULYSSES, self.tag)  # [U*s, b, (nq+2nkv)/U, d]
-        out = self.inner(*self._split(full))  # [U*s, b, nq/U, d]
+        out = self.inner(*self._split(full), documents)  # [U*s, b, nq/U, d]; documents: full-sequence ids
         back = _ScatterSeq.apply(out.contiguous(), self.topo, Axis.ULYSSES, self.tag)  # [s, b, U, nq/U, d]
         return back.reshape(s, b, nq, d)
 
@@ -141,22 +141,22 @@ class UlyssesAttention(CoreAttention):
         s, b, n, d = t.shape
         return gather_seq(t.reshape(s, b, self.U, n // self.U, d), self.topo, Axis.ULYSSES, op)
 
-    def forward_with_lse(self, q, k, v):
+    def forward_with_lse(self, q, k, v, documents=None):
         s, b, nq, d = q.shape
         with self.topo.comm.tag(self.tag):
             full = gather_seq(self._packed(q, k, v), self.topo, Axis.ULYSSES, "a2a_fwd")
-            out_l, lse = self.inner.forward_with_lse(*(t.contiguous() for t in self._split(full)))
+            out_l, lse = self.inner.forward_with_lse(*(t.contiguous() for t in self._split(full)), documents)
             out = scatter_seq(out_l.contiguous(), self.topo, Axis.ULYSSES, "a2a_fwd").reshape(s, b, nq, d)
         return out, lse
 
-    def backward_with_lse(self, dout, q, k, v, out, lse):
+    def backward_with_lse(self, dout, q, k, v, out, lse, documents=None):
         s, b, nq, d = q.shape
         with self.topo.comm.tag(self.tag):
             full = gather_seq(self._packed(q, k, v), self.topo, Axis.ULYSSES, "a2a_bwd")
             ql, kl, vl = (t.contiguous() for t in self._split(full))
             out_l = self._gather_heads(out, "a2a_bwd")
             dout_l = self._gather_heads(dout.contiguous(), "a2a_bwd")
-            dql, dkl, dvl = self.inner.backward_with_lse(dout_l, ql, kl, vl, out_l, lse)
+            dql, dkl, dvl = self.inner.backward_with_lse(dout_l, ql, kl, vl, out_l, lse, documents)
             back = scatter_seq(torch.cat([dql, dkl, dvl], dim=2).contiguous(), self.topo, Axis.ULYSSES,
                                "a2a_bwd")  # [s, b, U, m, d]
         nkv_rep = self.nkv * self.rep

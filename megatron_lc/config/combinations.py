@@ -20,8 +20,16 @@ def _refusals(cfg):
            "recompute_granularity full (token-wise recompute around the FPDT block) or none")
 
 
+def _document_refusals(cfg):
+    p = cfg.parallel
+    yield (cfg.data.reset_attention_mask and p.attention_backend in ("flash", "te"),
+           f"data.reset_attention_mask with parallel.attention_backend={p.attention_backend}: the document mask goes "
+           f"to the kernel as a mask, which the flash-attn / TransformerEngine adapters do not take yet (their "
+           f"varlen entry points are not wired); use attention_backend auto or torch")
+
+
 def check_combinations(cfg) -> None:
     """Raise ``ConfigError`` for the first refused feature pair of ``cfg``."""
-    for refused, message in _refusals(cfg):
+    for refused, message in [*_refusals(cfg), *_document_refusals(cfg)]:
         if refused:
             raise ConfigError(message)

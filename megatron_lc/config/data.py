@@ -27,12 +27,23 @@ class DataConfig:
     tokenizer_type: Literal["SentencePieceTokenizer", "NullTokenizer"] = "SentencePieceTokenizer"  # Megatron names
     tokenizer_model: Optional[str] = None  # SentencePiece .model file
     mock_data: bool = False  # random tokens, no files (Megatron's --mock-data)
+    # packed documents (Megatron's names): positions restart after each end-of-document token; a token attends
+    # only to its own document (every attention path, every layout); no loss on end-of-document input tokens
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    # the estimator's attention FLOPs with reset_attention_mask: the length-weighted mean document length
+    # (sum of len^2 / sum of len; bench/document_balance.py prints it for a corpus); unset: no saving counted.
+    # Training metrics count the masked work of each step itself.
+    mean_document_length: Optional[int] = None
     # the demo corpus (the Python stdlib sources) and its tokenizer, built on first use under data/demo/ (demo_files);
     # data_path and tokenizer_model stay unset: files you name are never written by the demo
     prepare_demo_data: bool = False
 
     def __post_init__(self) -> None:
         check(self.seq_length >= 2, f"data.seq_length ({self.seq_length}) must be >= 2")
+        check(self.mean_document_length is None or self.mean_document_length >= 1,
+              f"data.mean_document_length ({self.mean_document_length}) must be >= 1")
         named = [k for k in ("data_path", "tokenizer_model") if getattr(self, k) is not None]
         check(not (self.prepare_demo_data and named),
               f"data.prepare_demo_data builds the demo's own files under {DEMO_DIR}/ and never writes a path you "

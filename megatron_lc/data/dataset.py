@@ -66,10 +66,12 @@ class PackedDataset:
 
 
 class MockDataset:
-    """Random tokens, a pure function of (seed, k): for tests and benchmarks without data files."""
+    """Random tokens, a pure function of (seed, k): for tests and benchmarks without data files. Its end-of-document
+    id is the last one of the vocabulary (as for ``NullTokenizer`` data); random tokens hit it rarely."""
 
     def __init__(self, seq_length: int, vocab_size: int, seed: int):
         self.seq_length, self.vocab_size, self.seed = seq_length, vocab_size, seed
+        self.eod = vocab_size - 1
 
     def __getitem__(self, k: int) -> np.ndarray:
         return np.random.default_rng([self.seed, int(k)]).integers(0, self.vocab_size, self.seq_length + 1)
@@ -82,16 +84,49 @@ def microbatch_sample_ids(micro: int, gbs: int, mbs: int, dp: int, dp_rank: int)
     return list(range(base, base + mbs))
 
 
-def make_batch(dataset, sample_ids: list[int]) -> dict:
-    """Full-sequence batch ``{tokens, labels, position_ids: [b, s], loss_mask, sample_ids}``."""
+def document_fields(tokens: torch.Tensor, eod: int, reset_position_ids: bool, reset_attention_mask: bool,
+                    eod_mask_loss: bool, loss_mask: torch.Tensor) -> dict:
+    """Megatron's document options for a packed batch ``tokens [b, s]`` whose documents end with ``eod``:
+
+    * ``reset_position_ids``: positions restart at 0 after every EOD (the EOD is its document's last token);
+    * ``reset_attention_mask``: ``document_ids [b, s]`` (document index of each token; the attention lets a token
+      see only its own document);
+    * ``eod_mask_loss``: no loss on an EOD input token (its label is the next document's first token).
+
+    Example, tokens ``a b EOD c d EOD e``: document_ids ``0 0 0 1 1 1 2``, position_ids ``0 1 2 0 1 2 0``, loss mask
+    ``1 1 0 1 1 0 1``. Returns the fields to update the batch with."""
+    is_eod = tokens == eod
+    doc = torch.cumsum(is_eod.long(), dim=1) - is_eod.long()  # the EOD belongs to the document it ends
+    out = {}
+    if reset_position_ids:
+        s = tokens.shape[1]
+        arange = torch.arange(s).expand_as(tokens)
+        start = torch.zeros_like(doc)
+        start[:, 1:] = torch.where(is_eod[:, :-1], arange[:, 1:], torch.zeros_like(arange[:, 1:]))
+        out["position_ids"] = arange - torch.cummax(start, dim=1).values
+    if reset_attention_mask:
+        out["document_ids"] = doc
+    if eod_mask_loss:
+        out["loss_mask"] = loss_mask * (~is_eod).to(loss_mask.dtype)
+    return out
+
+
+def make_batch(dataset, sample_ids: list[int], data_cfg=None) -> dict:
+    """Full-sequence batch ``{tokens, labels, position_ids: [b, s], loss_mask, sample_ids}``, with the document
+    fields of ``data_cfg`` (``reset_position_ids``, ``reset_attention_mask``: ``document_ids``, ``eod_mask_loss``)."""
     arr = np.stack([dataset[k] for k in sample_ids])
     data = torch.from_numpy(arr)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     b, s = tokens.shape
-    return {
+    batch = {
         "tokens": tokens,
         "labels": labels,
         "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
         "loss_mask": torch.ones(b, s, dtype=torch.float32),
         "sample_ids": torch.tensor(sample_ids),
     }
+    d = data_cfg
+    if d is not None and (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
+        batch.update(document_fields(tokens, dataset.eod, d.reset_position_ids, d.reset_attention_mask,
+                                     d.eod_mask_loss, batch["loss_mask"]))
+    return batch

@@ -2,7 +2,10 @@
 
 Model FLOPs per sample (Memo §5.1, FlashAttention with the causal mask): ``6·s·P + 6·n·h·s²``. Its parts:
 ``2·s·P`` forward for the linears (and 4·s·P backward), and for attention ``2·n·h·s²`` forward — QKᵀ and PV are
-``2·s²·d`` each per head, halved by the causal mask — and twice that backward. Hardware FLOPs add what the
+``2·s²·d`` each per head, halved by the causal mask — and twice that backward. With document masks one ``s`` of
+``s²`` becomes the length-weighted mean document length (``Dims.attended``; the training metrics count each step's
+own documents instead). The time model spreads that work evenly over the cp ranks; how uneven the zigzag layout
+leaves it on a corpus is what ``bench/document_balance.py`` prints. Hardware FLOPs add what the
 memory techniques recompute, and FlashAttention's backward recomputes QKᵀ (2.5x the forward instead of 2x).
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ def layer_flops(x: Dims) -> LayerFlops:
     h, d = x.h, x.d
     lin = h * (x.nq_l + 2 * x.nkv_l) * d + x.nq_l * d * h + h * x.f_l * (3 if x.swiglu else 2)
     linear_fwd = 2.0 * x.tokens * lin
-    attn_fwd = 2.0 * x.tokens * x.s * x.nq_l * d  # 4·t·s·d per head, halved by the mask
+    attn_fwd = 2.0 * x.tokens * x.attended * x.nq_l * d  # 4·t·s·d per head, halved by the mask
     return LayerFlops(linear_fwd, attn_fwd)
 
 
@@ -43,4 +46,4 @@ def model_flops_per_sample(x: Dims) -> float:
     """Memo §5.1: 6·s·P + 6·n·h·s² (P the full parameter count, embeddings included; h = nq·d)."""
     full = Dims(**{**x.__dict__, "tp": 1, "cp": 1, "dp": 1, "sp": False})
     P = sum(n for _, n, _ in param_shards(full))
-    return 6.0 * x.s * P + 6.0 * x.L * x.nq * x.d * x.s * x.s
+    return 6.0 * x.s * P + 6.0 * x.L * x.nq * x.d * x.s * x.attended

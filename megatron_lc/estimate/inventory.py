@@ -59,6 +59,7 @@ class Dims:
     res: int = 4  # bytes of the residual stream
     n_micro: int = 1
     fpdt_chunks: int = 1  # u, FPDT's chunks per rank (the layout's)
+    doc_len: int = 0  # document masks: the length-weighted mean document length (data.mean_document_length); 0: s
 
     @classmethod
     def from_config(cls, cfg: Config, layout: Layout, device: str) -> "Dims":
@@ -72,9 +73,16 @@ class Dims:
                    bias=m.add_bias_linear, b=layout.micro_batch_size, s=layout.seq_length, tp=layout.tp,
                    cp=layout.cp, ulysses=layout.ulysses, dp=layout.dp, sp=layout.sequence_parallel,
                    cp_type=layout.cp_comm_type, device=device, act=2 if bf16 else 4,
-                   n_micro=layout.num_micro_batches, fpdt_chunks=layout.fpdt_chunks)
+                   n_micro=layout.num_micro_batches, fpdt_chunks=layout.fpdt_chunks,
+                   doc_len=(cfg.data.mean_document_length or 0) if cfg.data.reset_attention_mask else 0)
 
     # ---- per-rank sizes ------------------------------------------------------------------------------------
+    @property
+    def attended(self) -> int:
+        """Keys a token attends to, counted as the causal formula counts them (twice the mean): ``s``, or the mean
+        document length under document masks (at most ``s``)."""
+        return min(self.doc_len, self.s) if self.doc_len else self.s
+
     @property
     def world(self) -> int:
         return self.tp * self.cp * self.dp

@@ -19,20 +19,20 @@ from torch.utils.checkpoint import checkpoint
 
 
 class SelectiveExecutor:
-    def __call__(self, layer, x: torch.Tensor, rope) -> torch.Tensor:
+    def __call__(self, layer, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
         q, k, v = layer.pre_attention(x, rope)
         if torch.is_grad_enabled():
-            o = checkpoint(layer.self_attention.core_attention, q, k, v, use_reentrant=False)
+            o = checkpoint(layer.self_attention.core_attention, q, k, v, documents, use_reentrant=False)
         else:
-            o = layer.self_attention.core_attention(q, k, v)
+            o = layer.self_attention.core_attention(q, k, v, documents)
         return layer.post_attention(x, o)
 
 
 class LayerCheckpointExecutor:
-    def __call__(self, layer, x: torch.Tensor, rope) -> torch.Tensor:
+    def __call__(self, layer, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return layer.plain_forward(x, rope)
-        return checkpoint(layer.plain_forward, x, rope, use_reentrant=False)
+            return layer.plain_forward(x, rope, documents)
+        return checkpoint(layer.plain_forward, x, rope, documents, use_reentrant=False)
 
 
 def with_layer_checkpoint(spec):

@@ -50,7 +50,7 @@ class SelfAttention(AttentionProjections):
         super().__init__(cfg, parts, output_std)
         self.core_attention = parts.core_attention(layer_number)
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
         q, k, v = self.qkv(x, rope)
-        out = self.core_attention(q, k, v)
+        out = self.core_attention(q, k, v, documents)  # documents: full-sequence ids of packed documents, or None
         return self.linear_proj(out.flatten(2))

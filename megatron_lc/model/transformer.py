@@ -43,15 +43,15 @@ class TransformerLayer(nn.Module):
         x = x + self.self_attention.linear_proj(attn_out.flatten(2))
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
-    def plain_forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def plain_forward(self, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
         """The layer with plain autograd, whatever the executor (the attention block may be FPDT's)."""
-        x = x + self.self_attention(self.input_layernorm(x), rope)
+        x = x + self.self_attention(self.input_layernorm(x), rope, documents)
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
         if self.executor is not None:
-            return self.executor(self, x, rope)
-        return self.plain_forward(x, rope)
+            return self.executor(self, x, rope, documents)
+        return self.plain_forward(x, rope, documents)
 
 
 class GPTModel(nn.Module):
@@ -84,14 +84,17 @@ class GPTModel(nn.Module):
             h = h + self.position_embeddings(pos_sb)
         return h
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``document_ids``: the *full-sequence* ``[b, s]`` document index of every token
+        (``data.reset_attention_mask``; not sharded: each core attention picks the ids of the tokens it holds);
+        None: one causal sequence."""
         self.arena.begin_iteration()
         tokens_sb, pos_sb = tokens.t().contiguous(), position_ids.t().contiguous()
         rope = self.rotary(pos_sb) if self.rotary is not None else None
         h = self.embed(tokens_sb, pos_sb)
         for layer in self.layers:
-            h = layer(h, rope)
+            h = layer(h, rope, document_ids)
         h = self.final_layernorm(h)
         out = self.head(h, labels.t().contiguous() if labels is not None else None)
         return out.transpose(0, 1)

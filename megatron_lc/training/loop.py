@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ..attention.masks import attended_pairs
 from ..config import Config, Layout
 from ..parallel.collectives import all_reduce
 from ..parallel.topology import Axis, Topology
@@ -55,17 +56,24 @@ class Trainer:
         self.metrics = MetricsLogger(cfg, topo.rank, s.resumed)
         self.peak, source = peak_flops(cfg, self.device)
         self.mfu_valid = True
+        self.pairs: Optional[float] = None
         log.info("MFU is relative to %.3g TFLOP/s per rank (%s)", self.peak / 1e12, source)
 
     def forward_backward(self, batches: list[dict]) -> float:
-        """Accumulate gradients of the global-mean loss over the micro-batches; returns the global loss."""
-        count = torch.tensor(sum(float(b["loss_mask"].sum()) for b in batches), dtype=torch.float64)
-        all_reduce(count, self.topo, Axis.DP_CP)
-        total = max(float(count), 1.0)
+        """Accumulate gradients of the global-mean loss over the micro-batches; returns the global loss. Sets
+        ``self.pairs``: the step's attended pairs per sample under document masks (None without), for MFU."""
+        docs = [b["document_ids"] for b in batches if "document_ids" in b]
+        # one all-reduce: the global valid-token count and, with document masks, the attended pairs (every cp rank
+        # holds the full-sequence document ids: counted cp times)
+        stats = torch.tensor([sum(float(b["loss_mask"].sum()) for b in batches), sum(map(attended_pairs, docs))],
+                             dtype=torch.float64)
+        all_reduce(stats, self.topo, Axis.DP_CP)
+        total = max(float(stats[0]), 1.0)
+        self.pairs = float(stats[1]) / self.layout.cp / self.layout.global_batch_size if docs else None
         loss_sum = torch.zeros((), dtype=torch.float64)
         for b in batches:
             with self.setup.autocast():
-                token_loss = self.model(b["tokens"], b["position_ids"], b["labels"])
+                token_loss = self.model(b["tokens"], b["position_ids"], b["labels"], b.get("document_ids"))
             local = (token_loss.float() * b["loss_mask"]).sum()
             (local / total).backward()
             loss_sum += local.detach().double().cpu()
@@ -91,7 +99,7 @@ class Trainer:
                "grad_norm": grad_norm, "skipped": skipped, "step_seconds": dt,
                "consumed_samples": self.state.consumed_samples + self.layout.global_batch_size,
                "peak_memory_bytes": peak_memory_bytes(self.device)}
-        rec.update(step_metrics(self.cfg, self.layout, dt, self.peak))
+        rec.update(step_metrics(self.cfg, self.layout, dt, self.peak, self.pairs))
         if rec["mfu"] > 1.0 and self.mfu_valid:  # the peak is wrong for this machine: say so once, show no MFU
             self.mfu_valid = False
             log.warning("MFU came out at %.0f%% of the peak (%.3g TFLOP/s): that peak is too low for this machine; "

@@ -1,7 +1,9 @@
 """Throughput, MFU and memory figures of a step.
 
 Model FLOPs per sample (Memo §5.1, FlashAttention with the causal mask): ``6*s*P + 6*n*h*s^2`` with s the sequence
-length, P the parameter count, n the number of layers and h the hidden size. MFU = model FLOPs per second /
+length, P the parameter count, n the number of layers and h the hidden size; ``12*n*h`` per attended (query, key)
+pair, of which a causal sample has ``s^2 / 2`` -- with document masks (``data.reset_attention_mask``) the step's
+own count, the sum over documents of ``len^2 / 2`` (``attention/masks.attended_pairs``). MFU = model FLOPs per second /
 (devices x peak), the peak ``logging.peak_tflops`` or, unset, measured at start on this device (``measure_peak``:
 the best of a few square GEMMs in the training dtype with this process's threads; the log says which). An MFU
 above 100% means the peak is wrong for this machine: it is reported once and left out, never printed."""
@@ -11,15 +13,18 @@ import functools
 import resource
 import sys
 import time
+from typing import Optional
 
 import torch
 
 from ..config import Config, Layout
 
 
-def flops_per_sample(cfg: Config) -> float:
+def flops_per_sample(cfg: Config, pairs: Optional[float] = None) -> float:
+    """``pairs``: attended (query, key) pairs per sample (None: causal over the whole sequence, ``s^2 / 2``)."""
     s, m = cfg.data.seq_length, cfg.model
-    return 6.0 * s * m.num_parameters() + 6.0 * m.num_layers * m.hidden_size * s * s
+    pairs = s * s / 2 if pairs is None else pairs
+    return 6.0 * s * m.num_parameters() + 12.0 * m.num_layers * m.hidden_size * pairs
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -59,11 +64,13 @@ def peak_flops(cfg: Config, device: torch.device) -> tuple[float, str]:
         f"measured: {'bf16' if bf16 else 'fp32'} GEMM {n}x{n}"
 
 
-def step_metrics(cfg: Config, layout: Layout, step_seconds: float, peak: float) -> dict:
+def step_metrics(cfg: Config, layout: Layout, step_seconds: float, peak: float,
+                 pairs: Optional[float] = None) -> dict:
+    """``pairs``: the step's mean attended pairs per sample under document masks (None: no masks)."""
     world_size = layout.world_size
     tokens = layout.global_batch_size * cfg.data.seq_length
     tps = tokens / step_seconds
-    flops = layout.global_batch_size * flops_per_sample(cfg) / step_seconds
+    flops = layout.global_batch_size * flops_per_sample(cfg, pairs) / step_seconds
     return {
         "tokens_per_s": tps,
         "tokens_per_gpu_per_s": tps / world_size,

@@ -68,7 +68,7 @@ def microbatches(cfg: Config, layout: Layout, topo: Topology, dataset, consumed:
     for m in range(layout.num_micro_batches):
         ids = [consumed + i for i in microbatch_sample_ids(m, layout.global_batch_size, layout.micro_batch_size,
                                                            layout.dp, topo.dp_rank)]
-        batch = shard_batch(make_batch(dataset, ids), layout, topo)
+        batch = shard_batch(make_batch(dataset, ids, cfg.data), layout, topo)
         out.append({k: v.to(device) for k, v in batch.items()})
     return out
 

@@ -63,7 +63,7 @@ class FPDTSelfAttention(AttentionProjections):
         self.kernels = Kernels(parts.cfg.parallel.attention_backend)
         self.state = parts.ctx.fpdt  # shared by the layers: accounts, per-device buffers and streams, arena
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
         u = self.num_chunks
         s_local = x.shape[0] * self.sp_tp
         if x.shape[0] % u != 0 or (s_local // u) % self.sp_tp != 0:
@@ -79,8 +79,8 @@ class FPDTSelfAttention(AttentionProjections):
         run = FPDTRun(qkv_fn=self.qkv, topo=self.topo, backend=self.kernels(x.device),
                       bufs=self.state.buffers(x.device), num_chunks=u, rope_chunks=rope_chunks,
                       kv_repeat=self.kv_repeat, offload=self.offload, build_graph=build_graph, keep_ptrs=keep,
-                      head_dim=self.d, dtype=x.dtype,
-                      x_requires_grad=x.requires_grad, tag=f"layer{self.layer_number}.fpdt", params=tuple(params))
+                      head_dim=self.d, dtype=x.dtype, x_requires_grad=x.requires_grad,
+                      tag=f"layer{self.layer_number}.fpdt", params=tuple(params), documents=documents)
         nq = self.groups_per_rank * self.q_per_group
         out = _FPDTBlock.apply(x, run, (s_local, x.shape[1], nq * self.d), *params)
         return torch.cat([self.linear_proj(o) for o in out.chunk(u, dim=0)], dim=0)

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..masks import overlap, visible
 from ..merge import merge
 from .buffers import ChunkStore, FPDTBuffers
 from .project import ProjSavedHooks, project_chunk, storage_bytes
@@ -49,8 +50,18 @@ class FPDTRun:
     x_requires_grad: bool = False
     tag: str = "fpdt"
     params: tuple = ()
+    documents: Optional[torch.Tensor] = None  # full-sequence document ids [b, s] (masks.py), or None
     projections: Optional[list] = None
     store: Optional[ChunkStore] = None
+
+    def mask(self, i: int, j: int):
+        """(document mask of q chunk i x kv chunk j, whether any pair is visible); gathered chunk i is global range
+        i, so its ids are a slice of the full sequence's."""
+        if self.documents is None:
+            return None, True
+        c = self.documents.shape[1] // self.num_chunks
+        dq, dk = self.documents[:, i * c:(i + 1) * c], self.documents[:, j * c:(j + 1) * c]
+        return visible(dq, dk), i == j or overlap(dq, dk)
 
 
 def _to_attn(bufs: FPDTBuffers, topo, t: torch.Tensor, tag: str) -> torch.Tensor:
@@ -90,7 +101,7 @@ def _retype(bufs: FPDTBuffers, t: torch.Tensor, dtype, old_tag: str, new_tag: st
 def _attend_chunk(run: FPDTRun, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Output (fp32) and lse of q chunk i against kv chunks 0..i; stores k^_i, v^_i. Frees k, v (device)."""
     bufs, store, be = run.bufs, run.store, run.backend
-    out, lse = be.forward(q, k, v, causal=True)  # diagonal block: gathered chunk i is global range i
+    out, lse = be.forward(q, k, v, causal=True, visible=run.mask(i, i)[0])  # diagonal: gathered chunk i = range i
     out = out.float()
     bufs.track("fpdt.acc", out, lse)
     _stash(run, ("k", i), k, "fpdt.chunk")
@@ -100,7 +111,12 @@ def _attend_chunk(run: FPDTRun, i: int, q: torch.Tensor, k: torch.Tensor, v: tor
     for j in range(i):  # kv chunks before i: full attention (global range j < i)
         cur, nxt = nxt, (store.prefetch([("k", j + 1), ("v", j + 1)], KV) if j + 1 < i else None)
         kj, vj = bufs.wait(cur)
-        o, lse_j = be.forward(q, kj, vj, causal=False)
+        mask, seen = run.mask(i, j)
+        if not seen:  # no query of chunk i shares a document with kv chunk j
+            bufs.release(cur)
+            del kj, vj, cur
+            continue
+        o, lse_j = be.forward(q, kj, vj, causal=False, visible=mask)
         bufs.track("fpdt.acc", o, lse_j)
         new_out, new_lse = merge(out, lse, o, lse_j)
         bufs.untrack("fpdt.acc", o, lse_j, out, lse)
@@ -185,13 +201,15 @@ def fpdt_backward(run: FPDTRun, dout: torch.Tensor, x_shape, x_dtype) -> Optiona
             elif j + 1 < u:  # last inner step: fetch the next outer step's kv chunk
                 kv_next = store.prefetch([("k", j + 1), ("v", j + 1)], KV)
             qm, om, dom, lsem, dqm = bufs.wait(q_cur)
-            gq, gk, gv = be.backward(dom, qm, kj, vj, om, lsem, causal=(m == j))
-            bufs.track("fpdt.acc", gq, gk, gv)
-            dqm.add_(gq)
-            dk.add_(gk)
-            dv.add_(gv)
-            bufs.untrack("fpdt.acc", gq, gk, gv)
-            del gq, gk, gv
+            mask, seen = run.mask(m, j)
+            if seen:
+                gq, gk, gv = be.backward(dom, qm, kj, vj, om, lsem, causal=(m == j), visible=mask)
+                bufs.track("fpdt.acc", gq, gk, gv)
+                dqm.add_(gq)
+                dk.add_(gk)
+                dv.add_(gv)
+                bufs.untrack("fpdt.acc", gq, gk, gv)
+                del gq, gk, gv
             if m == j:  # q chunk j saw its last kv chunk: dq_j is final; q/o/do/lse of chunk j are not needed again
                 dq_done = dqm
                 store.drop(("q", j), ("o", j), ("do", j), ("lse", j), ("dq", j))

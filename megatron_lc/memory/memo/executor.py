@@ -55,7 +55,7 @@ class MemoExecutor:
         a, d, _ = self._rope_split
         return a, d, {t.untyped_storage().data_ptr() for pair in (a, d, rope) for t in pair}
 
-    def _step(self, layer, x: torch.Tensor, rope) -> tuple:
+    def _step(self, layer, x: torch.Tensor, rope, documents) -> tuple:
         """The layer's ``LayerStep`` (its slot placed from now on) and the RoPE rows of the kept tokens."""
         rt = self.runtime
         S = x.shape[0]
@@ -63,18 +63,18 @@ class MemoExecutor:
         rope_a, rope_d, rope_refs = self.rope_parts(rope, split)
         slot = rt.new_slot(layer.layer_number, _param_storages(layer) | rope_refs)
         st = LayerStep(rt, layer, layer.self_attention.core_attention, slot, split, rope_d, layer.pre_attention,
-                       layer.post_attention)
+                       layer.post_attention, documents)
         return st, rope_a
 
     def _attend(self, st: LayerStep, layer, pre_a, pre_d, rope) -> torch.Tensor:
         return _Attention.apply(st, *(pre_a or (None,) * 3), *(pre_d or (None,) * 3))
 
-    def __call__(self, layer, x: torch.Tensor, rope) -> torch.Tensor:
+    def __call__(self, layer, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return layer.plain_forward(x, rope)
+            return layer.plain_forward(x, rope, documents)
         rt = self.runtime
         x = x.contiguous()
-        st, rope_a = self._step(layer, x, rope)
+        st, rope_a = self._step(layer, x, rope, documents)
         split, slot = st.split, st.slot
         slot.stats.tokens, slot.stats.tokens_kept, slot.stats.tokens_recomputed = split.S, split.sA, split.sD
         st.h_input = slot.keep("input", x)
@@ -111,14 +111,14 @@ class MemoBlockExecutor(MemoExecutor):
     def __init__(self, runtime: MemoRuntime, sp_groups: int):
         super().__init__(runtime, 1)  # the token split acts on the block's input rows: never gathered
 
-    def _step(self, layer, x: torch.Tensor, rope) -> tuple:
+    def _step(self, layer, x: torch.Tensor, rope, documents) -> tuple:
         rt = self.runtime
         S = x.shape[0]
         split = TokenSplit(S, rt.kept_tokens(S), 1)
         rope_refs = {t.untyped_storage().data_ptr() for t in rope} if rope is not None else set()
         slot = rt.new_slot(layer.layer_number, _param_storages(layer) | rope_refs)
         st = LayerStep(rt, layer, None, slot, split, None, lambda x_, rope_: (layer.input_layernorm(x_),),
-                       _block_post(layer))
+                       _block_post(layer), documents)
         return st, None
 
     def _attend(self, st: LayerStep, layer, pre_a, pre_d, rope) -> torch.Tensor:
@@ -127,7 +127,7 @@ class MemoBlockExecutor(MemoExecutor):
         slot = st.slot
         slot.default_kind = "attn"
         try:
-            out = layer.self_attention(a, rope)
+            out = layer.self_attention(a, rope, st.documents)
         finally:
             slot.default_kind = "other"
         st.runtime.attn_forward_calls += 1

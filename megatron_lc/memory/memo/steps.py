@@ -62,10 +62,11 @@ class LayerStep:
     """Everything one layer's forward leaves for its backward (held by the autograd Functions' ctx)."""
 
     def __init__(self, runtime: MemoRuntime, layer, core, slot: SkeletalSlot, split: TokenSplit, rope_d, pre_fn,
-                 post_fn):
+                 post_fn, documents=None):
         # core: the layer's core attention (``attention/core.py`` protocol); None in block mode
         self.runtime, self.layer, self.core, self.slot, self.split = runtime, layer, core, slot, split
         self.rope_d = rope_d
+        self.documents = documents  # full-sequence document ids (packed documents) or None
         self.pre_fn, self.post_fn = pre_fn, post_fn  # token-wise parts: (x, rope) -> tuple, (x, attn) -> y
         # autocast state of the forward (bf16 on GPU), re-entered for the recompute, as torch.utils.checkpoint does
         self.autocast = [(dev, torch.get_autocast_dtype(dev)) for dev in ("cuda", "cpu")
@@ -157,7 +158,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, st: LayerStep, qa, ka, va, qd, kd, vd):
         sp = st.split
         q, k, v = sp.merge(qa, qd), sp.merge(ka, kd), sp.merge(va, vd)
-        out, lse = st.core.forward_with_lse(q, k, v)
+        out, lse = st.core.forward_with_lse(q, k, v, st.documents)
         st.runtime.attn_forward_calls += 1
         if sp.G > 1 and sp.sA and sp.sD:
             out = torch.cat(sp.gathered(out))  # kept rows first, so both parts are views of one tensor
@@ -182,7 +183,7 @@ class _Attention(torch.autograd.Function):
         if sp.G > 1 and sp.sA and sp.sD:
             n = sp.G * sp.sA
             out, dout = sp.merge(out[:n], out[n:]), sp.merge(dout[:n], dout[n:])
-        dq, dk, dv = st.core.backward_with_lse(dout, q, k, v, out, lse)
+        dq, dk, dv = st.core.backward_with_lse(dout, q, k, v, out, lse, st.documents)
         grads = []
         for g in (dq, dk, dv):
             grads.append(sp.gathered(g) if (sp.sA and sp.sD) else ((g, None) if sp.sA else (None, g)))
