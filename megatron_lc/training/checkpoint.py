@@ -278,7 +278,7 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear")
 
 
-def check_compatible(meta: dict, cfg: Config, topo: Topology, path: str, zero: bool) -> None:
+def check_compatible(meta: dict, cfg: Config, topo: Topology, path: str, zero: bool, load_optim: bool = True) -> None:
     """A checkpoint of another model -> ConfigError naming every differing shape field; other model changes are
     logged; a ZeRO-1 checkpoint at another layout -> ConfigError (``reshard.check_tp_change``)."""
     saved = meta["config"]["model"]
@@ -291,7 +291,7 @@ def check_compatible(meta: dict, cfg: Config, topo: Topology, path: str, zero: b
     if changed and topo.rank == 0:
         log.info("checkpoint %s: continuing with %s", path, ", ".join(changed))
     c = cfg.checkpoint
-    problem = check_tp_change(meta, topo, zero, not (c.no_load_optim or c.finetune))
+    problem = check_tp_change(meta, topo, zero, load_optim and not (c.no_load_optim or c.finetune))
     if problem is not None:
         raise ConfigError(f"checkpoint {path} {problem}")
 
@@ -325,14 +325,14 @@ def _load_from(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -
     """Load this rank's share of checkpoint ``path`` (resharded when it was saved at another tp); returns why it
     could not (naming the file), or None."""
     c, tp = cfg.checkpoint, meta["tp"]
-    load_optim = not (c.no_load_optim or c.finetune) and meta.get("optimizer", True)
+    load_optim = opt is not None and not (c.no_load_optim or c.finetune) and meta.get("optimizer", True)
     same_tp = tp == topo.tp
     names = [f"model_tp{topo.tp_rank:02d}.pt"] if same_tp else [f"model_tp{r:02d}.pt" for r in range(tp)]
     if load_optim:
         names += ([f"optim_tp{topo.tp_rank:02d}_dpcp{topo.axis_rank(Axis.DP_CP):04d}.pt"] if _zero(opt) else
                   [f"optim_tp{topo.tp_rank:02d}.pt"] if same_tp else [f"optim_tp{r:02d}.pt" for r in range(tp)])
     rng_file = f"rng_rank{topo.rank:05d}.pt"
-    restore_rng = (meta["world_size"] == topo.world_size and not (c.no_load_rng or c.finetune)
+    restore_rng = (opt is not None and meta["world_size"] == topo.world_size and not (c.no_load_rng or c.finetune)
                    and os.path.isfile(os.path.join(path, rng_file)))
     problem = _check_files(path, meta, names + ([rng_file] if restore_rng else []))
     if problem is not None:
@@ -382,7 +382,8 @@ def _stage_notices(meta: dict, cfg: Config, topo: Topology) -> None:
 
 def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
     """Resume from ``cfg.checkpoint.load`` (see module doc); returns the loaded checkpoint's meta, or None for a
-    fresh start. Every rank must call this (ranks agree on which checkpoint loaded)."""
+    fresh start. Every rank must call this (ranks agree on which checkpoint loaded). ``opt`` None: the weights only
+    (evaluation, export), at any layout."""
     load, save = cfg.checkpoint.load, cfg.checkpoint.save
     if not load:
         return None
@@ -401,7 +402,7 @@ def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
     failed = []
     for path in candidates:
         meta = read_meta(path)
-        check_compatible(meta, cfg, topo, path, _zero(opt))
+        check_compatible(meta, cfg, topo, path, _zero(opt), opt is not None)
         problems = [p for p in _gather(_load_from(path, meta, cfg, topo, model, opt)) if p is not None]
         if not problems:
             if failed:
