@@ -24,9 +24,8 @@ from safetensors.torch import load_file
 
 from .config import Config, ConfigError, resolve_layout
 from .config.model import ROPE_SCALING, check_rope_scaling
-from .parallel.tensor_parallel import cut_shard
 from .training.checkpoint import write_model_checkpoint
-from .training.reshard import partitions
+from .training.reshard import parameter_shapes
 
 HF_TO_MODEL = {  # HF config.json field -> model section key (the rest is derived or checked below)
     "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "ffn_hidden_size",
@@ -197,9 +196,10 @@ IGNORED = ("rotary_emb.inv_freq",)  # buffers some older exports carry
 
 
 def import_hf(hf_dir: str, out: str, tp: int = 1) -> str:
-    """Write ``out/iter_0000000`` (a megatron_lc checkpoint of the model's weights, tp shards for ``tp``; it loads
-    at any tp, cp and dp, its optimizer starts afresh) and ``out/model.yaml`` (the matching ``model:`` section) for
-    the Hugging Face Llama directory ``hf_dir``. Returns the checkpoint directory. Weights are kept in fp32."""
+    """Write ``out/iter_0000000`` (a megatron_lc checkpoint of the model's weights; it loads at any tp, cp and dp,
+    its optimizer starts afresh; ``tp``: the tensor-parallel degree it is meant for, checked to divide the model)
+    and ``out/model.yaml`` (the matching ``model:`` section) for the Hugging Face Llama directory ``hf_dir``.
+    Returns the checkpoint directory. Weights are kept in fp32."""
     hf_cfg, tensors = read_hf_dir(hf_dir)
     cfg = Config.from_dict({"model": model_section_from_hf(hf_cfg),
                             "parallel": {"tensor_model_parallel_size": tp}})
@@ -216,9 +216,10 @@ def import_hf(hf_dir: str, out: str, tp: int = 1) -> str:
     extra = sorted(set(tensors) - used)
     if extra:
         raise ConfigError(f"{hf_dir}: tensors this Llama import does not know: {extra[:5]}")
-    parts = partitions(cfg, tp)
-    shards = [{n: cut_shard(full[n], parts[n], tp, r).contiguous() for n in parts} for r in range(tp)]
-    path = write_model_checkpoint(out, cfg, shards, {"imported_from": os.path.abspath(hf_dir)})
+    missing = sorted(set(parameter_shapes(cfg)) - set(full))
+    if missing:
+        raise ConfigError(f"{hf_dir}: no tensor for {missing[:5]}")
+    path = write_model_checkpoint(out, cfg, full, {"imported_from": os.path.abspath(hf_dir)})
     with open(os.path.join(out, "model.yaml"), "w") as f:
         f.write(f"# the model section of {hf_dir}, imported by megatron_lc (tools/convert_from_hf.py)\n")
         yaml.safe_dump({"model": cfg.to_dict()["model"]}, f, sort_keys=False)

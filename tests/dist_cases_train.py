@@ -18,3 +18,27 @@ def train(rank, world, overrides):
     topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
     state = Trainer(cfg, topo, layout=layout).train()
     return state.losses, state.consumed_samples
+
+
+def write_format2(path, cfg, full: dict, tp: int) -> None:
+    """A checkpoint as format 2 wrote it: ``model_tp{r}.pt`` per tp rank (weights only), meta.json with checksums."""
+    import json
+    import os
+
+    import torch
+
+    from megatron_lc.parallel.tensor_parallel import cut_shard
+    from megatron_lc.training.checkpoint import file_digest
+    from megatron_lc.training.reshard import partitions
+
+    os.makedirs(path)
+    parts = partitions(cfg, tp)
+    files = {}
+    for r in range(tp):
+        name = f"model_tp{r:02d}.pt"
+        torch.save({n: cut_shard(t, parts[n], tp, r).contiguous() for n, t in full.items()}, os.path.join(path, name))
+        files[name] = file_digest(os.path.join(path, name))
+    meta = {"format_version": 2, "iteration": 1, "consumed_samples": 2, "world_size": tp, "tp": tp, "cp": 1, "dp": 1,
+            "zero": False, "optimizer": False, "config": cfg.to_dict(), "files": files}
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(meta, f)

@@ -46,7 +46,7 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
         kill_all(procs)
     _assert_stopped_cleanly(results, ck, mfile)
     assert "received SIGTERM: stopping after step" in results[0][1]  # rank 0 logs the reason it learnt
-    assert sorted(os.listdir(find_latest(ck))) == ["meta.json", "model_tp00.pt", "optim_tp00.pt",
+    assert sorted(os.listdir(find_latest(ck))) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json",
                                                    "rng_rank00000.pt", "rng_rank00001.pt"]
 
 

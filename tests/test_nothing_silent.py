@@ -80,7 +80,7 @@ def test_load_of_a_hugging_face_directory(tmp_path):
     (hf / "model.safetensors").write_bytes(b"")
     out = pretrain(*TINY, "checkpoint.save=null", f"checkpoint.load={hf}")
     assert_one_error(out, f"checkpoint.load ({hf}) is a Hugging Face model directory, not a megatron_lc checkpoint; "
-                          f"importing Hugging Face weights is not supported yet")
+                          f"import it first: python tools/convert_from_hf.py {hf} OUT_DIR")
 
 
 def test_load_of_a_directory_without_checkpoints(tmp_path):
@@ -123,16 +123,16 @@ def test_demo_files_are_keyed_by_vocabulary(monkeypatch):
 
 
 # ---- broken checkpoint files -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("damage", ["truncate-model", "delete-optim"])
+@pytest.mark.parametrize("damage", ["truncate-data", "delete-metadata"])
 def test_broken_newest_checkpoint_falls_back_to_the_older_one(tmp_path, damage, caplog):
     train(tmp_path, "checkpoint.save_interval=2", iters=4)  # iter 2 and iter 4
     newest = tmp_path / "run" / "iter_0000004"
-    if damage == "truncate-model":
-        f = newest / "model_tp00.pt"
+    if damage == "truncate-data":  # weights and AdamW states (torch.distributed.checkpoint's file of rank 0)
+        f = newest / "__0_0.distcp"
         f.write_bytes(f.read_bytes()[:1000])
         why = f"{f} is truncated or corrupt (1000 bytes, saved "
     else:
-        f = newest / "optim_tp00.pt"
+        f = newest / ".metadata"
         f.unlink()
         why = f"{f} is missing"
     before = listing(newest)
@@ -147,17 +147,17 @@ def test_broken_newest_checkpoint_falls_back_to_the_older_one(tmp_path, damage, 
     state = train(tmp_path, f"checkpoint.load={tmp_path / 'run'}", "checkpoint.save_interval=2", iters=6)
     assert state.iteration == 6 and len(state.losses) == 4  # steps 3-6 after resuming at 2
     assert f"because {why}" in caplog.text and "an older checkpoint" in caplog.text
-    if damage == "truncate-model":  # the damaged checkpoint was re-saved at iteration 4 by the resumed run
+    if damage == "truncate-data":  # the damaged checkpoint was re-saved at iteration 4 by the resumed run
         assert (newest / "meta.json").exists()
-    assert before.keys() <= listing(newest).keys() or damage == "truncate-model"
+    assert before.keys() <= listing(newest).keys() or damage == "truncate-data"
 
 
 def test_checksums_are_written_and_checked(tmp_path):
     train(tmp_path)
     meta = json.loads((tmp_path / "run" / "iter_0000002" / "meta.json").read_text())
-    assert set(meta["files"]) == {"model_tp00.pt", "optim_tp00.pt", "rng_rank00000.pt"}
+    assert set(meta["files"]) == {".metadata", "__0_0.distcp", "rng_rank00000.pt"}
     assert all(re.fullmatch(r"[0-9a-f]{64}", v["sha256"]) and v["bytes"] > 0 for v in meta["files"].values())
-    model = tmp_path / "run" / "iter_0000002" / "model_tp00.pt"
+    model = tmp_path / "run" / "iter_0000002" / "__0_0.distcp"
     data = bytearray(model.read_bytes())
     data[-100] ^= 0xFF  # same size, one bit pattern changed
     model.write_bytes(bytes(data))

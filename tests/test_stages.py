@@ -1,6 +1,7 @@
-"""Stages of a run: a checkpoint resumes at another tp (weights and AdamW states resharded), cp or dp; ZeRO-1
-shards only at their own layout (else one line, or checkpoint.no_load_optim); checkpoint.finetune restarts the
-iteration, data position and schedule; RoPE fields may change between stages (logged), shape fields may not.
+"""Stages of a run: a checkpoint (torch.distributed.checkpoint) resumes at another tp, cp or dp, with or without
+ZeRO-1, weights and AdamW states resharded; a format-2 checkpoint (torch files per tp rank) still loads;
+checkpoint.finetune restarts the iteration, data position and schedule; RoPE fields may change between stages
+(logged), shape fields may not.
 
 Tolerance: the resumed run and the straight one differ only in the reduction order of the tp / cp split (fp32,
 ~1e-7 relative per op); measured at most 1.3e-7 relative on these losses (tp 2 -> 1), asserted at the 1e-5
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from megatron_lc.parallel.topology import Topology
 from megatron_lc.training.loop import Trainer
@@ -44,19 +46,31 @@ def test_resume_at_another_layout_continues_the_straight_run(tmp_path, straight,
     close(a + b, straight)
 
 
-def test_zero1_shards_resume_only_at_their_layout(tmp_path):
+@pytest.mark.parametrize("first,second", [
+    (["parallel.use_distributed_optimizer=true", "train.micro_batch_size=2"],
+     ["parallel.tensor_model_parallel_size=2", "train.micro_batch_size=4"]),
+    (["train.micro_batch_size=2"],
+     ["parallel.context_parallel_size=2", "train.micro_batch_size=4", "parallel.use_distributed_optimizer=true"]),
+], ids=["zero1-dp2-to-tp2", "dp2-to-zero1-cp2"])
+def test_zero1_states_move_to_another_layout(tmp_path, straight, first, second):
+    """ZeRO-1 shards AdamW states by parameter over dp x cp; saved by parameter name, they load into another
+    partition (or into plain AdamW) and the run continues as the straight one."""
     ck = str(tmp_path / "ck")
-    zero = ["parallel.use_distributed_optimizer=true", "train.micro_batch_size=2"]
-    run_dist(2, dist_cases_train.train, COMMON + zero + ["train.train_iters=3", f"checkpoint.save={ck}"])
-    with pytest.raises(AssertionError, match=r"holds ZeRO-1 optimizer shards for tp=1, dp\*cp=2; this run has "
-                                             r"tp=2, dp\*cp=1 without ZeRO-1 .*no_load_optim starts"):
-        run_dist(2, dist_cases_train.train, COMMON + ["parallel.use_distributed_optimizer=true",
-                                                      "parallel.tensor_model_parallel_size=2",
-                                                      "train.micro_batch_size=4", f"checkpoint.load={ck}"])
-    losses, consumed = run_dist(2, dist_cases_train.train, COMMON + [
-        "parallel.tensor_model_parallel_size=2", "train.micro_batch_size=4", f"checkpoint.load={ck}",
-        "checkpoint.no_load_optim=true"])[0]
-    assert len(losses) == 3 and consumed == 24  # weights and data position resumed, AdamW afresh
+    a = run_dist(2, dist_cases_train.train, COMMON + first + ["train.train_iters=3", f"checkpoint.save={ck}"])[0][0]
+    b = run_dist(2, dist_cases_train.train, COMMON + second + [f"checkpoint.save={ck}", f"checkpoint.load={ck}"])[0][0]
+    close(a + b, straight)
+
+
+def test_format2_checkpoint_still_loads(tmp_path):
+    """A checkpoint of the previous format (one torch file per tp rank, here tp=2) loads at tp=1: same weights."""
+    cfg = small_config(["train.train_iters=1"])
+    model = Trainer(cfg, Topology()).model
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ck = tmp_path / "old"
+    dist_cases_train.write_format2(ck / "iter_0000001", cfg, full, tp=2)
+    t = Trainer(small_config(["train.train_iters=2", f"checkpoint.load={ck}", "train.seed=7"]), Topology())
+    for n, p in t.model.named_parameters():
+        assert torch.equal(p.detach(), full[n]), n
 
 
 def test_finetune_restarts_iteration_data_and_schedule(tmp_path, caplog):

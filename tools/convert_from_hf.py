@@ -5,9 +5,9 @@ checkpoint and its ``model:`` section.
     # then, in a config: the model section of runs/llama32_1b_import/model.yaml, and
     #   checkpoint.load: runs/llama32_1b_import   checkpoint.finetune: true   (weights only, step 0)
 
-The checkpoint holds fp32 weights as tp shards for ``--tp`` (default 1); it loads at any tp, cp and dp (resharded
-at load), and its optimizer starts afresh. Library call: ``megatron_lc.hf.import_hf(hf_dir, out, tp)``. The
-mapping and what is supported: ``megatron_lc/hf.py``."""
+The checkpoint holds the fp32 weights (torch.distributed.checkpoint); it loads at any tp, cp and dp, and its
+optimizer starts afresh; ``--tp`` checks that the model divides over that many tensor-parallel ranks. Library
+call: ``megatron_lc.hf.import_hf(hf_dir, out, tp)``. The mapping and what is supported: ``megatron_lc/hf.py``."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +24,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("hf_dir", help="a Hugging Face model directory (config.json + safetensors)")
     p.add_argument("out", help="output directory: iter_0000000/ (the checkpoint) and model.yaml")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel shards to write (any tp loads them)")
+    p.add_argument("--tp", type=int, default=1, 
+                   help="check the model divides over this tp (any tp loads the checkpoint)")
     a = p.parse_args(argv)
     try:
         path = import_hf(a.hf_dir, a.out, a.tp)

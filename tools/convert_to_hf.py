@@ -5,8 +5,8 @@
     # then: transformers.LlamaForCausalLM.from_pretrained("OUT/")
 
 What it does:
-- merges the tp shards ``model_tp00.pt ... model_tp{tp-1}.pt`` with ``merge_shards`` and each parameter's
-  ``partition = (dim, stride)`` (read off the model built on the meta device, so the layout has one source);
+- reads the full weights whatever the layout they were saved at (torch.distributed.checkpoint; format-2
+  checkpoints: merges the tp shards ``model_tp00.pt ...`` along each parameter's ``partition = (dim, stride)``);
 - splits the fused QKV weight, whose full layout is grouped by kv head ``[g: q_0..q_{r-1}, k, v]`` (r = heads per
   kv head), into ``q_proj`` (query head ``g*r + j``, the order HF's ``repeat_kv`` expects), ``k_proj``, ``v_proj``;
 - splits the SwiGLU ``fc1`` weight ``[gate; up]`` into ``gate_proj`` and ``up_proj``;
@@ -31,21 +31,14 @@ import torch  # noqa: E402
 
 from megatron_lc.config import Config, ConfigError  # noqa: E402
 from megatron_lc.hf import check_exportable, hf_config, to_hf  # noqa: E402
-from megatron_lc.training.reshard import merged_model_state  # noqa: E402
+from megatron_lc.training.checkpoint import full_weights  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_full_state(ckpt_dir: str, cfg: Config, tp: int) -> dict:
-    """The full (unsharded) fp32 state dict of the checkpoint: tp shards merged along each parameter's partition."""
-    for r in range(tp):
-        path = os.path.join(ckpt_dir, f"model_tp{r:02d}.pt")
-        if not os.path.isfile(path):
-            raise ConfigError(f"{path} not found (the checkpoint has tp={tp} shards)")
-    try:
-        return {k: v.float() for k, v in merged_model_state(ckpt_dir, cfg, tp).items()}
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+def load_full_state(ckpt_dir: str, cfg: Config, meta: dict) -> dict:
+    """The full (unsharded) fp32 state dict of the checkpoint (its files checked against meta.json first)."""
+    return {k: v.float() for k, v in full_weights(ckpt_dir, meta, cfg).items()}
 
 
 def _umask() -> int:
@@ -126,7 +119,7 @@ def convert(checkpoint: str, out: str, dtype: str = "float32", keep_padded_vocab
         saved = dict(saved, data=dict(data, prepare_demo_data=False))
     cfg = Config.from_dict(saved)
     check_exportable(cfg.model)
-    state = to_hf(load_full_state(path, cfg, meta["tp"]), cfg.model, keep_padded_vocab)
+    state = to_hf(load_full_state(path, cfg, meta), cfg.model, keep_padded_vocab)
     os.makedirs(out, exist_ok=True)
     bos = eos = None
     tok = tokenizer or cfg.data.files(cfg.model.vocab_size)[1]

@@ -3,18 +3,24 @@
 Layout of ``checkpoint.save``::
 
     iter_0000006/                     one complete checkpoint (a directory appears under this name only complete)
-        meta.json                     iteration, consumed samples, layout, the full config
-        model_tp00.pt ...             model shard of each tp rank (written by dp x cp rank 0 of its tp group)
-        optim_tp00.pt ...             optimizer + scheduler state (ZeRO-1: optim_tp00_dpcp0003.pt, one per rank)
-        rng_rank00000.pt ...          RNG states of every rank
+        meta.json                     iteration, consumed samples, layout, the full config, every file's checksum
+        .metadata, __0_0.distcp ...   weights and AdamW states, torch.distributed.checkpoint (``sharded_state.py``:
+                                      layout-free keys, each rank writes its pieces, any layout reads them)
+        rng_rank00000.pt ...          RNG states of every rank (restored when the world size is the same)
     latest_checkpointed_iteration.txt newest complete iteration (written by rename; a hint, re-checked on load)
 
-``meta.json`` lists every file with its size and SHA-256 (each rank hashes what it wrote). A resume checks the files
-a rank reads before loading them; a missing, truncated or corrupt file names itself in one line, and with
-``checkpoint.load_fallback`` (the default) every rank falls back together to the newest older checkpoint that loads
-(logged). ``checkpoint.load`` that does not exist, holds no checkpoint, or is a Hugging Face model directory is an
-error -- except ``load == save`` with nothing saved yet, the first start of an auto-resuming job. A ``save``
-directory that already holds another run's checkpoints is refused unless this run resumes it (``load == save``).
+The learning-rate schedule is a function of the iteration, and the data position is the consumed-sample count in
+``meta.json``: with the weights and AdamW states that is the whole training state, so a run saved at one (tp, cp,
+dp, ZeRO-1 or not) resumes at any other. Checkpoints of format 2 (``model_tp00.pt``, ``optim_tp00.pt``: one torch
+file per tp rank) still load, resharded across tp by ``reshard.py`` (their ZeRO-1 states only at their own layout).
+
+``meta.json`` lists every file with its size and SHA-256 (the ranks share the hashing). A resume checks every
+file before loading (format 2: the files a rank reads); a missing, truncated or corrupt file names itself in one
+line, and with ``checkpoint.load_fallback`` (the default) every rank falls back together to the newest older
+checkpoint that loads (logged). ``checkpoint.load`` that does not exist, holds no checkpoint, or is a Hugging Face
+model directory is an error -- except ``load == save`` with nothing saved yet, the first start of an auto-resuming
+job. A ``save`` directory that already holds another run's checkpoints is refused unless this run resumes it
+(``load == save``).
 
 A save writes into ``iter_0000006.tmp/`` and renames it when every rank has finished, so a save killed midway
 leaves the previous checkpoint intact; ``find_latest`` ignores ``*.tmp`` directories and picks the newest
@@ -39,9 +45,11 @@ import torch.distributed as dist
 
 from ..config import Config, ConfigError
 from ..parallel.topology import Axis, Topology
-from .reshard import check_tp_change, model_state_for, optimizer_state_for
+from . import sharded_state
+from .reshard import check_tp_change, merged_model_state, model_state_for, optimizer_state_for
+from .sharded_state import ShardedState
 
-FORMAT_VERSION = 2  # 2: meta.json lists every file's size and sha256
+FORMAT_VERSION = 3  # 3: torch.distributed.checkpoint; 2: torch files per tp rank, checksums; 1: no checksums
 LATEST = "latest_checkpointed_iteration.txt"
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -64,6 +72,17 @@ def file_digest(path: str) -> dict:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return {"bytes": os.path.getsize(path), "sha256": h.hexdigest()}
+
+
+def _share(names: list, topo: Optional[Topology]) -> list:
+    """This rank's share of ``names`` (sorted; round-robin over the ranks), for hashing and checking files."""
+    names = sorted(names)
+    return names if topo is None else names[topo.rank::topo.world_size]
+
+
+def _digests(directory: str, topo: Optional[Topology]) -> dict:
+    """Size and sha256 of this rank's share of the files in ``directory`` (``topo`` None: all of them)."""
+    return {n: file_digest(os.path.join(directory, n)) for n in _share(os.listdir(directory), topo)}
 
 
 def _barrier(topo: Topology) -> None:
@@ -109,17 +128,6 @@ def _zero(opt) -> bool:
     return type(opt).__name__ == "ZeroRedundancyOptimizer"
 
 
-def _optim_file(topo: Topology, opt) -> Optional[str]:
-    """This rank's optimizer file name, or None when another rank writes the identical state."""
-    if _zero(opt):
-        return f"optim_tp{topo.tp_rank:02d}_dpcp{topo.axis_rank(Axis.DP_CP):04d}.pt"
-    return f"optim_tp{topo.tp_rank:02d}.pt" if topo.axis_rank(Axis.DP_CP) == 0 else None
-
-
-def _optim_state(opt) -> dict:
-    return opt.optim.state_dict() if _zero(opt) else opt.state_dict()
-
-
 def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, consumed_samples: int,
                     extra: Optional[dict] = None) -> str:
     """Write the checkpoint of ``iteration`` atomically; every rank must call this. Returns its directory."""
@@ -132,24 +140,20 @@ def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, con
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier(topo)
-    written = []
-    if topo.axis_rank(Axis.DP_CP) == 0:
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        written.append(f"model_tp{topo.tp_rank:02d}.pt")
-        _atomic_torch_save(state, os.path.join(tmp, written[-1]))
-    name = _optim_file(topo, opt)
-    if name is not None:
-        written.append(name)
-        _atomic_torch_save(_optim_state(opt), os.path.join(tmp, name))
-    written.append(f"rng_rank{topo.rank:05d}.pt")
-    _atomic_torch_save(rng_state(), os.path.join(tmp, written[-1]))
+    state = ShardedState(model, topo)
+    optim = state.optimizer_state(opt)
+    sharded_state.write(tmp, {**state.model_state(), **optim})
+    _atomic_torch_save(rng_state(), os.path.join(tmp, f"rng_rank{topo.rank:05d}.pt"))
+    _barrier(topo)
     files = {}
-    for mine in _gather({n: file_digest(os.path.join(tmp, n)) for n in written}):
-        files.update(mine)
+    for share in _gather(_digests(tmp, topo)):
+        files.update(share)
+    has_optim = any(_gather(bool(optim)))  # no AdamW state before the first step (or every step skipped)
     if topo.rank == 0:
         meta = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
                 "world_size": topo.world_size, "tp": topo.tp, "cp": topo.cp, "dp": topo.dp,
-                "zero": _zero(opt), "config": cfg.to_dict(), "files": files, **(extra or {})}
+                "zero": _zero(opt), "optimizer": has_optim, "config": cfg.to_dict(), "files": files,
+                **(extra or {})}
         _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         if os.path.isdir(final):  # re-saving the same iteration: move the old one aside first
             old = final + ".old"
@@ -165,26 +169,22 @@ def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, con
     return final
 
 
-def write_model_checkpoint(save: str, cfg: Config, shards: list[dict], extra: Optional[dict] = None) -> str:
-    """A weights-only checkpoint at iteration 0 (an import): ``shards[r]`` is tp rank r's model state. Written
-    atomically like a training save, with checksums; ``"optimizer": false`` tells a resume to start AdamW afresh."""
+def write_model_checkpoint(save: str, cfg: Config, full: dict, extra: Optional[dict] = None) -> str:
+    """A weights-only checkpoint at iteration 0 (an import) of the full weights ``{name: tensor}``, written by this
+    process alone, atomically like a training save, with checksums; it loads at any layout, and
+    ``"optimizer": false`` tells a resume to start AdamW afresh."""
     final = iter_dir(save, 0)
+    if os.path.isdir(final):
+        raise ConfigError(f"{final} already exists; import into an empty directory")
     tmp = final + ".tmp"
     os.makedirs(save, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    files = {}
-    for r, state in enumerate(shards):
-        name = f"model_tp{r:02d}.pt"
-        _atomic_torch_save(state, os.path.join(tmp, name))
-        files[name] = file_digest(os.path.join(tmp, name))
-    tp = len(shards)
-    meta = {"format_version": FORMAT_VERSION, "iteration": 0, "consumed_samples": 0, "world_size": tp, "tp": tp,
-            "cp": 1, "dp": 1, "zero": False, "optimizer": False, "config": cfg.to_dict(), "files": files,
-            **(extra or {})}
+    sharded_state.write_full_model(tmp, cfg, full)
+    meta = {"format_version": FORMAT_VERSION, "iteration": 0, "consumed_samples": 0, "world_size": 1, "tp": 1,
+            "cp": 1, "dp": 1, "zero": False, "optimizer": False, "config": cfg.to_dict(),
+            "files": _digests(tmp, None), **(extra or {})}
     _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-    if os.path.isdir(final):
-        raise ConfigError(f"{final} already exists; import into an empty directory")
     os.replace(tmp, final)
     _atomic_write_text(os.path.join(save, LATEST), "0")
     return final
@@ -271,6 +271,23 @@ def read_meta(path: str) -> dict:
         raise ConfigError(f"checkpoint {path}: meta.json unreadable ({e})") from None
 
 
+def full_weights(path: str, meta: dict, cfg: Config) -> dict:
+    """The full (unsharded) model weights of checkpoint directory ``path`` (either format), read by this process
+    alone: for exports and tools. A missing or corrupt file is a ``ConfigError`` naming it."""
+    problem = _check_files(path, meta, sorted(n for n in meta.get("files", {}) if not n.startswith("rng_"))
+                           if meta.get("format_version", 1) >= 3 else
+                           [f"model_tp{r:02d}.pt" for r in range(meta["tp"])])
+    if problem is not None:
+        raise ConfigError(problem)
+    try:
+        if meta.get("format_version", 1) >= 3:
+            return sharded_state.full_model_state(path, cfg)
+        return merged_model_state(path, cfg, meta["tp"])
+    except Exception as e:  # DCP / torch.load failures: one line
+        raise ConfigError(f"checkpoint {path} does not load ({type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''})") from None
+
+
 # model fields that change a parameter's shape or meaning; the others (rotary_base, rope_scaling, norm_epsilon,
 # init_method_std, max_position_embeddings under RoPE) may change between the stages of a run, said in the log
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -291,6 +308,8 @@ def check_compatible(meta: dict, cfg: Config, topo: Topology, path: str, zero: b
     if changed and topo.rank == 0:
         log.info("checkpoint %s: continuing with %s", path, ", ".join(changed))
     c = cfg.checkpoint
+    if meta.get("format_version", 1) >= 3:  # DCP: any layout
+        return
     problem = check_tp_change(meta, topo, zero, load_optim and not (c.no_load_optim or c.finetune))
     if problem is not None:
         raise ConfigError(f"checkpoint {path} {problem}")
@@ -321,9 +340,9 @@ def _check_files(path: str, meta: dict, names: list[str]) -> Optional[str]:
     return None
 
 
-def _load_from(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> Optional[str]:
-    """Load this rank's share of checkpoint ``path`` (resharded when it was saved at another tp); returns why it
-    could not (naming the file), or None."""
+def _load_v2(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> Optional[str]:
+    """Load this rank's share of a format-2 checkpoint ``path`` (resharded when it was saved at another tp); returns
+    why it could not (naming the file), or None."""
     c, tp = cfg.checkpoint, meta["tp"]
     load_optim = opt is not None and not (c.no_load_optim or c.finetune) and meta.get("optimizer", True)
     same_tp = tp == topo.tp
@@ -361,13 +380,50 @@ def _load_from(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -
     return None
 
 
+def _wants(meta: dict, cfg: Config, topo: Topology, opt) -> tuple[bool, Optional[str]]:
+    """(load the optimizer states?, this rank's RNG file to restore or None)."""
+    c = cfg.checkpoint
+    load_optim = opt is not None and not (c.no_load_optim or c.finetune) and meta.get("optimizer", True)
+    rng_file = f"rng_rank{topo.rank:05d}.pt"
+    restore = (opt is not None and meta["world_size"] == topo.world_size and not (c.no_load_rng or c.finetune)
+               and rng_file in meta.get("files", {}))
+    return load_optim, (rng_file if restore else None)
+
+
+def _load_v3(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> Optional[str]:
+    """Load a DCP checkpoint (collective: every rank calls it); returns why it could not, the same on every rank,
+    or None. Every file is checked first, each by one rank; then DCP reads the pieces of this layout."""
+    load_optim, rng_file = _wants(meta, cfg, topo, opt)
+    problems = [p for p in _gather(_check_files(path, meta, _share(list(meta["files"]), topo))) if p is not None]
+    if problems:
+        return problems[0]
+    state = ShardedState(model, topo)
+    target, install = state.model_state(), []
+    if load_optim:
+        optim, install = state.optimizer_targets(opt)
+        target.update(optim)
+    try:
+        sharded_state.read(path, target)
+    except Exception as e:  # DCP wraps every rank's failure (CheckpointException); the message names the key
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        return f"{path} does not load ({type(e).__name__}: {first[:160]})"
+    if load_optim:
+        state.install(opt, install)
+    if rng_file is not None:
+        set_rng_state(torch.load(os.path.join(path, rng_file), map_location="cpu", weights_only=False))
+    return None
+
+
 def _stage_notices(meta: dict, cfg: Config, topo: Topology) -> None:
     """What a new stage changed, logged once; ``checkpoint.finetune`` restarts iteration, data position and
     schedule (the returned meta says 0)."""
     c = cfg.checkpoint
     said = []
-    if meta["tp"] != topo.tp:
-        said.append(f"weights resharded from tp={meta['tp']} to tp={topo.tp}")
+    saved = {k: meta[k] for k in ("tp", "cp", "dp")}
+    now = {"tp": topo.tp, "cp": topo.cp, "dp": topo.dp}
+    if saved != now:
+        said.append("saved at " + ", ".join(f"{k}={v}" for k, v in saved.items()) + "; resharded to "
+                    + ", ".join(f"{k}={v}" for k, v in now.items()))
     if not meta.get("optimizer", True):
         said.append("no optimizer state in the checkpoint: AdamW starts afresh")
     elif c.no_load_optim or c.finetune:
@@ -392,7 +448,7 @@ def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
         raise ConfigError(f"checkpoint.load ({load}) does not exist")
     if os.path.isdir(load) and is_hf_model_dir(load):
         raise ConfigError(f"checkpoint.load ({load}) is a Hugging Face model directory, not a megatron_lc "
-                          f"checkpoint; importing Hugging Face weights is not supported yet")
+                          f"checkpoint; import it first: python tools/convert_from_hf.py {load} OUT_DIR")
     candidates = checkpoints_newest_first(load) if os.path.isdir(load) else []
     if not candidates:
         if auto_resume:
@@ -403,7 +459,8 @@ def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
     for path in candidates:
         meta = read_meta(path)
         check_compatible(meta, cfg, topo, path, _zero(opt), opt is not None)
-        problems = [p for p in _gather(_load_from(path, meta, cfg, topo, model, opt)) if p is not None]
+        load_format = _load_v3 if meta.get("format_version", 1) >= 3 else _load_v2
+        problems = [p for p in _gather(load_format(path, meta, cfg, topo, model, opt)) if p is not None]
         if not problems:
             if failed:
                 log.warning("resumed from %s, an older checkpoint, because %s", path, "; ".join(failed))

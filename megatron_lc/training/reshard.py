@@ -21,16 +21,27 @@ from ..parallel.tensor_parallel import cut_shard, merge_shards
 from ..parallel.topology import Topology
 
 
-def partitions(cfg: Config, tp: int) -> dict:
-    """``{parameter name: (dim, stride) or None}`` of ``cfg``'s model at ``tp``, in ``named_parameters`` order
-    (read off the plain model built on the meta device, so the layout has one source: the model code)."""
+def _meta_model(cfg: Config, tp: int) -> GPTModel:
+    """``cfg``'s plain model at ``tp`` on the meta device (the layout has one source: the model code)."""
     plain = copy.deepcopy(cfg)  # only tp shapes the parameters; cp, SP and memory features do not
     plain.parallel = ParallelConfig(tensor_model_parallel_size=tp)
     topo = Topology(world_size=tp, rank=0, tp=tp)
     with torch.device("meta"):  # the default spec: the plain model's classes
-        model = GPTModel(plain.model, ModelParts(plain, resolve_layout(plain, tp), topo))
-    return {n: (p.partition if getattr(p, "tensor_model_parallel", False) else None)
-            for n, p in model.named_parameters()}
+        return GPTModel(plain.model, ModelParts(plain, resolve_layout(plain, tp), topo))
+
+
+def _partition(p) -> Optional[tuple]:
+    return p.partition if getattr(p, "tensor_model_parallel", False) else None
+
+
+def partitions(cfg: Config, tp: int) -> dict:
+    """``{parameter name: (dim, stride) or None}`` of ``cfg``'s model at ``tp``, in ``named_parameters`` order."""
+    return {n: _partition(p) for n, p in _meta_model(cfg, tp).named_parameters()}
+
+
+def parameter_shapes(cfg: Config) -> dict:
+    """``{parameter name: (full shape, partition)}`` of ``cfg``'s model."""
+    return {n: (tuple(p.shape), _partition(p)) for n, p in _meta_model(cfg, 1).named_parameters()}
 
 
 def _load(path: str) -> dict:

@@ -1,0 +1,165 @@
+"""The training state as ``torch.distributed.checkpoint`` (DCP) stores it: every tensor under a key that names no
+layout, with its full shape; each rank hands DCP the pieces it holds, and DCP reads back whatever pieces a rank of
+another layout needs. So a checkpoint saved at one (tp, cp, dp, ZeRO-1 or not) loads at any other.
+
+Keys (flat, so parameter names with dots stay whole)::
+
+    model/<param>                          the weight
+    optim/<param>/exp_avg, .../exp_avg_sq  AdamW moments (the parameter's shape and partition)
+    optim/<param>/step                     AdamW's step count (a scalar)
+
+A tensor-parallel parameter is a DTensor on the tp group, ``Shard`` on its partition dim. SwiGLU's ``fc1`` is
+partitioned with stride 2 (its full weight is ``[gate; up]``, each tp rank holding its slice of both): it is stored as
+``[2, ffn, hidden]``, sharded on dim 1. Example, ffn 8, hidden 4, tp=2: rank 0 holds gate rows 0-3 and up rows 0-3
+(local ``[8, 4]`` viewed ``[2, 4, 4]``), rank 1 rows 4-7 of each; the checkpoint holds one ``[2, 8, 4]`` tensor, and a
+tp=1 run reads it into its ``[16, 4]`` weight viewed ``[2, 8, 4]``. Replicated tensors (norms, the replicas of dp and
+cp) are written once (DCP deduplicates equal pieces).
+
+The optimizer part comes from the optimizer that steps this rank's parameters: AdamW's state, or under ZeRO-1 the
+local optimizer of the parameters this rank owns -- after a load each rank asks for the states of the parameters it
+owns in the new layout, so ZeRO-1 states move to another dp x cp, and between ZeRO-1 and plain AdamW.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ..config import Config
+from ..parallel.topology import Axis, Topology
+from .reshard import parameter_shapes
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def stored_view(t: torch.Tensor, partition: Optional[tuple]) -> tuple[torch.Tensor, Optional[int]]:
+    """(``t`` as stored, the dim its tp pieces are cut along or None). ``partition = (dim, stride)``: a stride above 1
+    splits ``dim`` into ``(stride, size / stride)`` and the pieces are cut along the second."""
+    if partition is None:
+        return t, None
+    dim, stride = partition
+    if stride == 1:
+        return t, dim
+    shape = t.shape
+    return t.view(*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1:]), dim + 1
+
+
+def local_optimizer(opt):
+    """The optimizer whose ``state`` holds this rank's AdamW states (ZeRO-1's local one, or ``opt``)."""
+    return opt.optim if type(opt).__name__ == "ZeroRedundancyOptimizer" else opt
+
+
+class ShardedState:
+    """Builds the DCP state dicts of one model on one topology (see module doc)."""
+
+    def __init__(self, model, topo: Topology):
+        self.model, self.topo = model, topo
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self._mesh: Optional[DeviceMesh] = None
+
+    def _partition(self, p) -> Optional[tuple]:
+        return p.partition if getattr(p, "tensor_model_parallel", False) else None
+
+    def _mesh_for(self, device: torch.device) -> DeviceMesh:
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group(self.topo.group(Axis.TP), device.type)
+        return self._mesh
+
+    def stored(self, t: torch.Tensor, p) -> torch.Tensor:
+        """``t`` (parameter ``p``'s local data or a state of its shape) as DCP stores it; shares ``t``'s memory."""
+        view, dim = stored_view(t, self._partition(p))
+        if dim is None or self.topo.tp == 1:
+            return view
+        return DTensor.from_local(view, self._mesh_for(t.device), [Shard(dim)], run_check=False)
+
+    def model_state(self) -> dict:
+        return {f"model/{n}": self.stored(p.data, p) for n, p in self.model.named_parameters()}
+
+    def _owned(self, opt) -> list:
+        return [p for g in local_optimizer(opt).param_groups for p in g["params"]]
+
+    def optimizer_state(self, opt) -> dict:
+        """The AdamW states of the parameters this rank's optimizer steps (none before its first step)."""
+        out = {}
+        state = local_optimizer(opt).state
+        for p in self._owned(opt):
+            st = state.get(p)
+            if not st:
+                continue
+            name = self.names[id(p)]
+            for k in MOMENTS:
+                out[f"optim/{name}/{k}"] = self.stored(st[k], p)
+            out[f"optim/{name}/step"] = st["step"]
+        return out
+
+    def optimizer_targets(self, opt) -> tuple[dict, list]:
+        """Fresh AdamW states to load into: (the DCP state dict, ``[(param, state)]`` to install afterwards)."""
+        out, install = {}, []
+        for p in self._owned(opt):
+            name = self.names[id(p)]
+            st = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p.data),
+                  "exp_avg_sq": torch.zeros_like(p.data)}
+            for k in MOMENTS:
+                out[f"optim/{name}/{k}"] = self.stored(st[k], p)
+            out[f"optim/{name}/step"] = st["step"]
+            install.append((p, st))
+        return out, install
+
+    @staticmethod
+    def install(opt, install: list) -> None:
+        state = local_optimizer(opt).state
+        for p, st in install:
+            state[p] = st
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def write(path: str, state: dict, collective: bool = True) -> None:
+    """DCP save of ``state`` into directory ``path`` (every rank calls it with its own pieces; ``collective``
+    False: this process alone, e.g. an import)."""
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=path, no_dist=not collective or _no_dist())
+
+
+def read(path: str, state: dict, collective: bool = True) -> None:
+    """DCP load into the tensors of ``state``, in place (views included: a parameter is loaded where it lives)."""
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not collective or _no_dist())
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every single-process save/load that it assumes a single process: that is what we asked."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def saved_keys(path: str) -> set:
+    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def full_model_state(path: str, cfg: Config) -> dict:
+    """The full (unsharded) model weights of a DCP checkpoint, read by this process alone (exports, tools)."""
+    out, target = {}, {}
+    for name, (shape, partition) in parameter_shapes(cfg).items():
+        out[name] = torch.empty(shape)
+        target[f"model/{name}"] = stored_view(out[name], partition)[0]
+    read(path, target, collective=False)
+    return out
+
+
+def write_full_model(path: str, cfg: Config, full: dict) -> None:
+    """A DCP checkpoint of full model weights ``{name: tensor}`` (an import), written by this process alone."""
+    shapes = parameter_shapes(cfg)
+    write(path, {f"model/{n}": stored_view(t.contiguous(), shapes[n][1])[0] for n, t in full.items()},
+          collective=False)
