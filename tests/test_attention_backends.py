@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lc.attention.backends import MathBackend, TorchCPUBackend
+from megatron_lc.attention.fused_cuda import TorchCUDABackend
 from megatron_lc.attention.merge import merge
 
 TOL = 1e-5
@@ -65,3 +66,110 @@ def test_merge_handles_rows_with_no_keys():
     o, l = merge(out, lse, torch.zeros_like(out), none)
     assert torch.isfinite(o).all() and torch.equal(l, lse)
     assert torch.allclose(o[..., 0, :], out[..., 0, :]) and (o[..., 1, :] == 0).all()
+
+
+# ---- PyTorch's fused CUDA kernels (fused_cuda.TorchCUDABackend), wrapping tested on CPU ---------------------------
+class StandInKernels:
+    """CPU stand-ins with the signatures and constraints of aten's CUDA kernels: equal q and kv heads, the
+    memory-efficient kernel's lse padded to a multiple of 32 (NaN in the padding, which must never be read) and its
+    additive bias of q's dtype; computed by ``MathBackend``."""
+
+    math = MathBackend()
+
+    @staticmethod
+    def _heads(q, k):
+        assert q.shape[1] == k.shape[1], "the fused kernels take no GQA"
+
+    def _scaled_dot_product_flash_attention(self, q, k, v, dropout_p, is_causal, return_debug_mask, scale=None):
+        self._heads(q, k)
+        out, lse = self.math.forward(q, k, v, is_causal, scale)
+        return out, lse, None, None, q.shape[2], k.shape[2], None, None, None
+
+    def _scaled_dot_product_flash_attention_backward(self, dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k,
+                                                     dropout_p, is_causal, seed, offset, scale=None):
+        self._heads(q, k)
+        assert lse.shape == q.shape[:3] and max_q == q.shape[2] and max_k == k.shape[2]
+        return self.math.backward(dout, q, k, v, out, lse, is_causal, scale)
+
+    def _scaled_dot_product_efficient_attention(self, q, k, v, bias, compute_lse, dropout_p, is_causal, scale=None):
+        self._heads(q, k)
+        assert compute_lse and (bias is None or (bias.dtype == q.dtype and bias.shape[1] == q.shape[1]))
+        visible = None if bias is None else (bias[:, :1] == 0)
+        out, lse = self.math.forward(q, k, v, is_causal, scale, visible=visible)
+        sq = q.shape[2]
+        padded = torch.full((*lse.shape[:2], (sq + 31) // 32 * 32), float("nan"))
+        padded[..., :sq] = lse
+        return out, padded, None, None
+
+    def _scaled_dot_product_efficient_attention_backward(self, dout, q, k, v, bias, out, lse, seed, offset,
+                                                         dropout_p, grad_input_mask, is_causal=False, scale=None):
+        self._heads(q, k)
+        sq = q.shape[2]
+        assert lse.shape[-1] == (sq + 31) // 32 * 32
+        visible = None if bias is None else (bias[:, :1] == 0)
+        dq, dk, dv = self.math.backward(dout, q, k, v, out, lse[..., :sq], is_causal, scale, visible=visible)
+        return dq, dk, dv, None
+
+
+class FlashPathOnCPU(TorchCUDABackend):
+    """The bf16/fp16 branch (aten's flash kernel) exercised in fp32."""
+
+    @staticmethod
+    def _uses_flash(q, visible):
+        return visible is None
+
+
+CUDA_WRAPPERS = [TorchCUDABackend(ops=StandInKernels()), FlashPathOnCPU(ops=StandInKernels())]
+
+
+@pytest.mark.parametrize("backend", CUDA_WRAPPERS, ids=["efficient", "flash"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
+def test_fused_cuda_wrapping_matches_sdpa(backend, causal, heads):
+    """GQA repeated for the kernels and summed back, the padded lse sliced and padded again."""
+    test_backend_matches_sdpa(backend, causal, heads)
+
+
+@pytest.mark.parametrize("backend", CUDA_WRAPPERS, ids=["efficient", "flash"])
+def test_fused_cuda_wrapping_merges_blocks(backend):
+    test_two_key_blocks_merged_by_lse_equal_one_call(backend)
+
+
+@pytest.mark.parametrize("backend", [TorchCPUBackend(), CUDA_WRAPPERS[0]], ids=["torch-cpu", "torch-cuda-efficient"])
+def test_document_mask_matches_math_with_blind_rows(backend):
+    """A block where queries 0-3 see no key (other documents): out 0, lse -inf, no gradient from the block."""
+    q, k, v = qkv(4, 2, s=8)
+    docs_q = torch.tensor([[0, 0, 0, 0, 1, 1, 2, 2]] * 2)
+    docs_k = torch.tensor([[1, 1, 1, 2, 2, 2, 3, 3]] * 2)
+    vis = (docs_q.unsqueeze(-1) == docs_k.unsqueeze(-2)).unsqueeze(1)
+    out, lse = backend.forward(q, k, v, False, visible=vis)
+    ref_out, ref_lse = MathBackend().forward(q, k, v, False, visible=vis)
+    assert torch.isinf(lse[:, :, :4]).all() and (lse[:, :, :4] < 0).all() and not out[:, :, :4].any()
+    assert (out - ref_out).abs().max() <= TOL and (lse[:, :, 4:] - ref_lse[:, :, 4:]).abs().max() <= TOL
+    dout = torch.randn_like(q)
+    got = backend.backward(dout, q, k, v, out, lse, False, visible=vis)
+    want = MathBackend().backward(dout, q, k, v, ref_out, ref_lse, False, visible=vis)
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all() and (g - w).abs().max() <= TOL
+
+
+def test_backend_choice_per_device(monkeypatch):
+    """auto on CUDA without flash-attn: PyTorch's fused kernels; torch: the device's fused kernel; math only when
+    named (device mocked: nothing touches CUDA)."""
+    import megatron_lc.attention.backends as b
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert isinstance(b.get_backend("auto", cuda), TorchCUDABackend)  # flash-attn is not installed here
+    assert isinstance(b.get_backend("torch", cuda), TorchCUDABackend)
+    assert isinstance(b.get_backend("torch", cpu), TorchCPUBackend) and isinstance(b.get_backend("auto", cpu),
+                                                                                    TorchCPUBackend)
+    assert isinstance(b.get_backend("math", cuda), MathBackend)
+
+    class FakeFlash(b.FlashAttnBackend):
+        def __init__(self, masked=None):
+            self.masked = masked
+
+    monkeypatch.setattr(b, "FlashAttnBackend", FakeFlash)
+    auto = b.get_backend("auto", cuda)
+    assert isinstance(auto, FakeFlash) and isinstance(auto.masked, TorchCUDABackend)  # masks go to torch's kernels
+    assert b.get_backend("flash", cuda).masked is None

@@ -11,8 +11,10 @@ query may see the key; ``masks.py``) is combined with ``causal``; a query row th
 0 and lse -inf (the merge then ignores it), and its gradients from the block are 0.
 
 Backends:
-  * ``torch``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (CPU; what the tests run).
-  * ``math``: plain matmul/softmax on any device (reference, and fallback on GPU without flash-attn).
+  * ``torch``: PyTorch's own fused kernels -- on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
+    backward (what the tests run); on CUDA ``fused_cuda.TorchCUDABackend`` (flash for bf16/fp16, memory-efficient
+    for fp32 and masks; never executed here). ``auto`` on CUDA without flash-attn.
+  * ``math``: plain matmul/softmax on any device (the reference; O(s^2) memory: only when named).
   * ``flash``: flash-attn 2's ``_flash_attn_forward/_flash_attn_backward`` (GPU; never executed here).
   * ``te``: TransformerEngine's ``fused_attn_fwd/fused_attn_bwd`` (GPU; never executed here).
 """
@@ -24,14 +26,8 @@ from typing import Optional
 import torch
 
 from ..config import ConfigError
-
-
-def with_causal(visible: torch.Tensor, causal: bool) -> torch.Tensor:
-    """``visible [b, 1, sq, sk]`` and, for a diagonal block, the causal triangle."""
-    if not causal:
-        return visible
-    sq, sk = visible.shape[-2:]
-    return visible & torch.ones(sq, sk, dtype=torch.bool, device=visible.device).tril()
+from .fused_cuda import TorchCUDABackend
+from .masks import with_causal
 
 
 def _blind_rows(out: torch.Tensor, lse: torch.Tensor, visible: torch.Tensor):
@@ -140,13 +136,16 @@ class FlashAttnBackend:
 
     name = "flash"
 
-    def __init__(self):
+    def __init__(self, masked=None):
         # optional GPU library, imported only when this backend is chosen (ImportError: ``Kernels`` refuses it)
         from flash_attn import flash_attn_interface as fa
 
         self.fa = fa
+        self.masked = masked  # ``auto``: the kernel for blocks with a document mask (flash-attn's dense API has none)
 
     def forward(self, q, k, v, causal: bool, scale: Optional[float] = None, visible=None):
+        if visible is not None and self.masked is not None:
+            return self.masked.forward(q, k, v, causal, scale, visible)
         _no_mask(self, visible)
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # flash-attn wants [b, s, n, d]
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -157,6 +156,8 @@ class FlashAttnBackend:
         return out.transpose(1, 2), lse.float()
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None, visible=None):
+        if visible is not None and self.masked is not None:
+            return self.masked.backward(dout, q, k, v, out, lse, causal, scale, visible)
         _no_mask(self, visible)
         qt, kt, vt, ot, dot = (t.transpose(1, 2).contiguous() for t in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
@@ -232,17 +233,19 @@ class Kernels:
 
 
 def get_backend(name: str = "auto", device: Optional[torch.device] = None):
-    """``auto``: flash on CUDA when installed, else math on CUDA; torch on CPU."""
+    """``auto``: flash-attn on CUDA when installed (PyTorch's kernels for blocks with a document mask), else
+    PyTorch's fused kernels; on CPU, PyTorch's CPU flash kernel. ``torch``: PyTorch's fused kernel of the device.
+    ``math`` only when named."""
     dev = device.type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     if name == "auto":
         if dev == "cuda":
             try:
-                return FlashAttnBackend()
+                return FlashAttnBackend(masked=TorchCUDABackend())
             except ImportError:
-                return MathBackend()
+                return TorchCUDABackend()
         return TorchCPUBackend()
     if name == "torch":
-        return TorchCPUBackend()
+        return TorchCUDABackend() if dev == "cuda" else TorchCPUBackend()
     if name == "math":
         return MathBackend()
     if name == "flash":

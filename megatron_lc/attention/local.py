@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backends import Kernels, with_causal
+from .backends import Kernels
 from .core import CoreAttention, to_bnsd, to_sbnd
-from .masks import visible
+from .masks import visible, with_causal
 
 
 class LocalCausalAttention(CoreAttention):

@@ -22,6 +22,14 @@ def visible(doc_q: torch.Tensor, doc_k: torch.Tensor) -> torch.Tensor:
     return (doc_q.unsqueeze(-1) == doc_k.unsqueeze(-2)).unsqueeze(1)
 
 
+def with_causal(visible: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``visible [b, 1, sq, sk]`` and, for a diagonal block, the causal triangle."""
+    if not causal:
+        return visible
+    sq, sk = visible.shape[-2:]
+    return visible & torch.ones(sq, sk, dtype=torch.bool, device=visible.device).tril()
+
+
 def select(documents: Optional[torch.Tensor], index: torch.Tensor) -> Optional[torch.Tensor]:
     """The document ids of global token positions ``index`` (None passes through: no document masks)."""
     if documents is None:

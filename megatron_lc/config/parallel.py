@@ -20,7 +20,7 @@ class ParallelConfig:
     ulysses_size: Optional[int] = None  # a2a sub-axis of cp for a2a+p2p; default: cp for a2a/fpdt, 1 for p2p
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False  # ZeRO-1: optimizer states sharded over the dp x cp group
-    attention_backend: Literal["auto", "torch", "flash", "te"] = "auto"
+    attention_backend: Literal["auto", "torch", "math", "flash", "te"] = "auto"  # attention/backends.py
     distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
     distributed_timeout_minutes: float = 10.0
 
