@@ -4,7 +4,7 @@ wrote it; still loaded), side by side in one run.
 
     python bench/checkpoint_formats.py [--world 1 2] [--repeats 5] [--set model.hidden_size=1024 ...]  # JSON
 
-The model is configs/tiny_cpu.yaml's (4 layers, hidden 256, vocab 8000: 6.4M parameters, fp32) after one AdamW
+The model is configs/tiny_cpu.yaml's (4 layers, hidden 256, vocab 8000: 7.5M parameters, fp32) after one AdamW
 step on mock data, so the checkpoint holds weights and both moments (~77 MB). World 2 is tp=2 (every rank holds half
 of each tp-sharded tensor). Each repeat saves both formats into fresh directories and loads each back into the
 same model; times are ``checkpoint.save_checkpoint`` / ``load_checkpoint`` wall time on rank 0 including the

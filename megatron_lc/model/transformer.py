@@ -89,12 +89,18 @@ class GPTModel(nn.Module):
         """``document_ids``: the *full-sequence* ``[b, s]`` document index of every token
         (``data.reset_attention_mask``; not sharded: each core attention picks the ids of the tokens it holds);
         None: one causal sequence."""
+        h = self.final_hidden_states(tokens, position_ids, document_ids)
+        out = self.head(h, labels.t().contiguous() if labels is not None else None)
+        return out.transpose(0, 1)
+
+    def final_hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor,
+                            document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """What the head reads: ``[s_local, b, h]`` (``[s_local/tp, b, h]`` under sequence parallel) for
+        ``tokens [b, s_local]`` -- embedding, the layers (their executors), the final norm."""
         self.arena.begin_iteration()
         tokens_sb, pos_sb = tokens.t().contiguous(), position_ids.t().contiguous()
         rope = self.rotary(pos_sb) if self.rotary is not None else None
         h = self.embed(tokens_sb, pos_sb)
         for layer in self.layers:
             h = layer(h, rope, document_ids)
-        h = self.final_layernorm(h)
-        out = self.head(h, labels.t().contiguous() if labels is not None else None)
-        return out.transpose(0, 1)
+        return self.final_layernorm(h)

@@ -156,7 +156,8 @@ class RowParallelLinear(nn.Module):
         self.topo, self.sequence_parallel = topo, sequence_parallel
         self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // topo.tp)), 1, 1,
                             ("normal", init_std))
-        self.bias = _replicated(nn.Parameter(torch.empty(out_features)), ("zeros",), sequence_parallel) if bias else None
+        self.bias = (_replicated(nn.Parameter(torch.empty(out_features)), ("zeros",), sequence_parallel)
+                     if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)

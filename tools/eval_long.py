@@ -1,0 +1,250 @@
+"""Long-context evaluation of a checkpoint: loss by position bucket on held-out samples and passkey retrieval accuracy
+by length x depth, under the config's parallel layout (tp, ring / Ulysses / hybrid / FPDT cp, dp).
+
+    python tools/eval_long.py --config configs/tiny_cpu.yaml --load runs/tiny_cpu --out eval.json --png eval.png
+    torchrun --nproc-per-node 8 tools/eval_long.py --config configs/llama3_8b_extend/stage3_1m.yaml \\
+        --load runs/llama3_8b_extend/stage3_1m --out eval_1m.json --lengths 65536 262144 1048576 --depths 0 0.5 1
+
+* Held-out samples (``--documents N``, sequences of ``data.seq_length`` tokens): the last N samples of the first
+  epoch of the config's data (``seen_in_training`` says whether the checkpoint has consumed them), or the first N of
+  a separate ``--data-path`` prefix (.bin/.idx, tokenized like the training data). Their per-token losses are
+  averaged by position bucket (``--bucket-edges``, default 0, 1K, 4K, 16K, ... cut at the sequence length).
+* Passkey (``--lengths``, ``--depths``, ``--trials`` keys of ``--key-digits`` digits per cell): a filler prompt with
+  the key at the depth, then the question; a key counts when the model's argmax at every answer token is the key's
+  token. Prompts are continued with filler to ``data.seq_length`` (the shape of the layout); lengths above it are
+  refused. Token ids without a tokenizer, English text with the config's SentencePiece model.
+* Writes the JSON (also printed) and, with ``--png``, a figure (needs matplotlib, the ``plot`` extra).
+
+The weights are loaded at any layout (``load_checkpoint`` with no optimizer); nothing is saved (``checkpoint.save``
+is ignored). Exit status: 0 done, 2 a config, data or checkpoint error (one line).
+Library: ``megatron_lc/training/evaluate.py``; fields of the JSON: ``docs/context_extension.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from megatron_lc.config import Config, ConfigError, Layout, load_config  # noqa: E402
+from megatron_lc.data import DataError, build_dataset  # noqa: E402
+from megatron_lc.data.tokenizer import SentencePieceTokenizer  # noqa: E402
+from megatron_lc.parallel.topology import Topology  # noqa: E402
+from megatron_lc.training.checkpoint import load_checkpoint  # noqa: E402
+from megatron_lc.training.evaluate import (PasskeyPrompt, bucket_edges, check_passkey,  # noqa: E402
+                                           default_bucket_edges, evaluate_passkey, evaluate_positions,
+                                           held_out_sample_ids)
+from megatron_lc.training.runtime import env_world, init_distributed, setup_logging, shutdown  # noqa: E402
+from megatron_lc.training.setup import build_and_calibrate, training_autocast  # noqa: E402
+
+log = logging.getLogger("megatron_lc")
+DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="the model's training config (YAML)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (repeatable), e.g. a layout: --set parallel.context_parallel_size=8")
+    p.add_argument("--load", default=None, help="checkpoint directory (a save dir: its newest checkpoint; or one "
+                   "iter_N); default: the config's checkpoint.load")
+    p.add_argument("--out", required=True, help="results JSON")
+    p.add_argument("--png", default=None, help="figure: loss by position bucket, passkey accuracy grid")
+    p.add_argument("--documents", type=int, default=8, help="held-out samples for the position loss (0: none)")
+    p.add_argument("--data-path", default=None, help="held-out .bin/.idx prefix (default: the end of the config's "
+                   "data)")
+    p.add_argument("--bucket-edges", type=int, nargs="+", default=None, metavar="N",
+                   help="position bucket edges from 0 (default 0 1024 4096 ... cut at data.seq_length)")
+    p.add_argument("--lengths", type=int, nargs="*", default=None, metavar="L",
+                   help="passkey prompt lengths (default: 1024 4096 16384 ... data.seq_length; none: no passkey)")
+    p.add_argument("--depths", type=float, nargs="+", default=DEPTHS, metavar="D",
+                   help="passkey depths, fractions of the filler before the key")
+    p.add_argument("--trials", type=int, default=1, help="keys per (length, depth)")
+    p.add_argument("--key-digits", type=int, default=5)
+    p.add_argument("--seed", type=int, default=None, help="of the keys (default: train.seed)")
+    return p.parse_args(argv)
+
+
+def eval_overrides(args: argparse.Namespace) -> list[str]:
+    """The user's overrides, then what evaluation needs: the checkpoint to load, no saving, the weights' own
+    iteration (``finetune`` would report 0), no global batch (any dp divides it), and the held-out file."""
+    out = list(args.overrides)
+    if args.load is not None:
+        out.append(f"checkpoint.load={args.load}")
+    out += ["checkpoint.save=", "checkpoint.finetune=false", "train.global_batch_size="]
+    if args.data_path is not None:
+        out += [f"data.data_path={args.data_path}", "data.mock_data=false", "data.prepare_demo_data=false"]
+    return out
+
+
+def passkey_prompt(cfg: Config) -> PasskeyPrompt:
+    """English text with the config's SentencePiece model (or the demo's), token ids without one."""
+    d = cfg.data
+    tokenizer_model = d.files(cfg.model.vocab_size)[1]
+    if d.mock_data or d.tokenizer_type != "SentencePieceTokenizer" or tokenizer_model is None:
+        return PasskeyPrompt.token_ids(cfg.model.vocab_size)
+    return PasskeyPrompt.from_tokenizer(SentencePieceTokenizer(tokenizer_model), tokenizer_model)
+
+
+def layout_summary(layout: Layout) -> dict:
+    return {"world_size": layout.world_size, "dp": layout.dp, "tp": layout.tp, "cp": layout.cp,
+            "cp_comm_type": layout.cp_comm_type, "ulysses": layout.ulysses,
+            "sequence_parallel": layout.sequence_parallel}
+
+
+def check_args(args: argparse.Namespace, cfg: Config) -> None:
+    if cfg.checkpoint.load is None:
+        raise ConfigError("no checkpoint to evaluate: pass --load CKPT_DIR (or set checkpoint.load)")
+    if args.documents < 0 or args.trials < 1 or args.key_digits < 1:
+        raise ConfigError(f"--documents ({args.documents}) must be >= 0, --trials ({args.trials}) and --key-digits "
+                          f"({args.key_digits}) >= 1")
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--png needs matplotlib, which is not installed (pip install 'megatron_lc[plot]')")
+
+
+def evaluate(cfg: Config, args: argparse.Namespace) -> dict:
+    """Every rank runs this; returns the results (the same on every rank)."""
+    layout, topo, device = init_distributed(cfg)
+    try:
+        return _evaluate(cfg, args, layout, topo, device)
+    finally:
+        shutdown()
+
+
+def _evaluate(cfg: Config, args: argparse.Namespace, layout: Layout, topo: Topology, device: torch.device) -> dict:
+    s = cfg.data.seq_length
+    edges = bucket_edges(s, args.bucket_edges)
+    lengths = default_bucket_edges(s)[1:] if args.lengths is None else args.lengths  # 1K, 4K, ... seq_length
+    seed = cfg.train.seed if args.seed is None else args.seed
+    # everything that can be wrong with the input, before the (possibly long) model build
+    dataset = build_dataset(cfg) if args.documents else None
+    prompt = passkey_prompt(cfg) if lengths else None
+    if prompt is not None:
+        check_passkey(prompt, lengths, args.depths, args.trials, args.key_digits, seed, s)
+    torch.manual_seed(cfg.train.seed)
+    model, _ = build_and_calibrate(cfg, layout, topo, device)
+    meta = load_checkpoint(cfg, topo, model, None)  # the weights only, resharded to this layout's tp
+    model.eval()
+    log.info("evaluating %s (iteration %d) at tp=%d cp=%d (%s) dp=%d, %d tokens per sample", meta["path"],
+             meta["iteration"], layout.tp, layout.cp, layout.cp_comm_type, layout.dp, s)
+    out = {"checkpoint": meta["path"], "iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
+           "config": args.config, "overrides": args.overrides, "layout": layout_summary(layout), "seq_length": s}
+    seconds = {}
+    with training_autocast(cfg, device):
+        if dataset is not None:
+            t0 = time.perf_counter()
+            ids = held_out_sample_ids(dataset, args.documents, args.data_path is not None)
+            loss = evaluate_positions(model, dataset, ids, cfg.data, layout, topo, device, edges)
+            source = (args.data_path if args.data_path is not None else "mock data" if cfg.data.mock_data else
+                      f"the end of the first epoch of {cfg.data.files(cfg.model.vocab_size)[0]}")
+            out["position_loss"] = {"source": source, "samples": len(ids), "sample_ids": ids,
+                                    "seen_in_training": args.data_path is None and bool(ids)
+                                    and meta["consumed_samples"] > min(ids), **loss.summary()}
+            seconds["position_loss"] = time.perf_counter() - t0
+            if out["position_loss"]["seen_in_training"]:
+                log.warning("the checkpoint has consumed %d samples: the held-out samples from %d on were seen in "
+                            "training (evaluate on a separate file with --data-path)", meta["consumed_samples"],
+                            min(ids))
+        if prompt is not None:
+            t0 = time.perf_counter()
+            pk = evaluate_passkey(model, prompt, lengths, args.depths, args.trials, args.key_digits, seed, s,
+                                  cfg.model.vocab_size, layout, topo, device)
+            out["passkey"] = {"prompt": prompt.source, "key_digits": args.key_digits, "trials": args.trials,
+                              "seed": seed, "lengths": lengths, "depths": args.depths, **pk}
+            seconds["passkey"] = time.perf_counter() - t0
+    return {**out, "seconds": seconds}
+
+
+def tokens_label(n: int) -> str:
+    """Short token count: 4096 -> ``'4K'``, 1048576 -> ``'1M'``, 1000 -> ``'1000'``."""
+    for unit, size in (("M", 2**20), ("K", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def plot(results: dict, path: str) -> None:
+    """Loss by position bucket (left) and the passkey accuracy grid, length x depth (right)."""
+    # matplotlib is an optional dependency (the plot extra): imported only when a figure is asked for
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    pl = results.get("position_loss")
+    if pl:
+        buckets = [b for b in pl["buckets"] if b["mean_loss"] is not None]
+        names = [f"{tokens_label(b['start'])}-{tokens_label(b['end'])}" for b in buckets]
+        left.bar(names, [b["mean_loss"] for b in buckets])
+        left.set_xlabel("position in the sequence (tokens)")
+        left.set_ylabel("mean loss")
+        left.set_title(f"loss by position, {pl['samples']} held-out samples")
+    else:
+        left.set_axis_off()
+    pk = results.get("passkey")
+    if pk:
+        acc = pk["accuracy"]
+        im = right.imshow(acc, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+        right.set_xticks(range(len(pk["depths"])), [f"{d:g}" for d in pk["depths"]])
+        right.set_yticks(range(len(pk["lengths"])), [tokens_label(n) for n in pk["lengths"]])
+        for i, row in enumerate(acc):
+            for j, a in enumerate(row):
+                right.text(j, i, f"{a:.2f}", ha="center", va="center", fontsize=8)
+        right.set_xlabel("depth of the key")
+        right.set_ylabel("prompt length (tokens)")
+        right.set_title(f"passkey accuracy, {pk['trials']} key(s) per cell")
+        fig.colorbar(im, ax=right)
+    else:
+        right.set_axis_off()
+    fig.suptitle(f"{results['checkpoint']} (iteration {results['iteration']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(results: dict, out: str, png: str | None) -> None:
+    for path in (out, png):
+        if path and os.path.dirname(os.path.abspath(path)):
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+    if png:
+        plot(results, png)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank = env_world()[0]
+    setup_logging(rank)
+    try:
+        cfg = load_config(args.config, eval_overrides(args))
+        check_args(args, cfg)
+        results = evaluate(cfg, args)
+    except (ConfigError, DataError) as e:
+        if rank != 0:  # every rank fails the same way: rank 0 speaks for all (as pretrain_gpt.py)
+            time.sleep(2.0)
+        print(f"{'' if rank == 0 else f'[rank {rank}] '}error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if rank == 0:
+        try:
+            write(results, args.out, args.png)
+        except OSError as e:
+            print(f"error: cannot write the results: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(results, indent=1))
+        log.info("wrote %s%s", args.out, f" and {args.png}" if args.png else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
