@@ -21,7 +21,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False  # ZeRO-1: optimizer states sharded over the dp x cp group
     attention_backend: Literal["auto", "torch", "math", "flash", "te"] = "auto"  # attention/backends.py
-    distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # auto: gloo on CPU; on CUDA "cpu:gloo,cuda:nccl" -- NCCL for device tensors, gloo for the few CPU scalars
+    # (step flags, token counts); plain "nccl" refuses every CPU tensor
+    distributed_backend: Literal["auto", "gloo", "nccl", "cpu:gloo,cuda:nccl"] = "auto"
     distributed_timeout_minutes: float = 10.0
 
     def __post_init__(self) -> None:

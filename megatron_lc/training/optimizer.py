@@ -79,19 +79,14 @@ def sync_gradients(model: nn.Module, topo: Topology) -> None:
 def clip_grad_norm(model: nn.Module, max_norm: float, topo: Topology) -> float:
     """Global L2 norm over the full (unsharded) model; tp-sharded grads are summed over tp, replicated ones counted
     once. Scales grads in place when ``max_norm > 0``; returns the norm before clipping (may be inf/nan)."""
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum().cpu()
-        if getattr(p, "tensor_model_parallel", False):
-            sharded += sq
-        else:
-            replicated += sq
+    grads = [p for p in model.parameters() if p.grad is not None]
+    device = grads[0].grad.device if grads else torch.device("cpu")
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [tp-sharded, replicated], on the grads' device
+    for p in grads:
+        sums[0 if getattr(p, "tensor_model_parallel", False) else 1] += p.grad.detach().double().pow(2).sum()
     with topo.comm.tag("grad_norm"):
-        all_reduce(sharded, topo, Axis.TP)
-    norm = math.sqrt(float(sharded + replicated))
+        all_reduce(sums[:1], topo, Axis.TP)  # a view: reduced in place
+    norm = math.sqrt(float(sums.sum()))  # one device-to-host copy per step
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for p in model.parameters():

@@ -35,6 +35,16 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def process_group_backend(cfg: Config, device: torch.device) -> str:
+    """``parallel.distributed_backend``, ``auto`` resolved: gloo for a CPU run; for a CUDA run NCCL for device
+    tensors and gloo for CPU ones (``cpu:gloo,cuda:nccl``; the groups of ``Topology.build`` inherit both), so the
+    step's CPU flags and counts never reach NCCL."""
+    backend = cfg.parallel.distributed_backend
+    if backend == "auto":
+        return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    return backend
+
+
 def init_distributed(cfg: Config) -> tuple[Layout, Topology, torch.device]:
     """Resolve the layout for this world size, start the process group and build the topology."""
     rank, world, local_rank = env_world()
@@ -42,10 +52,7 @@ def init_distributed(cfg: Config) -> tuple[Layout, Topology, torch.device]:
     device = pick_device(cfg, local_rank)
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if world > 1 and not dist.is_initialized():
-        backend = cfg.parallel.distributed_backend
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(process_group_backend(cfg, device), timeout=timeout)
     topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, timeout=timeout)
     return layout, topo, device
 
