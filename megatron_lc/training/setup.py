@@ -95,7 +95,7 @@ def build_and_calibrate(cfg: Config, layout: Layout, topo: Topology, device: tor
     model, ctx = build_model(cfg, layout, topo, adjust_spec)  # 3. pure: host memory, no communication
     model.to(device)  # 4.
     if ctx.memo is not None:  # 5. bind Memo's runtime; with offload: profile layer 0, alpha, rounding buffers
-        calibrate_memo(model, ctx.memo, cfg.memory, layout, topo, device)
+        calibrate_memo(model, ctx.memo, cfg.memory, layout, topo, device, lambda: training_autocast(cfg, device))
     return model, ctx
 
 

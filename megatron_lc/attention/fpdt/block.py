@@ -35,7 +35,8 @@ class _FPDTBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, run: FPDTRun, out_shape, *params):
-        out = x.new_empty(out_shape)
+        dev = x.device.type  # the output in the compute dtype (bf16 under autocast), so dout is too
+        out = x.new_empty(out_shape, dtype=torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype)
         with run.topo.comm.tag(run.tag):
             fpdt_forward(run, x, out)
         ctx.run, ctx.x_shape, ctx.x_dtype = run, x.shape, x.dtype

@@ -17,6 +17,7 @@ region padded to ``slots.ALIGN``): a buffer never grows during training.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -162,15 +163,18 @@ def _gather(obj) -> list:
     return out
 
 
-def calibrate_memo(model, runtime: MemoRuntime, memory_cfg, layout, topo, device: torch.device) -> None:
+def calibrate_memo(model, runtime: MemoRuntime, memory_cfg, layout, topo, device: torch.device,
+                   autocast=contextlib.nullcontext) -> None:
     """Bind ``runtime`` to ``device``; with offload, profile layer 0, choose alpha (``memory.offload_fraction``:
     the LP, or the given value checked against host memory; the smallest over ranks), allocate the rounding buffers
-    and log it all. Every rank must call this. ``HostMemoryError`` when even alpha = 0 does not fit."""
+    and log it all. Every rank must call this. ``HostMemoryError`` when even alpha = 0 does not fit. ``autocast``:
+    a factory of the training step's autocast context -- the layer is profiled and measured as it will run (bf16
+    activations under GPU autocast: half the bytes and a fraction of the fp32 time)."""
     runtime.bind(device)
     if not runtime.offload:
         return
     fixed = None if memory_cfg.offload_fraction == "auto" else float(memory_cfg.offload_fraction)
-    with topo.comm.tag("memo.profile"):
+    with topo.comm.tag("memo.profile"), autocast():
         prof = profile_layer(model, layout, device, memory_cfg.host_memory_gb, timing=fixed is None)
     inp = AlphaInputs(s_input=prof.s_input, s_attn=prof.s_attn, s_others=prof.s_others,
                       bandwidth=prof.bw_d2h if fixed is None else math.inf,
@@ -188,7 +192,7 @@ def calibrate_memo(model, runtime: MemoRuntime, memory_cfg, layout, topo, device
     runtime.alpha = min(a for a, _ in gathered)
     runtime.profile, runtime.alpha_result = prof, result
     x, rope = synthetic_input(model, layout, device)
-    with topo.comm.tag("memo.profile"):
+    with topo.comm.tag("memo.profile"), autocast():
         need = measure_layer(model.layers[0], x, rope, runtime.alpha).placed_bytes()
     runtime.allocate(need)
     log.info("memo offload: %s", json.dumps({

@@ -81,9 +81,9 @@ class _MiniSequenceLinearCE(torch.autograd.Function):
                         _accumulate_mm(dw, grad.t(), xc_[i0:i1])
                     del grad
                 del z
-        ctx.save_for_backward(x, weight, labels, lse)
+        ctx.save_for_backward(xc_, weight, labels, lse)  # the input in the compute dtype (bf16 under autocast)
         ctx.u, ctx.dw = u, dw
-        ctx.dtype, ctx.chunk, ctx.start, ctx.ignore_index = dtype, chunk, start, ignore_index
+        ctx.dtype, ctx.chunk, ctx.start, ctx.ignore_index, ctx.x_dtype = dtype, chunk, start, ignore_index, x.dtype
         return loss
 
     @staticmethod
@@ -97,7 +97,7 @@ class _MiniSequenceLinearCE(torch.autograd.Function):
         dx = dw = None
         u, d, ctx.u, ctx.dw = ctx.u, ctx.dw, None, None  # consumed in place; a second backward recomputes
         if u is not None and ctx.needs_input_grad[0]:
-            dx = u.mul_(g.to(u.dtype).unsqueeze(-1)).to(x.dtype)  # exact for any g
+            dx = u.mul_(g.to(u.dtype).unsqueeze(-1)).to(ctx.x_dtype)  # exact for any g
         if d is not None and ctx.needs_input_grad[1] and uniform:
             dw = d.mul_(gv[0].to(d.dtype)) if gv.numel() else d
         del u, d
@@ -113,7 +113,7 @@ class _MiniSequenceLinearCE(torch.autograd.Function):
 def _recompute_backward(ctx, x, weight, labels, lse, scale, need_x: bool, need_w: bool):
     """Algorithm 4: per chunk, recompute logits, turn them into ``g * (softmax - onehot)``, then dx and dW."""
     dtype, per = ctx.dtype, weight.shape[0]
-    dx = torch.empty_like(x) if need_x else None
+    dx = torch.empty(x.shape, dtype=ctx.x_dtype, device=x.device) if need_x else None
     dw = torch.zeros_like(weight) if need_w else None
     with torch.autocast(x.device.type, enabled=False):
         xc_, wc = _cast(x, dtype), _cast(weight, dtype)

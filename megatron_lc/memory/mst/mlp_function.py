@@ -13,8 +13,9 @@ Communication stays outside: the tp/SP input mapping (all-gather or copy) and ou
 all-reduce) are applied by the modules in ``modules.py`` on whole tensors, so these functions return *partial* input
 gradients under tp, exactly like ``F.linear`` in the unchunked column/row linears.
 
-Mixed precision: under autocast the matmuls run in the autocast dtype, weight gradients are accumulated in the
-weight's dtype (fp32 master weights). That branch is never executed here (CPU, fp32).
+Mixed precision: under autocast the matmuls run in the autocast dtype, the saved input is kept in it (what the
+unchunked linears keep), weight gradients are accumulated in the weight's dtype (fp32 master weights); tested with
+CPU bf16 autocast, never run on a GPU.
 """
 from __future__ import annotations
 
@@ -84,10 +85,11 @@ class _MiniSequenceMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, swiglu: bool, chunk: int):
         dtype = _compute_dtype(x)
-        ctx.dtype, ctx.swiglu, ctx.chunk = dtype, swiglu, chunk
-        ctx.save_for_backward(x, w1, b1, w2)
+        ctx.dtype, ctx.swiglu, ctx.chunk, ctx.x_dtype = dtype, swiglu, chunk, x.dtype
         with torch.autocast(x.device.type, enabled=False):
             xc_, w1c, b1c, w2c = _cast(x, dtype), _cast(w1, dtype), _cast(b1, dtype), _cast(w2, dtype)
+            # the input in the compute dtype, as the unchunked linear keeps it (bf16 under autocast, not fp32)
+            ctx.save_for_backward(xc_, w1, b1, w2)
             out = torch.empty(x.shape[0], w2.shape[0], dtype=dtype, device=x.device)
             for i0, i1 in chunk_bounds(x.shape[0], chunk):
                 a = _activation(F.linear(xc_[i0:i1], w1c, b1c), swiglu)
@@ -97,10 +99,10 @@ class _MiniSequenceMLP(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        x, w1, b1, w2 = ctx.saved_tensors
+        x, w1, b1, w2 = ctx.saved_tensors  # x already in the compute dtype
         dtype, swiglu = ctx.dtype, ctx.swiglu
         need_x = ctx.needs_input_grad[0]
-        dx = torch.empty_like(x) if need_x else None
+        dx = torch.empty(x.shape, dtype=ctx.x_dtype, device=x.device) if need_x else None
         dw1 = torch.zeros_like(w1) if ctx.needs_input_grad[1] else None
         db1 = torch.zeros_like(b1) if b1 is not None and ctx.needs_input_grad[2] else None
         dw2 = torch.zeros_like(w2) if ctx.needs_input_grad[3] else None

@@ -1,0 +1,62 @@
+"""Under autocast a technique keeps what the plain path keeps -- checked with CPU bf16 autocast, whose dtype rules
+are CUDA autocast's: MsT saves its input in bf16 (as the unchunked linears do), FPDT's attention output (and so its
+gradient) is bf16, Memo calibrates under the training autocast (bf16 activations: smaller rounding buffers)."""
+import torch
+
+from megatron_lc.config import resolve_layout
+from megatron_lc.memory.memo.calibrate import calibrate_memo
+from megatron_lc.parallel.topology import Topology
+from megatron_lc.memory.mst.mlp_function import mini_sequence_mlp
+from tests.parity import batch_for, build, small_config
+
+
+def bf16():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def saved_dtypes(fn):
+    """dtypes of the float tensors autograd saves while ``fn`` runs, parameters left out."""
+    seen = []
+
+    def pack(t):
+        if t.is_floating_point() and not isinstance(t, torch.nn.Parameter):
+            seen.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, seen
+
+
+def test_mst_mlp_saves_its_input_in_the_compute_dtype():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=g, requires_grad=True)
+    w1 = torch.nn.Parameter(torch.randn(64, 16, generator=g))
+    w2 = torch.nn.Parameter(torch.randn(16, 32, generator=g))
+    with bf16():
+        out, seen = saved_dtypes(lambda: mini_sequence_mlp(x, w1, None, w2, True, 16))
+    assert out.dtype == torch.bfloat16
+    assert ((64, 16), torch.bfloat16) in seen and ((64, 16), torch.float32) not in seen, seen
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and w1.grad.dtype == torch.float32
+
+
+def test_fpdt_block_output_is_in_the_compute_dtype():
+    cfg = small_config(["parallel.cp_comm_type=fpdt", "memory.fpdt_chunk_size=8", "memory.fpdt_offload=false"])
+    model, _ = build(cfg)
+    att = model.layers[0].self_attention
+    seen = []
+    att.linear_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    b = batch_for(cfg)
+    with bf16():
+        loss = model(b["tokens"], b["position_ids"], b["labels"]).float().mean()
+    loss.backward()
+    assert seen and set(seen) == {torch.bfloat16}, seen
+
+
+def test_memo_calibrates_under_the_training_autocast():
+    cfg = small_config(["memory.activation_offload=memo", "memory.offload_fraction=0.25", "data.seq_length=64"])
+    model, ctx = build(cfg)  # calibrated without autocast (fp32 training)
+    fp32 = ctx.memo.buffers[0].capacity
+    calibrate_memo(model, ctx.memo, cfg.memory, resolve_layout(cfg, 1), Topology(), torch.device("cpu"), bf16)
+    assert ctx.memo.buffers[0].capacity < 0.8 * fp32, (ctx.memo.buffers[0].capacity, fp32)
