@@ -13,7 +13,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM = os.path.join(ROOT, "scripts", "slurm")
-SCRIPTS = [os.path.join(SLURM, f) for f in ("launch.sh", "multinode.sbatch", "pretrain_llama3_8b_1m.sbatch")]
+SCRIPTS = [os.path.join(SLURM, f) for f in ("launch.sh", "multinode.sbatch", "pretrain_llama3_8b_1m.sbatch")] + [
+    os.path.join(os.path.dirname(SLURM), "gpu_check.sh")]
 
 
 def _env(tmp_path, **extra):

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU check: on a machine with one CUDA GPU, runs tests/gpu (T1 kernels vs fp64 and against SDPA at 32K,
+# T2 the parity cases on the device, T3 copies and overlap) within 25 minutes and writes
+#   bench/results/gpu_<gpu>_<date>.json   every figure the tests recorded
+#   bench/results/gpu_<gpu>_<date>.md     a short summary
+#   bench/results/gpu_<gpu>_<date>.log    pytest's output
+# Uses the machine's own python3 and torch (never reinstalls torch): the package is installed with --no-deps;
+# carry wheels for what is missing (docs/gpu.md). Exit status: pytest's.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import megatron_lc" 2>/dev/null; then
+    "$PY" -m pip install --no-deps -q -e . || exit 1
+fi
+gpu=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_') if torch.cuda.is_available() else 'none')") || exit 1
+if [ "$gpu" = "none" ]; then
+    echo "error: no CUDA device visible to $PY (MEGATRON_LC_GPU_DRYRUN=1 $PY -m pytest tests/gpu runs the logic on CPU)" >&2
+    exit 2
+fi
+stem="bench/results/gpu_${gpu}_$(date +%F)"
+mkdir -p bench/results
+GPU_CHECK_OUT="$stem.json" timeout 1500 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee "$stem.log"
+status=${PIPESTATUS[0]}
+echo "wrote $stem.json, $stem.md, $stem.log (pytest exit $status)"
+exit "$status"
