@@ -4,10 +4,10 @@ behind one interface with a CPU twin. The memory code (FPDT offload, Memo roundi
 
     dev = DeviceAdapter.for_device(torch.device("cpu"))
     host = dev.host_empty((1024, 64), torch.float32)      # pinned on CUDA, plain on CPU
-    stream = dev.new_stream()
-    with dev.stream(stream):
+    offload, prefetch = dev.copy_streams()                # the device's two copy streams, shared
+    with dev.stream(offload):
         host.copy_(x, non_blocking=True)
-    ev = dev.record_event(stream)                          # later: dev.wait_event(ev) before reusing x
+    ev = dev.record_event(offload)                         # later: dev.wait_event(ev) before reusing x
 
 The CUDA side (``_CudaAdapter``) is a direct mapping to ``torch.cuda`` calls and was never executed here (no GPU).
 
@@ -30,11 +30,32 @@ class _CpuEvent:
         return True
 
 
+class _CpuStream:
+    """A CPU twin's stream: a name only (work is synchronous), so that which stream is which can be tested."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+_COPY_STREAMS: dict = {}  # device -> (offload stream, prefetch stream), shared by every technique on it
+
+
 class DeviceAdapter:
     """CPU twin: streams are no-ops (work is synchronous), events are always complete."""
 
     def __init__(self, device: torch.device):
         self.device = device
+
+    def copy_streams(self) -> tuple:
+        """The device's one offload (device -> host) and one prefetch (host -> device) stream, shared by FPDT and
+        Memo: each copy direction has one engine, and separate streams per technique alias in CUDA's pool."""
+        key = (self.device.type, self.device.index)
+        if key not in _COPY_STREAMS:
+            _COPY_STREAMS[key] = (self._copy_stream("offload"), self._copy_stream("prefetch"))
+        return _COPY_STREAMS[key]
+
+    def _copy_stream(self, name: str):
+        return _CpuStream(name)
 
     @staticmethod
     def for_device(device: torch.device) -> "DeviceAdapter":
@@ -76,6 +97,9 @@ class _CudaAdapter(DeviceAdapter):
 
     def new_stream(self):
         return torch.cuda.Stream(device=self.device)
+
+    def _copy_stream(self, name: str):
+        return self.new_stream()
 
     def stream(self, stream):
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

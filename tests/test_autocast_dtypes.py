@@ -60,3 +60,13 @@ def test_memo_calibrates_under_the_training_autocast():
     fp32 = ctx.memo.buffers[0].capacity
     calibrate_memo(model, ctx.memo, cfg.memory, resolve_layout(cfg, 1), Topology(), torch.device("cpu"), bf16)
     assert ctx.memo.buffers[0].capacity < 0.8 * fp32, (ctx.memo.buffers[0].capacity, fp32)
+
+
+def test_one_offload_and_one_prefetch_stream_per_device():
+    """FPDT and Memo copy on the device's two shared streams (CUDA's pool would alias per-technique streams)."""
+    cfg = small_config(["parallel.cp_comm_type=fpdt", "memory.fpdt_chunk_size=8", "memory.fpdt_offload=true",
+                        "memory.activation_offload=memo", "memory.offload_fraction=0.25"])
+    model, ctx = build(cfg)
+    bufs = ctx.fpdt.buffers(torch.device("cpu"))
+    assert (bufs.d2h, bufs.h2d) == (ctx.memo.offload_stream, ctx.memo.prefetch_stream)
+    assert bufs.d2h is not bufs.h2d and bufs.d2h.name == "offload" and bufs.h2d.name == "prefetch"

@@ -80,8 +80,7 @@ class FPDTBuffers:
     def __init__(self, device: torch.device, account: BufferAccount, host_account: BufferAccount, arena):
         self.device, self.account, self.host_account, self.arena = device, account, host_account, arena
         self.dev = DeviceAdapter.for_device(device)
-        self.d2h = self.dev.new_stream()
-        self.h2d = self.dev.new_stream()
+        self.d2h, self.h2d = self.dev.copy_streams()
 
     # ---- accounting ----------------------------------------------------------------------------------------
     def track(self, tag: str, *ts: Optional[torch.Tensor]) -> None:

@@ -97,8 +97,7 @@ class MemoRuntime:
         """The device the layers run on: its copy streams (done by the calibration, before the first forward)."""
         self.device = device
         self.dev = DeviceAdapter.for_device(device)
-        self.offload_stream = self.dev.new_stream()
-        self.prefetch_stream = self.dev.new_stream()
+        self.offload_stream, self.prefetch_stream = self.dev.copy_streams()
 
     # ---- setup ---------------------------------------------------------------------------------------------
     def swapped(self, layer: int) -> bool:
