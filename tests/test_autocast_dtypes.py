@@ -1,6 +1,8 @@
-"""Under autocast a technique keeps what the plain path keeps -- checked with CPU bf16 autocast, whose dtype rules
-are CUDA autocast's: MsT saves its input in bf16 (as the unchunked linears do), FPDT's attention output (and so its
-gradient) is bf16, Memo calibrates under the training autocast (bf16 activations: smaller rounding buffers)."""
+"""What the GPU path changes that the CPU can check. Under autocast a technique keeps what the plain path keeps --
+checked with CPU bf16 autocast, whose dtype rules are CUDA autocast's: MsT saves its input in bf16 (as the unchunked
+linears do), FPDT's attention output (and so its gradient) is bf16, Memo calibrates under the training autocast
+(bf16 activations: smaller rounding buffers), the plan's trace runs the forward under it and the backward outside.
+FPDT and Memo share the device's two copy streams; a CUDA trace leaves host storages out."""
 import torch
 
 from megatron_lc.config import resolve_layout
@@ -70,3 +72,24 @@ def test_one_offload_and_one_prefetch_stream_per_device():
     bufs = ctx.fpdt.buffers(torch.device("cpu"))
     assert (bufs.d2h, bufs.h2d) == (ctx.memo.offload_stream, ctx.memo.prefetch_stream)
     assert bufs.d2h is not bufs.h2d and bufs.d2h.name == "offload" and bufs.h2d.name == "prefetch"
+
+
+def test_plan_capture_counts_device_storages_and_runs_backward_outside_autocast():
+    """The memory plan's trace: a CUDA capture leaves host (pinned) storages out; the forward runs under the
+    training autocast and the backward outside it, as in the training step."""
+    from megatron_lc.planning.capture import DispatchTracer, capture_iteration
+
+    with DispatchTracer("cuda") as t:
+        torch.empty(1000)
+    assert t.events == []
+    with DispatchTracer() as t:
+        torch.empty(1000)
+    assert [e.op for e in t.events] == ["malloc", "free"]
+    cfg = small_config([])
+    model, ctx = build(cfg)
+    seen = []
+    layer = model.layers[0]
+    layer.register_forward_pre_hook(lambda m, a: seen.append(("fwd", torch.is_autocast_enabled("cpu"))))
+    layer.register_full_backward_hook(lambda m, gi, go: seen.append(("bwd", torch.is_autocast_enabled("cpu"))))
+    capture_iteration(model, batch_for(cfg), ctx.arena, autocast=bf16)
+    assert ("fwd", True) in seen and ("bwd", False) in seen and ("bwd", True) not in seen, seen

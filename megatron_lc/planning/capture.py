@@ -21,6 +21,7 @@ synthetic snapshot; ``record_cuda_iteration`` (the recording itself) was never e
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from typing import Optional
@@ -35,10 +36,13 @@ from .trace import Event, Trace
 
 class DispatchTracer(TorchDispatchMode):
     """Records storages created while active. ``mark`` is the current (layer, phase) or None; ``phase`` the
-    iteration's phase ("fwd" / "bwd") stamped on events outside layers."""
+    iteration's phase ("fwd" / "bwd") stamped on events outside layers. ``device_type``: record only storages of
+    that device (``"cuda"``: the pinned host buffers of the offload techniques are not device memory); None: all
+    (the CPU twin, where host and device memory are one)."""
 
-    def __init__(self):
+    def __init__(self, device_type: Optional[str] = None):
         super().__init__()
+        self.device_type = device_type
         self.events: list = []
         self.mark: Optional[tuple] = None
         self.phase: Optional[str] = "fwd"
@@ -79,6 +83,8 @@ class DispatchTracer(TorchDispatchMode):
                 inputs.add(a.data_ptr())
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+                continue
+            if self.device_type is not None and t.device.type != self.device_type:
                 continue
             st = t.untyped_storage()
             n = st.nbytes()
@@ -166,21 +172,25 @@ class RecordingArena(Arena):
         return t
 
 
-def capture_iteration(model: torch.nn.Module, batch: dict, arena=None, layers=None, meta=None) -> Trace:
+def capture_iteration(model: torch.nn.Module, batch: dict, arena=None, layers=None, meta=None,
+                      autocast=contextlib.nullcontext) -> Trace:
     """Trace one forward + backward of ``model`` (a GPTModel: ``model(tokens, position_ids, labels)`` -> per-token
-    loss) on ``batch``. Gradients are left in ``.grad`` (never freed in the trace); the caller clears them.
+    loss) on ``batch``; ``autocast``: a factory of the training step's autocast context, entered for the forward
+    only (as the loop does). Storages of the batch's device only. Gradients are left in ``.grad`` (never freed in
+    the trace); the caller clears them.
     ``arena``: the model context's ``ArenaHandle``; its framework buffers are served by a ``RecordingArena`` during
     the capture (tagged in the trace; the persistent ones listed in ``trace.meta["persistent"]``), then the
     previous arena is put back."""
     layers = layers if layers is not None else getattr(model, "layers", [])
-    tracer = DispatchTracer()
+    tracer = DispatchTracer(batch["tokens"].device.type)
     rec = RecordingArena(tracer)
     old = arena.install(rec) if arena is not None else None
     handles = _mark_layers(tracer, layers)
     try:
         with tracer:
-            loss = model(batch["tokens"], batch["position_ids"], batch["labels"], batch.get("document_ids"))
-            loss = (loss * batch["loss_mask"]).sum() / batch["loss_mask"].sum().clamp(min=1)
+            with autocast():  # the forward as the training step runs it; backward outside, as there
+                loss = model(batch["tokens"], batch["position_ids"], batch["labels"], batch.get("document_ids"))
+            loss = (loss.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum().clamp(min=1)
             tracer.phase = "bwd"
             tracer.set_mark(None)
             loss.backward()

@@ -66,8 +66,7 @@ def _profile(model, arena: ArenaHandle, batch: dict, autocast, rank: int, device
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
     t0 = time.perf_counter()
-    with autocast():
-        trace = capture_iteration(model, batch, arena, meta={"rank": rank})
+    trace = capture_iteration(model, batch, arena, meta={"rank": rank}, autocast=autocast)
     seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
     torch.set_rng_state(cpu_rng)
