@@ -93,3 +93,29 @@ def test_plan_capture_counts_device_storages_and_runs_backward_outside_autocast(
     layer.register_full_backward_hook(lambda m, gi, go: seen.append(("bwd", torch.is_autocast_enabled("cpu"))))
     capture_iteration(model, batch_for(cfg), ctx.arena, autocast=bf16)
     assert ("fwd", True) in seen and ("bwd", False) in seen and ("bwd", True) not in seen, seen
+
+
+def test_fpdt_keeps_autocast_weight_casts_on_the_device():
+    """Under autocast the QKV linear saves its bf16 weight cast; FPDT's offload keeps it (one per forward, shared by
+    the chunks), it does not copy it to the host per chunk."""
+    from megatron_lc.attention.fpdt.buffers import FPDTBuffers
+
+    cfg = small_config(["parallel.cp_comm_type=fpdt", "memory.fpdt_chunk_size=8", "memory.fpdt_offload=true"])
+    model, _ = build(cfg)
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    hosted = []
+    original = FPDTBuffers.to_host
+
+    def to_host(self, t, *a, **k):
+        hosted.append(tuple(t.shape))
+        return original(self, t, *a, **k)
+
+    FPDTBuffers.to_host = to_host
+    try:
+        b = batch_for(cfg)
+        with bf16():
+            loss = model(b["tokens"], b["position_ids"], b["labels"]).float().mean()
+        loss.backward()
+    finally:
+        FPDTBuffers.to_host = original
+    assert hosted and not shapes & set(hosted), sorted(shapes & set(hosted))

@@ -136,7 +136,7 @@ def fpdt_forward(run: FPDTRun, x: torch.Tensor, out: torch.Tensor) -> None:
     c_local = out.shape[0] // u
     input_ptr = x.untyped_storage().data_ptr()
     for i in range(u):
-        hooks = ProjSavedHooks(bufs, run.offload, run.keep_ptrs, input_ptr) if run.build_graph else None
+        hooks = ProjSavedHooks(bufs, run.offload, run.keep_ptrs, input_ptr, run.params) if run.build_graph else None
         q, k, v, proj = project_chunk(run.qkv_fn, x_chunks[i], run.rope_chunks[i], run.kv_repeat, run.build_graph,
                                       run.x_requires_grad, hooks)
         run.projections.append(proj)

@@ -47,16 +47,27 @@ class ProjSavedHooks:
     """``saved_tensors_hooks`` for one chunk's projection graph.
 
     ``keep_ptrs``: storages never moved or counted (parameters, rope tables). ``input_ptr``: the block input's
-    storage (counted by nobody: it exists anyway; offloaded like the rest when offloading)."""
+    storage (counted by nobody: it exists anyway; offloaded like the rest when offloading). ``params``: the
+    projection's parameters -- under autocast the linear saves the *cast* weight (a bf16 copy, one per forward,
+    shared by the chunks through autocast's cache; saved transposed by the matmul): it is kept like the parameter,
+    never copied per chunk."""
 
-    def __init__(self, bufs: FPDTBuffers, offload: bool, keep_ptrs: set, input_ptr: int):
+    def __init__(self, bufs: FPDTBuffers, offload: bool, keep_ptrs: set, input_ptr: int, params=()):
         self.bufs, self.offload, self.keep_ptrs, self.input_ptr = bufs, offload, keep_ptrs, input_ptr
+        self.param_dtypes = {shape: p.dtype for p in params for shape in (tuple(p.shape), tuple(p.shape)[::-1])}
         self.counted: list = []  # tensors accounted under fpdt.proj_saved until ``finish``
         self.hosted: list = []  # host copies made by ``pack`` (forgotten in ``finish``)
+
+    def _weight_cast(self, t: torch.Tensor) -> bool:
+        dtype = self.param_dtypes.get(tuple(t.shape))
+        return dtype is not None and t.dtype != dtype
 
     def pack(self, t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.keep_ptrs:
+            return ("keep", t)
+        if self._weight_cast(t):
+            self.keep_ptrs.add(ptr)
             return ("keep", t)
         if self.offload:
             h = self.bufs.to_host(t)
