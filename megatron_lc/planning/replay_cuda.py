@@ -13,6 +13,13 @@ the divergence (one warning per iteration from ``check``).
 through ctypes: the tests replay traces through the very code the GPU would run, minus ``cudaMalloc``.
 Limits: one plan per process and device; the plan is of one micro-batch (with gradient accumulation, later
 micro-batches that allocate differently fall back); requests are matched by order and size, not by identity.
+
+Not safe with side streams, so off: nothing in training installs it. A pluggable allocator is handed no stream
+events: a block freed on the compute stream while a side-stream copy (FPDT's and Memo's offload / prefetch) still
+reads or writes it would be handed out again at once -- the caching allocator avoids that with ``record_stream``,
+which the pluggable route does not provide. Under it ``torch.cuda.max_memory_allocated`` also raises (the training
+metrics then report no peak). ``memory.plan: auto`` uses the framework arena (``memory/arena.py``), which does
+track side-stream use of its buffers.
 """
 from __future__ import annotations
 

@@ -81,7 +81,8 @@ def format_line(r: dict) -> str:
              f"grad_norm {r['grad_norm']:.3f}", f"tok/s {r['tokens_per_s']:.0f}",
              f"tok/gpu/s {r['tokens_per_gpu_per_s']:.0f}",
              "MFU n/a" if r["mfu"] is None else f"MFU {100 * r['mfu']:.2f}%",
-             f"peak_mem {r['peak_memory_bytes'] / 2**30:.2f}GiB", f"{r['step_seconds']:.2f}s"]
+             "peak_mem n/a" if r["peak_memory_bytes"] is None else f"peak_mem {r['peak_memory_bytes'] / 2**30:.2f}GiB",
+             f"{r['step_seconds']:.2f}s"]
     if r.get("skipped"):
         parts.append("SKIPPED (non-finite)")
     return " | ".join(parts)

@@ -27,10 +27,13 @@ def flops_per_sample(cfg: Config, pairs: Optional[float] = None) -> float:
     return 6.0 * s * m.num_parameters() + 12.0 * m.num_layers * m.hidden_size * pairs
 
 
-def peak_memory_bytes(device: torch.device) -> int:
+def peak_memory_bytes(device: torch.device) -> Optional[int]:
     """Peak allocated device memory (CUDA) or peak resident set size of this process (CPU)."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        try:
+            return int(torch.cuda.max_memory_allocated(device))
+        except RuntimeError:  # a pluggable allocator keeps no statistics (planning/replay_cuda.py)
+            return None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
