@@ -90,4 +90,4 @@ def reference_loss_and_grads(cfg: Config, batch: dict):
     tok_loss = model(batch["tokens"], batch["position_ids"], batch["labels"])
     loss = (tok_loss * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
     loss.backward()
-    return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
