@@ -63,6 +63,7 @@ def model_bytes(a, u: int, offload: bool, P: int, kv_repeat: int) -> int:
 
 def measure(rank: int, world: int, a, out_path: str) -> None:
     from megatron_lc.attention.fpdt.block import FPDTSelfAttention
+    from megatron_lc.attention.fpdt.calibrate import reserve_for_layers
     from megatron_lc.config import load_config
     from megatron_lc.model.attention import SelfAttention
     from megatron_lc.model.rope import RotaryEmbedding
@@ -91,6 +92,9 @@ def measure(rank: int, world: int, a, out_path: str) -> None:
             pos = idx.view(s_local, 1).expand(s_local, a.batch)
             rope = RotaryEmbedding(a.head_dim, 10000.0)(pos)
             x = torch.randn(s_local, a.batch, a.hidden, requires_grad=True)
+            if offload:  # the host pool: this block's parked chunks, measured (attention/fpdt/calibrate.py)
+                reserve_for_layers(block, x.detach(), rope, 1)
+                acct.reset_peak()
             t0 = time.perf_counter()
             y = block(x, rope)
             fwd_peak, fwd_at = acct.peak, dict(acct.at_peak)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_lc.attention.fpdt.block import FPDTSelfAttention
+from megatron_lc.attention.fpdt.calibrate import reserve_for_layers
 from megatron_lc.config import ConfigError, resolve_layout
 from megatron_lc.config.layout import kv_replication
 from megatron_lc.model.attention import SelfAttention
@@ -124,6 +125,7 @@ def test_no_grad_forward_matches_and_keeps_nothing():
     block, cfg = _p1_block()
     x = torch.randn(32, 2, cfg.model.hidden_size)
     rope = RotaryEmbedding(cfg.model.kv_channels, 10000.0)(torch.arange(32).view(32, 1).expand(32, 2))
+    reserve_for_layers(block, x, rope, 1)  # the host pool: one block's parked chunks, measured
     with torch.no_grad():
         y0 = block(x, rope)
     assert block.state.account.current == 0 and block.state.host_account.current == 0

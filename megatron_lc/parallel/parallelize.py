@@ -28,6 +28,7 @@ from ..attention import build_core_attention
 from ..attention.fpdt.block import FPDTSelfAttention
 from ..attention.fpdt.buffers import FPDTState
 from ..config import Config, Layout
+from ..device import HostPool
 from ..memory.arena import ArenaHandle
 from ..memory.memo import MemoBlockExecutor, MemoExecutor, MemoRuntime
 from ..memory.mst import MiniSequenceLMHead, MiniSequenceMLP
@@ -48,6 +49,7 @@ class ModelContext:
     arena: ArenaHandle = field(default_factory=ArenaHandle)  # where framework buffers come from (memory plan)
     memo: Optional[MemoRuntime] = None  # recompute_granularity full / Memo offload: buffers, host copies, counters
     fpdt: Optional[FPDTState] = None  # FPDT blocks: device / host accounts, per-device buffers and streams
+    host_pool: HostPool = field(default_factory=HostPool)  # Memo's and FPDT's host memory: one allocation
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,9 @@ def model_context(cfg: Config, layout: Layout) -> ModelContext:
     ctx = ModelContext()
     offload = m.activation_offload == "memo"
     if offload or m.recompute_granularity == "full":
-        ctx.memo = MemoRuntime(cfg.model.num_layers, offload=offload)
+        ctx.memo = MemoRuntime(cfg.model.num_layers, offload=offload, pool=ctx.host_pool)
     if layout.cp_comm_type == "fpdt":
-        ctx.fpdt = FPDTState(ctx.arena)
+        ctx.fpdt = FPDTState(ctx.arena, ctx.host_pool)
     return ctx
 
 

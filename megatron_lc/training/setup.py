@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..attention.fpdt.calibrate import calibrate_fpdt
 from ..config import Config, ConfigError, Layout, resolve_layout
 from ..data import build_dataset, make_batch, microbatch_sample_ids
 from ..memory.arena import PlannedArena
@@ -94,6 +95,9 @@ def build_and_calibrate(cfg: Config, layout: Layout, topo: Topology, device: tor
     call this when Memo offload is on: the profile runs the layer's collectives). Returns (model, context)."""
     model, ctx = build_model(cfg, layout, topo, adjust_spec)  # 3. pure: host memory, no communication
     model.to(device)  # 4.
+    if ctx.fpdt is not None:  # 5. FPDT offload: one layer's parked chunks measured, the host pool's share reserved
+        calibrate_fpdt(model, ctx.fpdt, layout, cfg.memory.fpdt_offload, topo, device,
+                       lambda: training_autocast(cfg, device))
     if ctx.memo is not None:  # 5. bind Memo's runtime; with offload: profile layer 0, alpha, rounding buffers
         calibrate_memo(model, ctx.memo, cfg.memory, layout, topo, device, lambda: training_autocast(cfg, device))
     return model, ctx

@@ -15,6 +15,10 @@ framework's own accounting (on CPU host and device are one memory; the figure st
     fpdt.proj_saved  what the chunk projection's autograd graph saved, when it lives on the device
     fpdt.grad_local  a finished chunk's dq/dk/dv after the all-to-all back (projection backward input)
 
+Host side: every parked chunk is a view of the model's ``device.HostPool`` (one pinned allocation, sized before
+training by ``calibrate.py``); ``host_account`` counts the pool bytes the blocks hold (tag ``fpdt.host``, each view
+rounded up to ``HostPool.ALIGN`` as in the pool), so its peak is what the pool must hold.
+
 Not counted: kernels' internal workspace (flash-attention keeps O(chunk) temporaries), the online-softmax merge's
 temporaries, and the block's input/output tensors (same size for every chunk count, reported separately).
 
@@ -29,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from ...device import BufferAccount, DeviceAdapter
+from ...device import BufferAccount, DeviceAdapter, HostPool
 from ...parallel.collectives import all_to_all
 from ...parallel.topology import Axis, Topology
 
@@ -40,10 +44,15 @@ def nbytes(t: torch.Tensor) -> int:
 
 @dataclass
 class Hosted:
-    """A host copy and the event of the device-to-host copy that fills it (None on CPU)."""
+    """A host copy (a view of the host pool) and the event of the latest copy into or out of it (None on CPU).
+
+    ``fresh``: an accumulator never written yet -- its host bytes are undefined and its first fetch is a device
+    buffer zeroed on the device, not a copy (see ``ChunkStore.put_accumulator``)."""
 
     host: torch.Tensor
     done: object = None
+    fresh: bool = False
+    counted: bool = True  # in ``host_account`` (not while the pool measures: a probe's graph may be abandoned)
 
 
 @dataclass
@@ -60,26 +69,32 @@ class FPDTState:
     the device and host byte accounts and, per device, one ``FPDTBuffers`` (so one pair of copy streams).
 
     ``arena``: where framework buffers come from -- anything with ``buffer(tag, shape, dtype, device=...)`` and
-    ``record_stream(t, stream)`` (``memory.arena``'s handle: plain allocations until a memory plan is installed)."""
+    ``record_stream(t, stream)`` (``memory.arena``'s handle: plain allocations until a memory plan is installed).
+    ``pool``: the host pool the parked chunks come from (the model context's, shared with Memo; a fresh one if
+    None), sized by ``calibrate.py``."""
 
-    def __init__(self, arena):
+    def __init__(self, arena, pool: Optional[HostPool] = None):
         self.arena = arena
+        self.pool = pool if pool is not None else HostPool()
         self.account = BufferAccount()  # device-resident bytes of the blocks' buffers
-        self.host_account = BufferAccount()  # bytes parked on the host
+        self.host_account = BufferAccount()  # pool bytes parked on the host
         self._by_device: dict = {}
 
     def buffers(self, device: torch.device) -> "FPDTBuffers":
         if device not in self._by_device:
-            self._by_device[device] = FPDTBuffers(device, self.account, self.host_account, self.arena)
+            self._by_device[device] = FPDTBuffers(device, self.account, self.host_account, self.arena, self.pool)
         return self._by_device[device]
 
 
 class FPDTBuffers:
     """Accounting + transfers for one device; shared by the FPDT blocks of a model (see ``FPDTState``)."""
 
-    def __init__(self, device: torch.device, account: BufferAccount, host_account: BufferAccount, arena):
+    def __init__(self, device: torch.device, account: BufferAccount, host_account: BufferAccount, arena,
+                 pool: HostPool):
         self.device, self.account, self.host_account, self.arena = device, account, host_account, arena
         self.dev = DeviceAdapter.for_device(device)
+        self.pool = pool
+        pool.bind(self.dev)
         self.d2h, self.h2d = self.dev.copy_streams()
 
     # ---- accounting ----------------------------------------------------------------------------------------
@@ -103,13 +118,18 @@ class FPDTBuffers:
         self.arena.record_stream(t, stream)  # planned arena memory (memory.plan)
 
     # ---- host copies ---------------------------------------------------------------------------------------
+    def host_block(self, shape, dtype) -> Hosted:
+        """A block of the host pool (contents undefined), counted under ``fpdt.host``."""
+        counted = not self.pool.measuring_now
+        if counted:
+            self.host_account.acquire("fpdt.host", HostPool.block_bytes(shape, dtype))
+        return Hosted(self.pool.take(shape, dtype), counted=counted)
+
     def to_host(self, t: torch.Tensor, into: Optional[Hosted] = None) -> Hosted:
-        """Copy ``t`` to a (pinned) host buffer on the d2h stream; the caller may drop ``t`` right after."""
+        """Copy ``t`` to a (pinned) host block on the d2h stream; the caller may drop ``t`` right after."""
         dev = self.dev
-        if into is None:
-            into = Hosted(dev.host_empty(t.shape, t.dtype))
-            self.host_account.acquire("fpdt.host", nbytes(t))
-        h = into
+        h = into if into is not None else self.host_block(t.shape, t.dtype)
+        h.fresh = False
         dev.wait_event(dev.record_event(), self.d2h)  # the copy starts after the producer of t
         with dev.stream(self.d2h):
             h.host.copy_(t, non_blocking=True)
@@ -118,22 +138,32 @@ class FPDTBuffers:
         return h
 
     def drop_host(self, h: Hosted) -> None:
-        """Forget a host copy (its memory goes back to the host allocator)."""
-        self.host_account.release("fpdt.host", nbytes(h.host))
+        """Give a host block back to the pool, once its latest copy (``h.done``) has run."""
+        if h.counted:
+            self.host_account.release("fpdt.host", HostPool.block_bytes(h.host.shape, h.host.dtype))
+        self.pool.give(h.host, after=h.done)
 
     def fetch(self, hosted: list, tag: str) -> Pending:
-        """Issue host-to-device copies of ``hosted`` into fresh device buffers (accounted under ``tag``)."""
+        """Issue host-to-device copies of ``hosted`` into fresh device buffers (accounted under ``tag``); a fresh
+        accumulator is zeroed on the device instead (its host block was never written)."""
         dev = self.dev
         bufs = [self.arena.buffer(tag, h.host.shape, h.host.dtype, device=self.device) for h in hosted]
         self.track(tag, *bufs)
         dev.wait_event(dev.record_event(), self.h2d)  # buffers may reuse memory the compute stream just freed
         for h, b in zip(hosted, bufs):
+            if h.fresh:
+                b.zero_()  # compute stream: ordered before every use of b
+                continue
             if h.done is not None:
                 dev.wait_event(h.done, self.h2d)  # the host copy is complete
             with dev.stream(self.h2d):
                 b.copy_(h.host, non_blocking=True)
             self._record_stream(b, self.h2d)  # written on the side stream: not reused before that copy ran
-        return Pending(bufs, dev.record_event(self.h2d), [(tag, b) for b in bufs])
+        done = dev.record_event(self.h2d)
+        for h in hosted:
+            if not h.fresh:
+                h.done = done  # the block is read until this event: not handed out again before it
+        return Pending(bufs, done, [(tag, b) for b in bufs])
 
     def wait(self, p: Pending) -> list:
         """The fetched tensors, after the compute stream waited for their copies."""
@@ -187,11 +217,14 @@ class ChunkStore:
             self.items[key] = t
             self.bufs.track("fpdt.saved", t)
 
-    def put_zeros(self, key, shape, dtype) -> None:
-        """An accumulator that starts at zero (host zeros when offloading: no device memory until fetched)."""
+    def put_accumulator(self, key, shape, dtype) -> None:
+        """An accumulator that starts at zero. Offloading: a host block that is *not* zeroed (no host memset of
+        the fp32 dq chunks every step, no copy of zeros): it is marked fresh, its first fetch is a device buffer
+        zeroed on the device, and its first ``write_back`` makes the host bytes valid. No device memory until
+        fetched. Without offload: device zeros (``fpdt.saved``)."""
         if self.offload:
-            self.items[key] = Hosted(self.bufs.dev.host_empty(shape, dtype).zero_())
-            self.bufs.host_account.acquire("fpdt.host", nbytes(self.items[key].host))
+            h = self.items[key] = self.bufs.host_block(shape, dtype)
+            h.fresh = True
         else:
             self.items[key] = self.bufs.zeros("fpdt.saved", shape, dtype)
 

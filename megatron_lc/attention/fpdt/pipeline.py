@@ -11,7 +11,8 @@ Forward, for q chunk i = 0..u-1:
   fetched one after the other, the fetch of j+1 issued before the compute of j (two kv chunks on the device at
   most); online-softmax merge in fp32; q^, o^, lse to the store; o^ all-to-all back -> output rows of chunk i.
 Backward (kv outer, q inner, as the paper's Figure 7):
-  do^_m = all-to-all of the output gradient, to the store; dq accumulators (fp32) in the store;
+  do^_m = all-to-all of the output gradient, to the store; dq accumulators (fp32) in the store (offloaded: host
+  blocks never zeroed on the host; the first fetch of each is zeroed on the device, ``buffers.ChunkStore``);
   for kv chunk j: fetch k^_j, v^_j; dk, dv accumulators; for q chunk m = j..u-1 (prefetching m+1, or kv j+1 at the
   last step): block backward with the final o^_m, lse_m; dq_m += (written back), dk += , dv +=.
   After the inner loop dq_j, dk_j, dv_j are complete: all-to-all back, projection backward of chunk j (autograd).
@@ -182,7 +183,7 @@ def fpdt_backward(run: FPDTRun, dout: torch.Tensor, x_shape, x_dtype) -> Optiona
         del gh
     q_shape = _shape(store, ("q", 0), run.offload)
     for m in range(u):
-        store.put_zeros(("dq", m), q_shape, torch.float32)
+        store.put_accumulator(("dq", m), q_shape, torch.float32)
     dx = torch.empty(x_shape, dtype=x_dtype, device=dout.device) if run.x_requires_grad else None
     x_rows = x_shape[0] // u
     kv_next = store.prefetch([("k", 0), ("v", 0)], KV)

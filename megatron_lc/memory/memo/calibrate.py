@@ -6,14 +6,21 @@ The profiler, measured on the running machine, per rank:
 * skeletal sizes of one layer (input, attention output + lse, others): one forward of layer 0 on a synthetic input
   of the training shape, every saved tensor counted by storage (``SkeletalSlot`` in measure mode);
 * ``t_layer``: median wall time of that layer's forward with autograd on (as in training);
-* device <-> host bandwidth: median of copies of a buffer of the layer's skeletal size (capped) into a host
-  tensor from ``DeviceAdapter.host_empty`` (pinned on CUDA) and back;
+* device <-> host bandwidth: median of copies of a buffer of the layer's skeletal size (capped) into a temporary
+  host tensor from ``DeviceAdapter.host_pinned`` (page-locked on CUDA like the host pool, exact size, unlocked and
+  freed after the probe: the pool is not allocated yet, its size depends on this calibration) and back;
 * host memory: ``memory.host_memory_gb`` (a node's budget) or, by default, ``MemAvailable`` of /proc/meminfo,
   shared by the ranks on this node (counted by hostname).
 
 Like the paper we profile one layer and apply it to all (the layers are identical). Then every rank agrees on the
 smallest alpha, and the two rounding buffers are allocated with the exact bytes layer 0 places at that alpha (each
 region padded to ``slots.ALIGN``): a buffer never grows during training.
+
+Host memory is the model's ``device.HostPool``, counted exactly: the LP's budget is this rank's share less what the
+pool already holds for others (FPDT's parked chunks, ``attention/fpdt/calibrate.py``, which runs first) less a bound
+on the alignment padding of the swapped layers' copies; after alpha is chosen, Memo reserves one buffer's capacity
+per swapped layer and the pool's exact size is checked against the budget (``HostMemoryError`` naming the numbers).
+The probes run with the pool in measuring mode (an FPDT block inside the layer parks into plain tensors).
 """
 from __future__ import annotations
 
@@ -30,10 +37,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ...device import DeviceAdapter
-from ...units import GIB
+from ...device import DeviceAdapter, HostPool
+from ...units import GIB, fmt_bytes
 from .alpha import AlphaInputs, HostMemoryError, check_fixed_alpha, solve_alpha
 from .offload import MemoRuntime
+from .slots import ALIGN
 
 log = logging.getLogger("megatron_lc")
 
@@ -51,6 +59,7 @@ class LayerProfile:
     ranks_per_node: int
     host_source: str  # "config" | "MemAvailable"
     tokens: int  # S, local tokens of the layer input
+    s_padding: int = 0  # bound on the alignment bytes one layer's host copy adds (regions x slots.ALIGN + pool's)
 
     @property
     def host_budget(self) -> float:
@@ -105,7 +114,7 @@ def bandwidth(nbytes: int, device: torch.device, repeats: int = 3) -> tuple[floa
     dev = DeviceAdapter.for_device(device)
     nbytes = max(int(nbytes), 32 << 20)  # small copies measure thread wake-ups, not bandwidth
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    host = dev.host_empty((nbytes,), torch.uint8)
+    host = dev.host_pinned(nbytes)  # temporary: freed (and unlocked) on return
     host.copy_(src)  # warm-up (first-touch of the host pages)
     d2h = _timed(lambda: host.copy_(src, non_blocking=True), dev, repeats)
     h2d = _timed(lambda: src.copy_(host, non_blocking=True), dev, repeats)
@@ -140,7 +149,8 @@ def profile_layer(model, layout, device: torch.device, host_memory_gb, timing: b
     the layer's tp / cp collectives run)."""
     layer = model.layers[0]
     x, rope = synthetic_input(model, layout, device)
-    sizes = dict(measure_layer(layer, x, rope, alpha=1.0).stats.bytes)  # alpha = 1: every token kept
+    slot = measure_layer(layer, x, rope, alpha=1.0)  # alpha = 1: every token kept
+    sizes = dict(slot.stats.bytes)
     t_layer = bw_d2h = bw_h2d = float("nan")
     if timing:
         dev = DeviceAdapter.for_device(device)
@@ -152,7 +162,7 @@ def profile_layer(model, layout, device: torch.device, host_memory_gb, timing: b
     return LayerProfile(s_input=sizes["input"], s_attn=sizes["attn"] + sizes["lse"], s_lse=sizes["lse"],
                         s_others=sizes["other"], t_layer=t_layer, bw_d2h=bw_d2h, bw_h2d=bw_h2d,
                         host_node_bytes=node_bytes, ranks_per_node=ranks_on_this_node(), host_source=source,
-                        tokens=x.shape[0])
+                        tokens=x.shape[0], s_padding=len(slot.regions) * ALIGN + HostPool.ALIGN)
 
 
 def _gather(obj) -> list:
@@ -173,13 +183,16 @@ def calibrate_memo(model, runtime: MemoRuntime, memory_cfg, layout, topo, device
     runtime.bind(device)
     if not runtime.offload:
         return
+    pool = runtime.pool
     fixed = None if memory_cfg.offload_fraction == "auto" else float(memory_cfg.offload_fraction)
-    with topo.comm.tag("memo.profile"), autocast():
+    with topo.comm.tag("memo.profile"), autocast(), pool.measuring():
         prof = profile_layer(model, layout, device, memory_cfg.host_memory_gb, timing=fixed is None)
+    others = pool.size - pool.reserved.get("memo", 0)  # FPDT's parked chunks (reserved before)
+    swapped = sum(runtime.swapped(i) for i in range(runtime.n))
     inp = AlphaInputs(s_input=prof.s_input, s_attn=prof.s_attn, s_others=prof.s_others,
                       bandwidth=prof.bw_d2h if fixed is None else math.inf,
                       t_layer=prof.t_layer if fixed is None else math.inf,
-                      num_layers=len(model.layers), host_budget=prof.host_budget)
+                      num_layers=len(model.layers), host_budget=prof.host_budget - others - swapped * prof.s_padding)
     result, error = None, None
     try:
         result = solve_alpha(inp) if fixed is None else check_fixed_alpha(inp, fixed)
@@ -192,11 +205,21 @@ def calibrate_memo(model, runtime: MemoRuntime, memory_cfg, layout, topo, device
     runtime.alpha = min(a for a, _ in gathered)
     runtime.profile, runtime.alpha_result = prof, result
     x, rope = synthetic_input(model, layout, device)
-    with topo.comm.tag("memo.profile"), autocast():
+    with topo.comm.tag("memo.profile"), autocast(), pool.measuring():
         need = measure_layer(model.layers[0], x, rope, runtime.alpha).placed_bytes()
+    host = runtime.host_need(need) + others  # the pool's exact size once Memo reserved
+    error = None
+    if host > prof.host_budget:
+        error = (f"rank {topo.rank}: memory.activation_offload=memo: the host pool needs {fmt_bytes(host)} "
+                 f"({swapped} swapped layers x {fmt_bytes(runtime.capacity(need))} at alpha {runtime.alpha:.4f}"
+                 f"{f' + {fmt_bytes(others)} of FPDT chunks' if others else ''}), budget "
+                 f"{fmt_bytes(prof.host_budget)}; lower memory.offload_fraction or raise memory.host_memory_gb")
+    errors = [e for e in _gather(error) if e is not None]
+    if errors:
+        raise HostMemoryError(errors[0])
     runtime.allocate(need)
     log.info("memo offload: %s", json.dumps({
         "alpha": runtime.alpha, "alpha_this_rank": result.alpha, "binding": result.binding, "hidden": result.hidden,
         "kept_tokens": runtime.kept_tokens(prof.tokens), "tokens": prof.tokens, "inputs": inp.as_dict(),
-        "profile": prof.as_dict(), "host_bytes": result.host_bytes,
+        "profile": prof.as_dict(), "host_bytes": result.host_bytes, "host_pool_bytes": pool.size,
         "rounding_buffer_bytes": runtime.buffers[0].capacity}))

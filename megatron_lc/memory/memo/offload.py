@@ -13,7 +13,9 @@ buffer ``i % 2``. Example, 6 layers (layers 4 and 5 are the last two: never swap
               (i-1)%2 on the prefetch stream while layer i computes; layer i-1 waits for that event.
 
 The buffers are sized and allocated by the calibration before training (``calibrate.py``: the exact bytes one layer
-places at the chosen alpha); a layer that would place more is an error, never a buffer that grows mid-step.
+places at the chosen alpha); a layer that would place more is an error, never a buffer that grows mid-step. The
+host copies come from the model's ``device.HostPool``: ``allocate`` reserves one buffer's capacity per swapped layer
+(``host_bytes()`` is exactly that reservation), and each swapped layer takes its copy at its first forward.
 
 On CPU (``DeviceAdapter`` twin) streams are no-ops and copies synchronous, so the same code runs here; on CUDA the
 host tensors are pinned and the copies asynchronous (never executed in this project: no GPU).
@@ -27,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ...device import BufferAccount, DeviceAdapter
+from ...device import BufferAccount, DeviceAdapter, HostPool
 from .slots import ALIGN, SkeletalSlot
 
 
@@ -72,17 +74,19 @@ class MemoRuntime:
 
     ``offload=False`` is plain token-wise recompute (``recompute_granularity: full``): kept tensors stay on the
     device by reference, no buffer, no host copy. ``alpha`` is the fraction of tokens of the ``other`` skeletal
-    tensors kept (offloaded) rather than recomputed; it is 0 without offload."""
+    tensors kept (offloaded) rather than recomputed; it is 0 without offload. ``pool``: where the host copies come
+    from (the model context's, shared with FPDT; a fresh one if None)."""
 
     def __init__(self, num_layers: int, offload: bool, alpha: float = 0.0, measure: bool = False,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, pool: Optional[HostPool] = None):
         self.n = num_layers
         self.measure = measure  # calibration probe: count bytes by kind, copy nothing
         self.alpha = alpha if offload else 0.0  # offload: set by the calibration (``calibrate.py``)
         self.offload = offload
         self.account = BufferAccount()
+        self.pool = pool if pool is not None else HostPool()
         self.buffers: list = [None, None]
-        self.host: dict = {}  # layer -> host byte tensor
+        self.host: dict = {}  # layer -> host byte tensor (a view of the pool, one buffer's capacity)
         self.host_owner: dict = {}  # layer -> slot whose bytes are in host[layer]
         self.slots: dict = {}  # layer -> slot of the latest forward
         self.fetch_events: dict = {}  # id(slot) -> event of its prefetch
@@ -98,6 +102,8 @@ class MemoRuntime:
         self.device = device
         self.dev = DeviceAdapter.for_device(device)
         self.offload_stream, self.prefetch_stream = self.dev.copy_streams()
+        if not self.measure:
+            self.pool.bind(self.dev)
 
     # ---- setup ---------------------------------------------------------------------------------------------
     def swapped(self, layer: int) -> bool:
@@ -108,13 +114,24 @@ class MemoRuntime:
         """Tokens of every ``other`` skeletal tensor kept (offloaded): floor(alpha * s)."""
         return int(self.alpha * s + 1e-9) if self.offload else 0
 
+    def capacity(self, nbytes: int) -> int:
+        """A rounding buffer's bytes for ``nbytes`` placed: rounded up to ``HostPool.ALIGN`` (a multiple of
+        ``slots.ALIGN``), so a host copy of a whole buffer is one pool block, with no padding of its own."""
+        return max(HostPool.ALIGN, HostPool.aligned(nbytes))
+
+    def host_need(self, nbytes: int) -> int:
+        """Pool bytes of the host copies for buffers sized for ``nbytes``: one buffer per swapped layer."""
+        return sum(self.swapped(i) for i in range(self.n)) * self.capacity(nbytes)
+
     def allocate(self, nbytes: int) -> None:
-        """The two rounding buffers, ``nbytes`` each (by the calibration, before training)."""
-        nbytes = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        """The two rounding buffers, ``capacity(nbytes)`` each, and the pool reservation of the host copies (by the
+        calibration, before training)."""
+        nbytes = self.capacity(nbytes)
         for b in range(2):
             if self.buffers[b] is not None:
                 self.account.release("memo.rounding", self.buffers[b].capacity)
             self.buffers[b] = RoundingBuffer(b, nbytes, self.device, self.account)
+        self.pool.reserve("memo", self.host_need(nbytes))
 
     def host_bytes(self) -> int:
         return sum(h.numel() for h in self.host.values())
@@ -152,8 +169,8 @@ class MemoRuntime:
         if not self.swapped(slot.layer):
             return
         host = self.host.get(slot.layer)
-        if host is None or host.numel() < buf.cursor:
-            host = self.host[slot.layer] = self.dev.host_empty((buf.cursor,), torch.uint8)
+        if host is None:  # a whole buffer's capacity: later steps never place more (``RoundingBuffer.alloc``)
+            host = self.host[slot.layer] = self.pool.take((buf.capacity,), torch.uint8)
         ready = self.dev.record_event()
         with self.dev.stream(self.offload_stream):
             self.dev.wait_event(ready, self.offload_stream)

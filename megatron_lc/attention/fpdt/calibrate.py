@@ -1,0 +1,65 @@
+"""FPDT's share of the host pool, measured before training (``training/setup.py``, with ``memory.fpdt_offload``).
+
+One forward and one backward of layer 0's block, on a synthetic input of the training shape, run with the pool in
+measuring mode (plain tensors; the pool's first-fit runs on an unbounded range). The layers are identical, so what
+layer 0 parks is what every layer parks:
+
+    F = bytes one layer's forward parks: q^, k^, v^, o^ (compute dtype) and lse (fp32) of each of the u chunks, and
+        what each chunk projection saved (its input chunk; under autocast its bf16 cast; RoPE rows cut for SP)
+    B = what a backward adds at its start: do^ (compute dtype) and the fp32 dq accumulator of each chunk
+
+The L layers' forwards park F each, one after the other (nothing is given back during a forward); the last layer's
+backward adds B on top; every later backward starts after the layer above gave all its blocks back, so its B fits
+in the range just freed. The pool is reserved ``L * F + B``: the high-water mark of a step, to the byte
+(``tests/test_host_pool.py``). Example, u = 4 chunks, one chunk's q^ = k^ = v^ = o^ = 64 KiB (bf16), lse 2 KiB,
+projection input 128 KiB: F = 4 * (4 * 64 + 2 + 128) KiB = 1544 KiB; B = 4 * (64 + 128) KiB = 768 KiB; 24 layers:
+24 * 1544 + 768 KiB = 36.9 MiB (each view rounded up to ``HostPool.ALIGN``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .buffers import FPDTState
+
+
+def measure_block(block, x: torch.Tensor, rope, autocast=contextlib.nullcontext) -> tuple[int, int]:
+    """(F, B) of ``block`` (an ``FPDTSelfAttention`` with offload) on input ``x``: the pool bytes its forward parks
+    and what its backward adds at its start. The forward runs under ``autocast()``, the backward outside it, as in
+    a training step; the block's parameter gradients are left as they were."""
+    pool = block.state.pool
+    grads = [p.grad for p in block.parameters()]
+    with pool.measuring() as fit, torch.enable_grad():
+        with autocast():
+            out = block(x, rope)
+        forward = fit.high
+        out.backward(torch.zeros_like(out))
+        total = fit.high
+    for p, g in zip(block.parameters(), grads):
+        p.grad = g
+    return forward, total - forward
+
+
+def reserve_for_layers(block, x: torch.Tensor, rope, num_layers: int, autocast=contextlib.nullcontext) -> int:
+    """Measure ``block`` (``measure_block``) and reserve ``num_layers * F + B`` bytes of its pool; returns that."""
+    forward, backward = measure_block(block, x, rope, autocast)
+    need = num_layers * forward + backward
+    block.state.pool.reserve("fpdt", need)
+    return need
+
+
+def calibrate_fpdt(model, state: FPDTState, layout, offload: bool, topo, device: torch.device,
+                   autocast=contextlib.nullcontext) -> int:
+    """Reserve FPDT's share of the host pool for ``model`` (every rank calls this: the block's collectives run).
+    Returns the bytes reserved (0 without ``memory.fpdt_offload``: nothing is parked)."""
+    if not offload:
+        return 0
+    b, S = layout.micro_batch_size, layout.local_seq_length
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    x = torch.randn(layout.block_seq_length, b, model.cfg.hidden_size, generator=g).to(device).requires_grad_(True)
+    rope = None
+    if model.rotary is not None:
+        rope = model.rotary(torch.arange(S, device=device).unsqueeze(1).expand(S, b))
+    with topo.comm.tag("fpdt.profile"):
+        return reserve_for_layers(model.layers[0].self_attention, x, rope, len(model.layers), autocast)
