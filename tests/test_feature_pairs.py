@@ -1,7 +1,7 @@
 """Every pair of features (and the triples users run) either trains exactly or is refused before training.
 
 Features: tp=2 +- sequence parallel; ring, Ulysses, hybrid, FPDT +- offload; MsT; recompute selective / full;
-Memo with a fixed alpha and with alpha from its LP; ``memory.plan: auto``; ZeRO-1; gradient accumulation
+Memo with a fixed alpha and with alpha from its LP; ``memory.plan: auto``; ZeRO-1; FSDP2; gradient accumulation
 (``tests/dist_cases_pairs.py`` has the exact overrides). A case that runs trains 2 AdamW steps through the real
 setup and loop and must give the plain single-process model's loss at each step within 1e-5 relative: the features
 only re-associate fp32 sums (~1e-7 relative per op), and the step-2 loss also carries the step-1 update, so a wrong
@@ -16,7 +16,8 @@ from tests import dist_cases_pairs as pairs
 from tests.dist import run_dist
 
 # refused pairs (config/combinations.py), each a set of feature names
-REFUSED = [{"selective", "memo"}, {"selective", "memo-auto"}, {"selective", "fpdt"}, {"selective", "fpdt+offload"}]
+REFUSED = [{"selective", "memo"}, {"selective", "memo-auto"}, {"selective", "fpdt"}, {"selective", "fpdt+offload"},
+           {"fsdp", "zero1"}]
 CASES = pairs.cases()
 
 

@@ -38,7 +38,11 @@ def straight():
     (["parallel.tensor_model_parallel_size=2", "train.micro_batch_size=4"], ["train.micro_batch_size=2"]),
     (["train.micro_batch_size=2"], ["parallel.tensor_model_parallel_size=2", "train.micro_batch_size=4"]),
     (["train.micro_batch_size=2"], ["parallel.context_parallel_size=2", "train.micro_batch_size=4"]),
-], ids=["tp2-to-tp1", "tp1-to-tp2", "dp2-to-cp2"])
+    (["parallel.use_torch_fsdp2=true", "train.micro_batch_size=2"],
+     ["parallel.tensor_model_parallel_size=2", "train.micro_batch_size=4"]),
+    (["parallel.tensor_model_parallel_size=2", "train.micro_batch_size=4"],
+     ["parallel.use_torch_fsdp2=true", "parallel.context_parallel_size=2", "train.micro_batch_size=4"]),
+], ids=["tp2-to-tp1", "tp1-to-tp2", "dp2-to-cp2", "fsdp-dp2-to-tp2", "tp2-to-fsdp-cp2"])
 def test_resume_at_another_layout_continues_the_straight_run(tmp_path, straight, first, second):
     ck = str(tmp_path / "ck")
     a = run_dist(2, dist_cases_train.train, COMMON + first + ["train.train_iters=3", f"checkpoint.save={ck}"])[0][0]

@@ -18,6 +18,12 @@ def _refusals(cfg):
            "memory.recompute_granularity=selective with parallel.cp_comm_type=fpdt: selective checkpoints the core "
            "attention, and FPDT's block has none (it keeps only its chunks, on the host with fpdt_offload); use "
            "recompute_granularity full (token-wise recompute around the FPDT block) or none")
+    yield (p.use_torch_fsdp2 and p.use_distributed_optimizer,
+           "parallel.use_torch_fsdp2 with parallel.use_distributed_optimizer: FSDP2 already shards the optimizer "
+           "states (with the weights and gradients); set use_distributed_optimizer false")
+    yield (p.fsdp_cpu_offload and not p.use_torch_fsdp2,
+           "parallel.fsdp_cpu_offload without parallel.use_torch_fsdp2: the offload is FSDP2's (CPUOffloadPolicy); "
+           "set use_torch_fsdp2 true")
 
 
 def _document_refusals(cfg):

@@ -20,6 +20,10 @@ class ParallelConfig:
     ulysses_size: Optional[int] = None  # a2a sub-axis of cp for a2a+p2p; default: cp for a2a/fpdt, 1 for p2p
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False  # ZeRO-1: optimizer states sharded over the dp x cp group
+    # FSDP2 (parallel/fsdp.py): weights, gradients and optimizer states sharded over dp x cp (Megatron-LM's
+    # --use-torch-fsdp2); fsdp_cpu_offload keeps the shards, gradients and AdamW states on the host
+    use_torch_fsdp2: bool = False
+    fsdp_cpu_offload: bool = False
     attention_backend: Literal["auto", "torch", "math", "flash", "te"] = "auto"  # attention/backends.py
     # auto: gloo on CPU; on CUDA "cpu:gloo,cuda:nccl" -- NCCL for device tensors, gloo for the few CPU scalars
     # (step flags, token counts); plain "nccl" refuses every CPU tensor

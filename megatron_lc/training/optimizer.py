@@ -14,6 +14,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..config import Config
 from ..parallel.collectives import all_reduce
+from ..parallel.fsdp import is_sharded, local
 from ..parallel.topology import Axis, Topology
 
 BUCKET_BYTES = 64 * 1024 * 1024
@@ -62,16 +63,19 @@ def _bucketed_all_reduce(grads: list[torch.Tensor], topo: Topology, axis: Axis) 
 
 @torch.no_grad()
 def sync_gradients(model: nn.Module, topo: Topology) -> None:
+    """Sum the gradients over the ranks that replicate each weight. Under FSDP2 the dp x cp sum was FSDP's
+    reduce-scatter in backward: only the tp sum of SP's partial gradients is left (on the shards)."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    fsdp = bool(params) and is_sharded(params[0])
     with topo.comm.tag("grad_sync"):
         if topo.tp > 1:
-            partial = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+            partial = [local(p.grad) for p in params if getattr(p, "sequence_parallel", False)]
             if partial:
                 _bucketed_all_reduce(partial, topo, Axis.TP)
-        if topo.size(Axis.DP_CP) > 1:
+        if topo.size(Axis.DP_CP) > 1 and not fsdp:
             _bucketed_all_reduce([p.grad for p in params], topo, Axis.DP_CP)
 
 
@@ -80,11 +84,13 @@ def clip_grad_norm(model: nn.Module, max_norm: float, topo: Topology) -> float:
     """Global L2 norm over the full (unsharded) model; tp-sharded grads are summed over tp, replicated ones counted
     once. Scales grads in place when ``max_norm > 0``; returns the norm before clipping (may be inf/nan)."""
     grads = [p for p in model.parameters() if p.grad is not None]
-    device = grads[0].grad.device if grads else torch.device("cpu")
+    device = local(grads[0].grad).device if grads else torch.device("cpu")
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [tp-sharded, replicated], on the grads' device
     for p in grads:
-        sums[0 if getattr(p, "tensor_model_parallel", False) else 1] += p.grad.detach().double().pow(2).sum()
+        sums[0 if getattr(p, "tensor_model_parallel", False) else 1] += local(p.grad).detach().double().pow(2).sum()
     with topo.comm.tag("grad_norm"):
+        if grads and is_sharded(grads[0]):  # FSDP2: each rank holds a dp x cp shard of every gradient
+            all_reduce(sums, topo, Axis.DP_CP)
         all_reduce(sums[:1], topo, Axis.TP)  # a view: reduced in place
     norm = math.sqrt(float(sums.sum()))  # one device-to-host copy per step
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:

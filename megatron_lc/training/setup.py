@@ -1,7 +1,7 @@
 """Everything a run needs before step 1, in order, each step a call you can see::
 
     config -> layout -> topology -> data -> model (pure) -> device -> calibration (Memo) -> memory plan
-           -> optimizer -> checkpoint
+           -> FSDP2 (sharding) -> optimizer -> checkpoint
 
 ``pretrain_gpt.py`` resolves the layout and builds the topology first (``runtime.init_distributed``: the layout's
 errors come before any process group exists) and hands both to ``setup_training``; tests and tools pass a
@@ -21,6 +21,7 @@ from ..config import Config, ConfigError, Layout, resolve_layout
 from ..data import build_dataset, make_batch, microbatch_sample_ids
 from ..memory.arena import PlannedArena
 from ..memory.memo import calibrate_memo
+from ..parallel.fsdp import apply_fsdp
 from ..parallel.parallelize import ModelContext, ModelSpec, build_model
 from ..parallel.token_layout import shard_batch
 from ..parallel.topology import Topology
@@ -120,8 +121,11 @@ def setup_training(cfg: Config, topo: Topology, device: Optional[torch.device] =
     first = microbatches(cfg, layout, topo, dataset, 0, device)[0] if cfg.memory.plan != "off" else None
     arena = plan_memory(cfg.memory.plan, model, ctx.arena, first, device, topo.rank,  # 6. memory plan
                         cfg.memory.plan_time_limit, cfg.checkpoint.save, lambda: training_autocast(cfg, device))
-    optimizer = build_optimizer(model, cfg, topo)  # 7.
-    resumed = load_checkpoint(cfg, topo, model, optimizer)  # 8. weights, optimizer, RNG, data position
+    if cfg.parallel.use_torch_fsdp2:  # 7. weights, gradients and (so) AdamW states sharded over dp x cp
+        apply_fsdp(model, topo, device, bf16=cfg.train.bf16 and device.type == "cuda",
+                   cpu_offload=cfg.parallel.fsdp_cpu_offload)
+    optimizer = build_optimizer(model, cfg, topo)  # 8.
+    resumed = load_checkpoint(cfg, topo, model, optimizer)  # 9. weights, optimizer, RNG, data position
     if resumed is not None:
         log.info("resumed from %s at iteration %d", resumed["path"], resumed["iteration"])
     return TrainingSetup(cfg, layout, topo, device, dataset, model, ctx, arena, optimizer, resumed)

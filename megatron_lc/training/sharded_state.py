@@ -15,6 +15,11 @@ partitioned with stride 2 (its full weight is ``[gate; up]``, each tp rank holdi
 tp=1 run reads it into its ``[16, 4]`` weight viewed ``[2, 8, 4]``. Replicated tensors (norms, the replicas of dp and
 cp) are written once (DCP deduplicates equal pieces).
 
+Under FSDP2 (``parallel/fsdp.py``) a parameter is also cut over dp x cp, on a dim other than its tp partition:
+its shard is stored as a DTensor on the 2-D (tp, dp x cp) mesh, ``Shard`` on both dims, so the checkpoint holds
+the same full tensors and loads at any layout, with or without FSDP. Example, ``fc2`` ``[hidden 4, ffn 8]``
+(partition dim 1), tp=2, dp=2: rank (tp 0, dp 1) holds rows 2-3 of columns 0-3 -- ``[Shard(1), Shard(0)]``.
+
 The optimizer part comes from the optimizer that steps this rank's parameters: AdamW's state, or under ZeRO-1 the
 local optimizer of the parameters this rank owns -- after a load each rank asks for the states of the parameters it
 owns in the new layout, so ZeRO-1 states move to another dp x cp, and between ZeRO-1 and plain AdamW.
@@ -63,6 +68,7 @@ class ShardedState:
         self.model, self.topo = model, topo
         self.names = {id(p): n for n, p in model.named_parameters()}
         self._mesh: Optional[DeviceMesh] = None
+        self._mesh2: Optional[DeviceMesh] = None
 
     def _partition(self, p) -> Optional[tuple]:
         return p.partition if getattr(p, "tensor_model_parallel", False) else None
@@ -72,8 +78,37 @@ class ShardedState:
             self._mesh = DeviceMesh.from_group(self.topo.group(Axis.TP), device.type)
         return self._mesh
 
+    def _mesh2d(self, fsdp_mesh: DeviceMesh) -> DeviceMesh:
+        """(tp, dp x cp) mesh of this rank's tp group and FSDP's group, tp first: the tp cut is the outer one (FSDP
+        cuts the tp-local piece)."""
+        if self._mesh2 is None:
+            t = self.topo
+            grid = t.grid().reshape(-1, t.tp).t()  # [tp, dp x cp]; row i: the dp x cp group of tp rank i
+            self._mesh2 = DeviceMesh.from_group([t.group(Axis.TP), fsdp_mesh.get_group()], fsdp_mesh.device_type,
+                                                mesh=grid, mesh_dim_names=("tp", "dp_cp"))
+        return self._mesh2
+
+    def _stored_fsdp(self, t: DTensor, p) -> torch.Tensor:
+        """An FSDP shard (a DTensor on the dp x cp mesh, ``Shard(f)`` of the tp-local piece) as a DTensor of the
+        stored full tensor."""
+        part = self._partition(p)
+        f = t.placements[0].dim
+        view, d = stored_view(t.to_local(), part)
+        if d is not None and part[1] > 1 and f >= part[0]:
+            f += 1  # the stride split added a dim before the FSDP one
+        shape = list(stored_view(torch.empty(t.shape, device="meta"), part)[0].shape)
+        if d is not None and self.topo.tp > 1:
+            shape[d] *= self.topo.tp
+            mesh, placements = self._mesh2d(t.device_mesh), [Shard(d), Shard(f)]
+        else:
+            mesh, placements = t.device_mesh, [Shard(f)]
+        return DTensor.from_local(view, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
+
     def stored(self, t: torch.Tensor, p) -> torch.Tensor:
         """``t`` (parameter ``p``'s local data or a state of its shape) as DCP stores it; shares ``t``'s memory."""
+        if isinstance(t, DTensor):
+            return self._stored_fsdp(t, p)
         view, dim = stored_view(t, self._partition(p))
         if dim is None or self.topo.tp == 1:
             return view

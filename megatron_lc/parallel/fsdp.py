@@ -1,0 +1,102 @@
+"""Sharded model states: PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) over the dp x cp ranks, under our
+own tensor parallelism (``parallel.use_torch_fsdp2``).
+
+cp ranks hold identical parameters, like dp ranks, so the shard mesh is the dp x cp group: every parameter's
+tp-local piece is cut into dp x cp shards, each rank keeps one (fp32 master weight, its gradient, its AdamW
+states). Each transformer layer is one FSDP unit (all-gathered just before its forward and again before its
+backward, freed after each: peak = one layer's full weights on top of the shards); the embedding, final norm and
+head are the root unit. Example, 8 ranks, tp=2, cp=4 (dp x cp groups ``[0,2,4,6]`` and ``[1,3,5,7]``, see
+``topology.py``): a layer's QKV weight ``[3072, 2048]`` is ``[1536, 2048]`` per tp rank (rows), and each of ranks
+0, 2, 4, 6 keeps a quarter of tp rank 0's piece, ``[1536, 512]`` -- FSDP cuts a dim other than the tp partition
+(``shard_dim``), so a checkpoint can name every shard as a box of the full tensor (``training/sharded_state.py``).
+
+Gradients: our loss is the global mean divided out before backward, so the dp x cp reduction must be a SUM (FSDP2
+averages by default: ``set_gradient_divide_factor(1)``); with ``train.bf16`` the weights are all-gathered in bf16
+and reduced in fp32 (``MixedPrecisionPolicy``), master weights and AdamW stay fp32. ``parallel.fsdp_cpu_offload``:
+shards, gradients and AdamW live on the host (``CPUOffloadPolicy``), the one-GPU case.
+
+The layer executors (recompute, Memo, MsT, FPDT) run inside ``TransformerLayer.forward``, so FSDP's hooks gather
+the weights before any of them touches a parameter, also when they recompute in backward.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from ..config import ConfigError
+from .topology import Axis, Topology
+
+PARAM_ATTRS = ("tensor_model_parallel", "partition", "sequence_parallel")
+
+
+def shard_dim(p: torch.Tensor) -> int:
+    """The dim FSDP cuts: one other than the tp partition dim when there is one (0 for 1-D tensors)."""
+    part = getattr(p, "partition", None) if getattr(p, "tensor_model_parallel", False) else None
+    if p.ndim < 2 or part is None:
+        return 0
+    return 1 if part[0] == 0 else 0
+
+
+def fsdp_mesh(topo: Topology, device: torch.device):
+    """The 1-D device mesh of this rank's dp x cp group (the group the gradients were all-reduced over); with
+    dp x cp = 1 (one GPU with ``fsdp_cpu_offload``, or tp alone) a group of this rank alone."""
+    group = topo.group(Axis.DP_CP)
+    if group is None:
+        if not dist.is_initialized():
+            raise ConfigError("parallel.use_torch_fsdp2 needs torch.distributed (one process is enough): run "
+                              "pretrain_gpt.py, which starts it, or init a process group first")
+        group = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # every rank: all
+    return DeviceMesh.from_group(group, device.type)
+
+
+def check_shardable(model: nn.Module) -> None:
+    """A 1-D parameter cut over tp with a stride (SwiGLU's fc1 bias) cannot also be cut over dp x cp so that a
+    checkpoint names each shard as one box of the full tensor."""
+    for n, p in model.named_parameters():
+        part = getattr(p, "partition", None) if getattr(p, "tensor_model_parallel", False) else None
+        if p.ndim == 1 and part is not None and part[1] > 1:
+            raise ConfigError(f"parallel.use_torch_fsdp2 with model.add_bias_linear and model.swiglu: parameter {n} "
+                              f"is 1-D and partitioned with stride {part[1]}; its FSDP shards would not be boxes of "
+                              f"the checkpoint's tensor (set add_bias_linear false)")
+
+
+def apply_fsdp(model: nn.Module, topo: Topology, device: torch.device, *, bf16: bool, cpu_offload: bool,
+               reshard_after_forward: bool = True) -> nn.Module:
+    """Shard ``model`` in place (layers, then the root); parameter attributes (tp partition, SP) are carried over
+    to the sharded parameters. Call after every step that needs the full weights (Memo's calibration, the memory
+    plan's capture) and before the optimizer is built."""
+    check_shardable(model)
+    attrs = {n: {a: getattr(p, a) for a in PARAM_ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
+    dims = {id(p): shard_dim(p) for p in model.parameters()}
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    kw = dict(mesh=fsdp_mesh(topo, device), mp_policy=mp,
+              offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy(),
+              shard_placement_fn=lambda p: Shard(dims[id(p)]))
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    for m in [*model.layers, model]:
+        m.set_gradient_divide_factor(1.0)  # a SUM over dp x cp: the loss already is the global mean
+        m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    for n, p in model.named_parameters():
+        for a, v in attrs[n].items():
+            setattr(p, a, v)
+    # the model returns the loss transposed (a view); the loop only reads it out of place
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) returned a view tensor")
+    return model
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    return isinstance(p, DTensor)
+
+
+def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The local shard of an FSDP parameter, gradient or optimizer state (``t`` itself when not sharded)."""
+    return t.to_local() if t is not None and is_sharded(t) else t
