@@ -267,8 +267,9 @@ class HostPool:
         if self.size == 0:
             raise HostPoolError("host pool: nothing was reserved -- the offload techniques size the pool in their "
                                 "calibration (training/setup.py: calibrate_fpdt, calibrate_memo) before the first step")
-        dev = self.dev if self.dev is not None else DeviceAdapter(torch.device("cpu"))
-        self.data = dev.host_pinned(self.size)
+        if self.dev is None:  # never bound: the host of the CPU twin
+            self.dev = DeviceAdapter(torch.device("cpu"))
+        self.data = self.dev.host_pinned(self.size)
         self.fit = _FirstFit(self.size)
 
     @contextlib.contextmanager

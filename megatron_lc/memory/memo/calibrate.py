@@ -197,7 +197,8 @@ def calibrate_memo(model, runtime: MemoRuntime, memory_cfg, layout, topo, device
     try:
         result = solve_alpha(inp) if fixed is None else check_fixed_alpha(inp, fixed)
     except HostMemoryError as e:
-        error = f"rank {topo.rank}: {e}"
+        error = (f"rank {topo.rank}: {e} (this rank's share {fmt_bytes(prof.host_budget)} less the host pool's "
+                 f"{fmt_bytes(others)} of FPDT chunks and {fmt_bytes(swapped * prof.s_padding)} of alignment)")
     gathered = _gather((None if result is None else result.alpha, error))
     errors = [e for _, e in gathered if e is not None]
     if errors:
