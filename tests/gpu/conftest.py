@@ -46,7 +46,7 @@ def device():
     return DEVICE
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def record():
     """``record(section, name, value)``: a figure for the JSON / markdown of the GPU check."""
     def put(section: str, name: str, value) -> None:

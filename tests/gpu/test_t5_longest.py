@@ -24,6 +24,8 @@ DRY_VARIANTS = {"hf-gc": 96, "mst-memo-auto": 160}  # dry run: name -> simulated
 START, GRANULARITY, CAP = (64, 64, 256) if DRYRUN else (8192, 4096, 1 << 20)
 BUDGET_S = 150 if DRYRUN else 840
 MFU_AT = 128 if DRYRUN else 65536
+STEPS = 2 if DRYRUN else 3
+SECTION = "T5 longest sequence (1B Llama, bf16, batch 1, 3 steps)"
 TARGET_RATIO, TARGET_MFU = 8, 0.40
 
 
@@ -38,7 +40,7 @@ def fpdt_chunk(seq: int) -> int:
 def point(name: str, device: torch.device, peak):
     def run(seq: int, time_left: float) -> dict:
         sets = VARIANTS[name]
-        spec = {"kind": "hf" if sets is None else "framework", "device": device.type, "seq": seq, "steps": 3,
+        spec = {"kind": "hf" if sets is None else "framework", "device": device.type, "seq": seq, "steps": STEPS,
                 "bf16": True, "model": _util.MODEL, "sets": list(sets or [])}
         if name.startswith("fpdt"):
             spec["sets"].append(f"memory.fpdt_chunk_size={fpdt_chunk(seq)}")
@@ -65,7 +67,7 @@ def test_longest_sequence_and_mfu(device, record):
     peak = _util.peak_tflops(name_dev) or (0.1 if DRYRUN else None)
     variants = list(DRY_VARIANTS) if DRYRUN else list(VARIANTS)
     end = min(time.time() + BUDGET_S, _util.deadline() - 30)
-    record("T5 longest sequence (1B Llama, bf16, batch 1, 3 steps)", "setup",
+    record(SECTION, "setup",
            {"model": _util.MODEL, "start": START, "granularity": GRANULARITY, "cap": CAP,
             "budget_s": round(end - time.time()), "peak_tflops": peak, "mfu_formula": _util.MFU_FORMULA})
     results = {}
@@ -73,7 +75,7 @@ def test_longest_sequence_and_mfu(device, record):
         share = (end - time.time()) / (len(variants) - i)  # what an earlier variant left goes to the later ones
         found = _util.longest(point(name, device, peak), START, GRANULARITY, CAP, share)
         results[name] = found
-        record("T5 longest sequence (1B Llama, bf16, batch 1, 3 steps)", name, summary(found))
+        record(SECTION, name, summary(found))
     errors = {n: r["error"] for n, f in results.items() for r in f["points"].values()
               if not r["ok"] and not r.get("oom") and not r.get("timeout")}
     assert not errors, errors  # a point may run out of memory or time, never fail otherwise
@@ -81,7 +83,7 @@ def test_longest_sequence_and_mfu(device, record):
     best = max(f["longest"] for f in ours.values())
     hf = results["hf-gc"]["longest"]
     at = {n: f["points"][MFU_AT].get("mfu") for n, f in ours.items() if f["points"].get(MFU_AT, {}).get("ok")}
-    record("T5 longest sequence (1B Llama, bf16, batch 1, 3 steps)", "targets",
+    record(SECTION, "targets",
            {"ours_longest": best, "hf_longest": hf, "ratio": round(best / hf, 2) if hf else None,
             f"mfu_at_{MFU_AT}": at})
     if device.type == "cuda":
