@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..config import Config, ConfigError
+from ..device import HostPool
 from ..memory.memo.alpha import AlphaInputs
 from ..memory.memo.alpha import bounds as alpha_bounds
 from . import transient as T
@@ -147,6 +148,9 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         layers = 1 if recompute_style == "checkpoint" and (mem.recompute_granularity == "full"
                                                           or mem.activation_offload == "memo") else x.L
         host_rank += layers * x.tokens * (x.h * x.act + (2 * x.nq_l + 2 * kv) * x.d * x.act + x.nq_l * 4)
+        # the host pool also holds one backward's do^ and fp32 dq chunks (attention/fpdt/calibrate.py: L * F + B),
+        # and rounds each parked view up to HostPool.ALIGN (per chunk: ~6 per layer, 2 for the backward)
+        host_rank += x.tokens * x.nq_l * x.d * (x.act + 4) + (6 * layers + 2) * x.fpdt_chunks * HostPool.ALIGN
     on_host = host_rank if hw.device == "cpu" else 0.0  # on CPU "host" copies live in the same memory
 
     # ---- the four moments ----------------------------------------------------------------------------------
