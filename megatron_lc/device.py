@@ -105,6 +105,11 @@ class DeviceAdapter:
         return None
 
 
+def _host_unregister(storage, ptr: int) -> None:
+    """Unlock pages ``cudaHostRegister`` locked (``storage``: kept alive until then)."""
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 class _CudaAdapter(DeviceAdapter):
     """CUDA mapping (never executed in this project's CI: no GPU)."""
 
@@ -113,12 +118,12 @@ class _CudaAdapter(DeviceAdapter):
 
     def host_pinned(self, nbytes: int) -> torch.Tensor:
         # pin_memory=True would round the block up to a power of two (CachingHostAllocator: PowerOf2Ceil, even with
-        # pinned_use_cuda_host_register): page-lock exactly these bytes of a plain allocation instead, and unlock
-        # them when the tensor goes
+        # pinned_use_cuda_host_register): page-lock exactly these bytes of a plain allocation instead (as PyTorch's
+        # own checkpoint stager does, torch/cuda/_pin_memory_utils.py), and unlock them when the tensor goes -- the
+        # finalizer holds the storage, so the pages are unlocked before they are freed
         t = torch.empty(int(nbytes), dtype=torch.uint8, device="cpu")
-        cudart = torch.cuda.cudart()
-        torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0))
-        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0))
+        weakref.finalize(t, _host_unregister, t.untyped_storage(), t.data_ptr())
         return t
 
     def new_stream(self):

@@ -177,3 +177,34 @@ def test_fpdt_never_zeroes_host_dq_accumulators():
         tok = model(batch["tokens"], batch["position_ids"], batch["labels"])
         tok.sum().backward()
     assert mode.calls == 0
+
+
+def test_cuda_pool_page_locks_exactly_its_bytes(monkeypatch):
+    """The CUDA mapping (never run on a GPU here): one ``cudaHostRegister`` of exactly the pool's bytes -- not
+    ``pin_memory=True``, which rounds up to a power of two -- and the pages unlocked when the pool goes."""
+    import gc
+
+    from megatron_lc import device as device_mod
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(torch.cuda, "check_error", lambda res: None)
+    pool = HostPool()
+    pool.bind(device_mod._CudaAdapter(torch.device("cuda", 0)))
+    pool.reserve("fpdt", 3 * 1024 * 1024 + 1)  # 3 MiB + 512: a power-of-two allocator would take 4 MiB
+    t = pool.take((4,), torch.float32)
+    ptr = pool.data.data_ptr()
+    assert calls == [("register", ptr, 3 * 1024 * 1024 + 512)] and offset(pool, t) == 0
+    del pool, t
+    gc.collect()
+    assert calls[-1] == ("unregister", ptr)
