@@ -22,6 +22,11 @@ CASES = [
     ("tp2-sp", 2, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
     ("dp2", 2, [], BENCH),
     ("dp2-zero1", 2, ["parallel.use_distributed_optimizer=true"]),
+    ("dp2-fsdp", 2, ["parallel.use_torch_fsdp2=true"]),
+    ("dp2-fsdp-cpu-offload", 2, ["parallel.use_torch_fsdp2=true", "parallel.fsdp_cpu_offload=true"]),
+    ("tp2-sp-fsdp-ring-cp2-mst", 4, ["data.seq_length=2048", "parallel.tensor_model_parallel_size=2",
+                                     "parallel.sequence_parallel=true", "parallel.context_parallel_size=2",
+                                     "parallel.use_torch_fsdp2=true", "memory.mst=true"]),
     # memory features at 2048 tokens (activations, not the optimizer step, set the peak)
     ("recompute-full", 1, ["data.seq_length=2048", "memory.recompute_granularity=full"]),
     ("recompute-selective", 1, ["data.seq_length=2048", "memory.recompute_granularity=selective"], BENCH),

@@ -111,10 +111,11 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     # ---- what each layer keeps on the device, and the rounding buffers -------------------------------------
     alpha: Optional[float] = None
     rounding = staging = 0.0
-    host_rank = 0.0
+    ms = model_state_bytes(cfg, x, states)
+    host_rank = ms.get("host", 0.0)  # FSDP2 with CPU offload: shards, gradients, AdamW states
     if mem.activation_offload == "memo":
         ranks_per_node = min(hw.gpus_per_node, x.world)
-        host_share = hw.host_bytes_per_node / ranks_per_node
+        host_share = hw.host_bytes_per_node / ranks_per_node - host_rank
         if mem.offload_fraction == "auto":
             alpha, why = solve_alpha(g["input"], g["attn"], g["others"], hw.pcie_gbps * 1e9, t_layer_fwd, x.L,
                                      host_share)
@@ -127,12 +128,12 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         # rematerialised into autograd's allocations during one layer's backward. Kept tensors are copied into the
         # buffer as autograd saves them (memory/slots.py), so no whole-layer staging copy exists (staging = 0).
         rounding = 2 * (kept + 32 * 256)
-        host_rank = max(x.L - 2, 0) * kept
+        host_rank += max(x.L - 2, 0) * kept
         recompute = (1.0 - alpha) * g["others"]
         if recompute_style == "checkpoint":  # only the layer inputs leave; everything else is recomputed
             alpha, kept = 0.0, g["input"]
             rounding, staging = 2 * kept, kept
-            host_rank = max(x.L - 2, 0) * kept
+            host_rank = ms.get("host", 0.0) + max(x.L - 2, 0) * kept
             recompute = full - kept
             notes.append("what-if: checkpoint + CPU offload of layer inputs (recompute_style=checkpoint)")
     elif mem.recompute_granularity == "full":
@@ -154,7 +155,6 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     on_host = host_rank if hw.device == "cpu" else 0.0  # on CPU "host" copies live in the same memory
 
     # ---- the four moments ----------------------------------------------------------------------------------
-    ms = model_state_bytes(cfg, x, states)
     final = sum(i.bytes for i in final_skeletal(x, head_chunked))
     softmax = 0.0 if head_chunked else x.tokens * x.V_l * 4.0
     shared = sum(i.bytes for i in shared_skeletal(x)) + x.n_micro * x.tokens * 28.0  # + the micro-batches

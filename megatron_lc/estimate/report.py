@@ -29,7 +29,8 @@ def layout_line(est: Estimate) -> str:
     if p.cp_comm_type == "fpdt":
         mem.append(f"fpdt_chunk={m.fpdt_chunk_size} offload={m.fpdt_offload}")
     return (f"{x.world} x {est.hw.name}: tp={x.tp} (sp={x.sp}) cp={x.cp} ({p.cp_comm_type}, ulysses {p.ulysses_size}) "
-            f"dp={x.dp} zero1={p.use_distributed_optimizer} | " + " ".join(mem) +
+            f"dp={x.dp} zero1={p.use_distributed_optimizer} fsdp2={p.use_torch_fsdp2}"
+            + (" (cpu offload)" if p.fsdp_cpu_offload else "") + " | " + " ".join(mem) +
             f" | seq {x.s:,} micro-batch {x.b} x {x.n_micro}")
 
 

@@ -12,7 +12,9 @@ What is searched (model, data and batch sizes stay as configured):
 * cp flavour: ring (p2p), Ulysses (a2a), hybrid (a2a+p2p, every ulysses size between), FPDT (fpdt, chunk sizes
   seq / u for u = 1, 2, 4, ... with chunks of at least 8K tokens, offload on and off);
 * memory: recompute none / full, Memo offload with α from the LP (``auto``) or α in {0, 1/8, 1/4, 1/2, 1}, MsT
-  on / off; ZeRO-1 (``use_distributed_optimizer``) whenever dp x cp > 1.
+  on / off;
+* model states: ZeRO-1 (``use_distributed_optimizer``) whenever dp x cp > 1, FSDP2 (``use_torch_fsdp2``), FSDP2
+  with ``fsdp_cpu_offload``.
 
 Skipped: anything ``config.resolve_layout`` rejects; recompute/Memo with FPDT unless ``allow_fpdt_recompute`` (the
 framework runs them in Memo's block mode, but no calibration case covers the estimate of it yet); selective recompute
@@ -61,6 +63,10 @@ class Candidate:
             parts.append(f"recompute-{o['memory.recompute_granularity']}")
         if o["memory.mst"]:
             parts.append("mst")
+        if o.get("parallel.use_torch_fsdp2"):
+            parts.append("fsdp2" + ("-cpu-offload" if o.get("parallel.fsdp_cpu_offload") else ""))
+        elif o.get("parallel.use_distributed_optimizer"):
+            parts.append("zero1")
         return " ".join(parts)
 
 
@@ -92,18 +98,33 @@ def layouts(cfg: Config, hw: HardwareProfile, world: int) -> Iterator[dict]:
             if cp > 1:
                 flavours += [("a2a", cp)] + [("a2a+p2p", u) for u in _divisors(cp) if 1 < u < cp]
             flavours.append(("fpdt", cp))
-            base = {"parallel.tensor_model_parallel_size": tp, "parallel.context_parallel_size": cp,
-                    "parallel.sequence_parallel": tp > 1, "parallel.use_distributed_optimizer": dp * cp > 1}
-            for kind, u in flavours:
-                par = dict(base, **{"parallel.cp_comm_type": kind, "parallel.ulysses_size": u})
-                if kind != "fpdt":
-                    yield dict(par, **{"memory.fpdt_chunk_size": None, "memory.fpdt_offload": True})
-                    continue
-                for n in _pow2_upto(s // MIN_FPDT_CHUNK):
-                    if s % n:
-                        continue
-                    for off in (True, False):
-                        yield dict(par, **{"memory.fpdt_chunk_size": s // n, "memory.fpdt_offload": off})
+            for states in sharding_options(dp * cp):
+                base = {"parallel.tensor_model_parallel_size": tp, "parallel.context_parallel_size": cp,
+                        "parallel.sequence_parallel": tp > 1, **states}
+                yield from _flavoured(base, flavours, s)
+
+
+def sharding_options(n: int) -> list[dict]:
+    """How the model states are kept over ``n`` = dp x cp ranks: ZeRO-1 (n > 1; plain AdamW when n = 1), FSDP2,
+    FSDP2 with its states on the host."""
+    plain = {"parallel.use_distributed_optimizer": n > 1, "parallel.use_torch_fsdp2": False,
+             "parallel.fsdp_cpu_offload": False}
+    fsdp = {"parallel.use_distributed_optimizer": False, "parallel.use_torch_fsdp2": True}
+    return [plain, dict(fsdp, **{"parallel.fsdp_cpu_offload": False}),
+            dict(fsdp, **{"parallel.fsdp_cpu_offload": True})]
+
+
+def _flavoured(base: dict, flavours: list, s: int) -> Iterator[dict]:
+    for kind, u in flavours:
+        par = dict(base, **{"parallel.cp_comm_type": kind, "parallel.ulysses_size": u})
+        if kind != "fpdt":
+            yield dict(par, **{"memory.fpdt_chunk_size": None, "memory.fpdt_offload": True})
+            continue
+        for n in _pow2_upto(s // MIN_FPDT_CHUNK):
+            if s % n:
+                continue
+            for off in (True, False):
+                yield dict(par, **{"memory.fpdt_chunk_size": s // n, "memory.fpdt_offload": off})
 
 
 def memory_options(fpdt: bool) -> Iterator[dict]:

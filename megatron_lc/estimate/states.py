@@ -3,7 +3,8 @@
 ``framework`` is what this project's trainer holds (``training/optimizer.py``): fp32 parameters (the master
 weights; ``train.bf16`` autocasts on GPU and caches bf16 copies of the matrices for the step), fp32 gradients,
 AdamW's two fp32 states, sharded over dp x cp by ZeRO-1 (torch's ``ZeroRedundancyOptimizer``: whole parameters
-per rank, the partition of ``inventory.zero1_partition``) with ``parallel.use_distributed_optimizer``.
+per rank, the partition of ``inventory.zero1_partition``) with ``parallel.use_distributed_optimizer``; with
+``parallel.use_torch_fsdp2`` all three sharded over dp x cp (``fsdp_state_bytes``).
 
 The other presets are *what-ifs* for comparing with the papers' systems; the framework does not implement them:
 
@@ -40,6 +41,8 @@ def model_state_bytes(cfg: Config, x: Dims, preset: str = "framework") -> dict:
     layer = sum(n for name, n, _ in shards if name.startswith("layers.0."))
     head = (x.V_l * x.h if x.untied else 0) + x.h
     zero_ranks = x.dp * x.cp
+    if preset == "framework" and cfg.parallel.use_torch_fsdp2:
+        return fsdp_state_bytes(cfg, x, numels, layer, head)
     if preset == "framework":
         if cfg.parallel.use_distributed_optimizer and zero_ranks > 1:
             state_numel = max(zero1_partition(shards, zero_ranks))
@@ -64,3 +67,21 @@ def model_state_bytes(cfg: Config, x: Dims, preset: str = "framework") -> dict:
     return {"params": 2.0 * total, "grads": 0.0, "optimizer": 4.0 * total, "autocast_copies": 0.0,
             "numels": numels, "state_numel": total, "head_grad": 2.0 * head, "layer_grad": 2.0 * layer,
             "persistent_grads": False}
+
+
+def fsdp_state_bytes(cfg: Config, x: Dims, numels: list, layer: float, head: float) -> dict:
+    """FSDP2 (``parallel/fsdp.py``): fp32 shards of the parameters, their gradients and AdamW states, 1/(dp x cp)
+    each; on the device also the gathered weights in the compute dtype of two layers (the one computing and the
+    one prefetched) or of the embedding / head unit, and one layer's unsharded gradients (compute dtype + the fp32
+    copy reduce-scattered). ``fsdp_cpu_offload``: the shards, gradients and AdamW states are host memory
+    (``host``), AdamW runs on the host."""
+    n = x.dp * x.cp
+    total = sum(numels)
+    shard = total / n
+    gathered = x.act * (2 * layer + max(x.V_l * x.h, head))  # compute dtype: bf16 with train.bf16
+    # on a CPU run the host is the device: the offload moves nothing (the GPU split is not measured here)
+    dev = 0.0 if cfg.parallel.fsdp_cpu_offload and x.device != "cpu" else 1.0
+    return {"params": 4.0 * shard * dev + gathered, "grads": 4.0 * shard * dev, "optimizer": 8.0 * shard * dev,
+            "autocast_copies": 0.0, "numels": [m / n * dev for m in numels], "state_numel": shard * dev,
+            "head_grad": (x.act + 4.0) * head, "layer_grad": (x.act + 4.0) * layer, "persistent_grads": True,
+            "host": 16.0 * shard * (1.0 - dev)}

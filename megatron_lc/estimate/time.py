@@ -76,6 +76,22 @@ def layer_comm(cfg: Config, x: Dims, hw: HardwareProfile, attn_fwd_s: float, att
     return out
 
 
+HOST_ADAM_GBPS = 20.0  # effective host memory bandwidth of torch's CPU AdamW (an assumption, never measured here)
+
+
+def fsdp_exposed_seconds(cfg: Config, x: Dims, hw: HardwareProfile, numel: float, micro: float) -> float:
+    """FSDP2's communication per step that compute does not hide: per micro-batch every weight is all-gathered twice
+    (forward, backward; compute dtype) and its gradient reduce-scattered (fp32) over dp x cp -- prefetched one
+    layer ahead, so only what exceeds the micro-batch's compute is exposed; with CPU offload the shards also cross
+    PCIe (fp32 to the device twice, gradients back)."""
+    n = x.dp * x.cp
+    vol = (n - 1) / n * numel * (2 * x.act + 4) if n > 1 else 0.0
+    secs = vol / _bw(hw, n, x.tp) if n > 1 else 0.0
+    if cfg.parallel.fsdp_cpu_offload:
+        secs += 3 * 4 * numel / n / (hw.pcie_gbps * 1e9)
+    return x.n_micro * max(0.0, secs - micro)
+
+
 def estimate_time(cfg: Config, x: Dims, hw: HardwareProfile, alpha: Optional[float],
                   recompute_style: str = "token_wise") -> TimeEstimate:
     """Seconds of one optimizer step of ``cfg`` (all micro-batches) on ``hw``."""
@@ -121,12 +137,16 @@ def estimate_time(cfg: Config, x: Dims, hw: HardwareProfile, alpha: Optional[flo
     numel = sum(n for _, n, _ in param_shards(x))
     n = x.dp * x.cp
     sync = 2 * (n - 1) / n * 4 * numel / _bw(hw, n, x.tp) if n > 1 else 0.0
-    if cfg.parallel.use_distributed_optimizer and n > 1:
+    if cfg.parallel.use_torch_fsdp2:
+        sync, owned = fsdp_exposed_seconds(cfg, x, hw, numel, micro), numel / n
+    elif cfg.parallel.use_distributed_optimizer and n > 1:
         sync += (n - 1) / n * 4 * numel / _bw(hw, n, x.tp)
         owned = numel / n
     else:
         owned = numel
     opt = (28 * owned + 8 * numel) / (hw.hbm_gbps * 1e9)
+    if cfg.parallel.use_torch_fsdp2 and cfg.parallel.fsdp_cpu_offload:
+        opt = 28 * owned / (HOST_ADAM_GBPS * 1e9)  # AdamW on the host shards (assumed, unmeasured)
     parts = {
         "forward compute": x.n_micro * x.L * (lin_f + att_f) + x.n_micro * head_f,
         "backward compute": x.n_micro * x.L * (lin_b + att_b) + x.n_micro * 2 * head_f,
@@ -134,7 +154,7 @@ def estimate_time(cfg: Config, x: Dims, hw: HardwareProfile, alpha: Optional[flo
         "tp communication": x.n_micro * x.L * (comm["tp_fwd"] + comm["tp_bwd"]),
         "cp communication (exposed)": x.n_micro * x.L * (comm["cp_fwd"] + comm["cp_bwd"]),
         "host transfers (exposed)": x.n_micro * (x.L * (comm["host_fwd"] + comm["host_bwd"]) + n_swapped * stall),
-        "gradient sync": sync,
+        "gradient sync" + (" + FSDP2 gathers (exposed)" if cfg.parallel.use_torch_fsdp2 else ""): sync,
         "optimizer": opt,
     }
     step = x.n_micro * micro + sync + opt

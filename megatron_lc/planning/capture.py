@@ -34,6 +34,14 @@ from ..memory.arena import Arena
 from .trace import Event, Trace
 
 
+def _data_ptr(st: torch.UntypedStorage) -> Optional[int]:
+    """The storage's address; None for a storage without data (FSDP2's parameters while it builds them)."""
+    try:
+        return st.data_ptr()
+    except RuntimeError:
+        return None
+
+
 class DispatchTracer(TorchDispatchMode):
     """Records storages created while active. ``mark`` is the current (layer, phase) or None; ``phase`` the
     iteration's phase ("fwd" / "bwd") stamped on events outside layers. ``device_type``: record only storages of
@@ -78,9 +86,9 @@ class DispatchTracer(TorchDispatchMode):
         inputs = set()
         for a in tree_flatten((args, kwargs))[0]:
             if isinstance(a, torch.Tensor) and a.layout == torch.strided:
-                inputs.add(a.untyped_storage().data_ptr())
+                inputs.add(_data_ptr(a.untyped_storage()))
             elif isinstance(a, torch.UntypedStorage):
-                inputs.add(a.data_ptr())
+                inputs.add(_data_ptr(a))
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
                 continue
@@ -88,7 +96,7 @@ class DispatchTracer(TorchDispatchMode):
                 continue
             st = t.untyped_storage()
             n = st.nbytes()
-            if n == 0 or id(st) in self._ids or st.data_ptr() in inputs:
+            if n == 0 or id(st) in self._ids or _data_ptr(st) in inputs:
                 continue
             rid = self._next
             self._next += 1
