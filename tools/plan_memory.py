@@ -2,7 +2,11 @@
 
 Reads a JSONL trace (format: docs/memory_planning.md), plans an address for every request (bi-level when the trace
 has layer marks), validates the plan, writes it, and prints a JSON summary: peak, max-live lower bound, ratio,
-status, solve seconds, and the simulated PyTorch caching allocator's reserved bytes on the same trace."""
+status, solve seconds, and the simulated PyTorch caching allocator's reserved bytes on the same trace.
+
+``--capacity BYTES``: is there a (flat) plan under BYTES? Prints ``"answer": "feasible" | "infeasible" |
+"undecided"`` (writes the plan when feasible). Exit codes: 0 a plan was written (with --capacity: feasible),
+1 infeasible (proved), 3 undecided within --time-limit, 2 a bad trace or option."""
 from __future__ import annotations
 
 import argparse
@@ -16,11 +20,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("trace", help="JSONL trace")
+    p.add_argument("trace", help="JSONL trace, or a MiniMalloc CSV (id,lower,upper,size; name ending .csv)")
     p.add_argument("--out", required=True, help="plan JSON to write")
     p.add_argument("--plot", help="draw the plan (png/pdf/svg)")
-    p.add_argument("--solver", default="auto", choices=["auto", "greedy", "cpsat", "mip"],
-                   help="auto: CP-SAT when OR-Tools is installed (the planning extra), else greedy")
+    p.add_argument("--solver", default="auto", choices=["auto", "greedy", "search", "cpsat", "mip"],
+                   help="auto: greedy, the exact search when greedy is above the bound, CP-SAT (when OR-Tools is "
+                        "installed: the planning extra) when the search has not proved its plan optimal")
+    p.add_argument("--capacity", type=int, help="bytes: find any plan under it, or say it is infeasible or undecided "
+                   "(exit 0 / 1 / 3)")
     p.add_argument("--time-limit", type=float, default=10.0, help="seconds for the whole plan (default 10)")
     p.add_argument("--mode", default="auto", choices=["auto", "bilevel", "flat"])
     p.add_argument("--pseudo", default="skyline", choices=["skyline", "rectangle"],
@@ -35,14 +42,20 @@ def main(argv=None) -> int:
         return 2
 
     from megatron_lc.planning.cachesim import simulate
-    from megatron_lc.planning.planner import plan_trace
+    from megatron_lc.planning.planner import plan_capacity, plan_trace
     from megatron_lc.planning.solvers import PlanError
     from megatron_lc.planning.trace import Trace, TraceError
 
     try:
-        trace = Trace.load(args.trace)
-        plan = plan_trace(trace, mode=args.mode, solver=args.solver, time_limit=args.time_limit,
-                          alignment=args.alignment, pseudo=args.pseudo, gap=args.gap)
+        trace = Trace.load_csv(args.trace) if args.trace.endswith(".csv") else Trace.load(args.trace)
+        if args.capacity is not None:
+            answer, plan = plan_capacity(trace, args.capacity, time_limit=args.time_limit, alignment=args.alignment)
+            if plan is None:
+                print(json.dumps({"trace": args.trace, "capacity_bytes": args.capacity, "answer": answer}, indent=1))
+                return 1 if answer == "infeasible" else 3
+        else:
+            plan = plan_trace(trace, mode=args.mode, solver=args.solver, time_limit=args.time_limit,
+                              alignment=args.alignment, pseudo=args.pseudo, gap=args.gap)
         plan.write(args.out, trace)
     except (OSError, TraceError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -55,6 +68,8 @@ def main(argv=None) -> int:
                "cachesim_reserved_bytes": sim.peak_reserved_bytes,
                "cachesim_reserved_over_plan_peak": sim.peak_reserved_bytes / max(plan.peak_bytes, 1),
                "out": args.out}
+    if args.capacity is not None:
+        summary.update(capacity_bytes=args.capacity, answer="feasible")
     if args.plot:
         from megatron_lc.planning.plot import plot_plan
 

@@ -9,11 +9,15 @@ prove; the paper's big-M MIP on HiGHS as ``solver="mip"``). Bi-level (``bilevel.
 (a run of events marked with one (layer, phase)) is planned once per distinct request sequence, then the
 iteration is planned with every block as one request of its first-level peak.
 
+Capacity mode (``plan_capacity``): is there a flat plan with its peak under a given number of bytes? Feasible (a
+plan), infeasible (proved: the bound is above it, or the exact search of ``search.py`` was complete) or undecided.
+
 The plan format is in ``plan.py``; one DSA instance is solved by ``dsa.solve_dsa``.
 """
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -21,7 +25,8 @@ from ..memory.arena import ALIGNMENT
 from .bilevel import plan_bilevel
 from .dsa import align_size, solve_dsa
 from .plan import Plan
-from .solvers import Rects
+from .search import FEASIBLE, INFEASIBLE, fit
+from .solvers import Rects, best_greedy
 from .trace import Trace
 
 
@@ -37,6 +42,34 @@ def plan_flat(trace: Trace, *, solver: str = "auto", time_limit: float = 10.0, a
                 [r.id for r in reqs], sol.peak, sol.lower_bound, sol.status, sol.solver, sol.seconds, alignment,
                 {r.id: r.tag for r in reqs if r.tag}, dict(trace.meta.get("persistent", {})),
                 {"mode": "flat", "requests": len(reqs)})
+
+
+def plan_capacity(trace: Trace, capacity: int, *, time_limit: float = 10.0, alignment: int = ALIGNMENT
+                  ) -> tuple[str, Optional[Plan]]:
+    """The whole trace (flat) under ``capacity`` bytes: ("feasible", plan), ("infeasible", None) when the max-live
+    bound exceeds it or the exact search proved that no plan fits, ("undecided", None) when time ran out. Greedy
+    first; the exact search only when greedy does not fit."""
+    t0 = time.perf_counter()
+    reqs = trace.requests()
+    sizes = np.array([align_size(r.size, alignment) for r in reqs], dtype=np.int64)
+    inst = Rects.flat(sizes, [r.start for r in reqs], [r.end for r in reqs])
+    lb = inst.lower_bound()
+    if lb > capacity:
+        return INFEASIBLE, None
+    off, peak, order = best_greedy(inst, lower_bound=lb, time_limit=0.3 * time_limit)
+    used = f"greedy-{order}"
+    if peak > capacity:
+        r = fit(inst, capacity, time_limit=time_limit - (time.perf_counter() - t0))
+        if r.status != FEASIBLE:
+            return r.status, None
+        off, peak, used = r.offsets, inst.peak(r.offsets), used + "+search"
+    plan = Plan({r.id: int(o) for r, o in zip(reqs, off)}, {r.id: int(s) for r, s in zip(reqs, sizes)},
+                [r.id for r in reqs], peak, lb, "optimal" if peak == lb else "feasible", used,
+                time.perf_counter() - t0, alignment, {r.id: r.tag for r in reqs if r.tag},
+                dict(trace.meta.get("persistent", {})), {"mode": "capacity", "capacity_bytes": int(capacity)})
+    plan.validate(trace)
+    plan.arena = plan_arena(trace, alignment)
+    return FEASIBLE, plan
 
 
 def plan_trace(trace: Trace, *, mode: str = "auto", solver: str = "auto", time_limit: float = 10.0,

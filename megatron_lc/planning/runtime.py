@@ -87,8 +87,8 @@ def plan_memory(setting: str, model, arena: ArenaHandle, batch: dict, device: to
         trace, prof_s = _profile(model, arena, batch, autocast, rank, device)
         plan = plan_trace(trace, time_limit=time_limit, gap=AUTO_GAP)
         if not have_ortools():
-            log.info("memory plan (auto): greedy placement only; OR-Tools (pip install 'megatron_lc[planning]') "
-                     "would let CP-SAT improve or prove it")
+            log.info("memory plan (auto): greedy and the exact search only; OR-Tools (pip install "
+                     "'megatron_lc[planning]') would add CP-SAT where the search is undecided")
         sim = simulate(trace)
         log.info("memory plan (auto): profiled %d requests in %.2fs, planned in %.2fs: peak %.2f MiB, lower bound "
                  "%.2f MiB (x%.4f), %s, %s; caching allocator would reserve %.2f MiB (x%.3f of the plan)",

@@ -15,6 +15,7 @@ conflict when their intervals intersect. Example: ``malloc 1, malloc 2, free 1, 
 """
 from __future__ import annotations
 
+import csv
 import json
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -154,6 +155,21 @@ class Trace:
             else:
                 out.append(Block(e.layer, e.phase, n, n + 1))
         return out
+
+    @classmethod
+    def from_intervals(cls, rows: Iterable[tuple]) -> "Trace":
+        """A trace of buffers ``(id, lower, upper, size)`` living on ``[lower, upper)`` (MiniMalloc's CSV rows):
+        events sorted by time, frees before mallocs at one time, so the same pairs conflict."""
+        ev = []
+        for i, lo, up, size in rows:
+            ev += [(int(lo), 1, int(i), int(size)), (int(up), 0, int(i), int(size))]
+        return cls([Event("malloc" if kind else "free", i, size) for _, kind, i, size in sorted(ev)])
+
+    @classmethod
+    def load_csv(cls, path: str) -> "Trace":
+        """MiniMalloc's input format: a header ``id,lower,upper,size``, one buffer a line (integer ids)."""
+        with open(path) as f:
+            return cls.from_intervals((r["id"], r["lower"], r["upper"], r["size"]) for r in csv.DictReader(f))
 
     def subset(self, ids: Iterable[int]) -> "Trace":
         """The events of the given ids only, in order (marks kept)."""

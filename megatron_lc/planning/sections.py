@@ -1,0 +1,151 @@
+"""The arrays the exact search (``search.py``) works on, prepared once per instance with numpy.
+
+Sections: sweep the rectangles' start and end times; the set of rectangles live just before some rectangle ends is
+maximal (only starts happened since the previous end), and every time's live set lies in one of them. These
+maximal cliques are the *sections*, numbered in time order; each rectangle covers a contiguous range of them, and
+two rectangles overlap in time exactly when their ranges intersect. Example: a [0, 4), b [1, 2), c [3, 6) give the
+sections {a, b} (before b ends at 2) and {a, c} (before a ends at 4), then {c}: a covers 0-1, b 0, c 1-2.
+
+Per item (a request, or a bi-level skyline of several rectangles on one base): its runs ``(lo, hi, height)`` over
+sections, its span (first and last section), its height, its *reach* (height plus the background above it, so its
+base may not exceed C - reach), and its neighbours with the *effective size* ``e``: when item i is at base o, a
+neighbour placed above it starts at o + e or higher (e = the tallest rectangle of i overlapping the neighbour).
+Per section: the bytes live in it. Per boundary between sections s and s + 1: the *cut*, the number of items
+spanning both; a zero cut splits the instance into independent partitions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .solvers import Rects
+
+_CHUNK = 1 << 21  # run pairs compared per numpy step
+
+
+@dataclass
+class Prepared:
+    n: int  # items in the instance (zero-height ones are left out of everything below and end at base 0)
+    S: int  # sections
+    runs: list  # item -> [(lo, hi, height)]
+    span: list  # item -> (first section, last section + 1)
+    first: np.ndarray  # item -> first section
+    height: np.ndarray  # item -> tallest rectangle
+    reach: np.ndarray  # item -> max over its rectangles of height + background
+    total: np.ndarray  # section -> bytes live in it
+    cuts: np.ndarray  # boundary s (between sections s, s + 1) -> items spanning both
+    adj: list  # item -> (neighbours, effective sizes), two int64 arrays
+    members: np.ndarray  # the items covering each section, section by section
+    ptr: np.ndarray  # section s's members are members[ptr[s]:ptr[s + 1]]
+    partitions: list  # [(items, lo, hi)]: independent section ranges and their items
+    area: np.ndarray  # item -> sum of height x duration
+    width: np.ndarray  # item -> lifetime (last end - first start)
+
+    def rank(self, heuristic: str) -> list:
+        """Preorder rank of each item (0 first): by the letters of ``heuristic`` in turn, each descending --
+        W lifetime, A area, T the largest total of the sections it covers -- then by index."""
+        tmax = np.zeros(self.n, dtype=np.int64)
+        for i, rs in enumerate(self.runs):
+            if rs:
+                tmax[i] = max(int(self.total[lo:hi].max()) for lo, hi, _ in rs)
+        keys = {"W": self.width, "A": self.area, "T": tmax}
+        order = np.lexsort([np.arange(self.n)] + [-keys[c] for c in reversed(heuristic)])
+        rank = [0] * self.n
+        for k, i in enumerate(order.tolist()):
+            rank[i] = k
+        return rank
+
+
+def prepare(inst: Rects) -> Prepared:
+    keep = np.flatnonzero(inst.height > 0)
+    ri, rs, re, rh = inst.item[keep], inst.start[keep], inst.end[keep], inst.height[keep]
+    n = inst.n
+    times = np.unique(np.concatenate([rs, re]))
+    a, b = np.searchsorted(times, rs), np.searchsorted(times, re)
+    is_sec = np.zeros(len(times), dtype=np.int64)
+    is_sec[b - 1] = 1  # the slice [times[k], times[k + 1]) just before an end is a section
+    csum = np.concatenate([[0], np.cumsum(is_sec)])
+    lo, hi = csum[a], csum[b]
+    S = int(csum[-1])
+
+    runs: list = [[] for _ in range(n)]
+    for i, l, h_, h in zip(ri.tolist(), lo.tolist(), hi.tolist(), rh.tolist()):
+        runs[i].append((l, h_, h))
+    span = [(min(r[0] for r in rr), max(r[1] for r in rr)) if rr else (0, 0) for rr in runs]
+    height = np.zeros(n, dtype=np.int64)
+    np.maximum.at(height, ri, rh)
+    reach = np.zeros(n, dtype=np.int64)
+    np.maximum.at(reach, ri, rh + inst.extra[keep])
+    d = np.zeros(S + 1, dtype=np.int64)
+    np.add.at(d, lo, rh)
+    np.add.at(d, hi, -rh)
+    total = np.cumsum(d)[:S]
+    sp = np.array(span, dtype=np.int64).reshape(-1, 2)
+    multi = sp[:, 1] - sp[:, 0] >= 2
+    dc = np.zeros(S + 1, dtype=np.int64)
+    np.add.at(dc, sp[multi, 0], 1)
+    np.add.at(dc, sp[multi, 1] - 1, -1)
+    cuts = np.cumsum(dc)[:max(S - 1, 0)]
+
+    area = np.zeros(n, dtype=np.int64)
+    np.add.at(area, ri, rh * (re - rs))
+    first = np.full(n, np.iinfo(np.int64).max)
+    last = np.zeros(n, dtype=np.int64)
+    np.minimum.at(first, ri, rs)
+    np.maximum.at(last, ri, re)
+    width = np.where(height > 0, last - first, 0)
+
+    adj = _neighbours(n, ri, lo, hi, rh)
+    items = [i for i in range(n) if runs[i]]
+    bounds = [0] + (np.flatnonzero(cuts == 0) + 1).tolist() + [S]
+    groups: dict = {}
+    for i in items:
+        k = int(np.searchsorted(bounds, span[i][0], side="right")) - 1
+        groups.setdefault(k, []).append(i)
+    partitions = [(np.array(g, dtype=np.int64), bounds[k], bounds[k + 1]) for k, g in sorted(groups.items())]
+    cover = hi - lo
+    sec = np.repeat(lo, cover) + np.arange(int(cover.sum())) - np.repeat(np.cumsum(cover) - cover, cover)
+    srt = np.argsort(sec, kind="stable")
+    members = np.repeat(ri, cover)[srt]
+    ptr = np.searchsorted(sec[srt], np.arange(S + 1))
+    return Prepared(n, S, runs, span, sp[:, 0].copy(), height, reach, total, cuts, adj, members, ptr, partitions,
+                    area, width)
+
+
+def _neighbours(n: int, ri, lo, hi, rh) -> list:
+    """item -> [(neighbour, effective size)]: rectangles of two items overlap in time when their section ranges
+    intersect; the effective size of i towards j is the tallest rectangle of i overlapping one of j's."""
+    R = len(ri)
+    order = np.argsort(lo, kind="stable")
+    ri, lo, hi, rh = ri[order], lo[order], hi[order], rh[order]
+    # with runs sorted by lo, the runs overlapping run k from the right are k+1 .. end(k) - 1, end(k) = first
+    # run starting at or after hi[k]
+    end = np.searchsorted(lo, hi, side="left")
+    pi, pj, pe = [], [], []
+    k0 = 0
+    while k0 < R:  # chunks of runs whose pair counts fit in _CHUNK
+        cnt = np.cumsum(np.maximum(end[k0:] - np.arange(k0 + 1, R + 1), 0))
+        k1 = k0 + max(1, int(np.searchsorted(cnt, _CHUNK, side="right")))
+        lens = np.maximum(end[k0:k1] - np.arange(k0 + 1, k1 + 1), 0)
+        src = np.repeat(np.arange(k0, k1), lens)
+        dst = np.arange(len(src)) - np.repeat(np.cumsum(lens) - lens, lens) + src + 1
+        x, y = ri[src], ri[dst]
+        ok = x != y
+        x, y, hx, hy = x[ok], y[ok], rh[src][ok], rh[dst][ok]
+        pi += [x, y]
+        pj += [y, x]
+        pe += [hx, hy]
+        k0 = k1
+    i, j, e = (np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for v in (pi, pj, pe))
+    if not len(i):
+        empty = np.zeros(0, dtype=np.int64)
+        return [(empty, empty)] * n
+    key = i * n + j
+    srt = np.lexsort((-e, key))  # per (i, j): the largest e first
+    key, e = key[srt], e[srt]
+    first = np.concatenate(([True], key[1:] != key[:-1]))
+    key, e = key[first], e[first]
+    i, j = key // n, key % n
+    bounds = np.searchsorted(i, np.arange(n + 1)).tolist()
+    return [(j[a:b], e[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]

@@ -1,0 +1,137 @@
+"""The exact search over canonical placements (planning/search.py, sections.py, capacity.py): answers checked
+against hand instances and the big-M MIP, every plan validated, the capacity mode's three answers, the
+decomposition, one of MiniMalloc's published hard instances solved at its capacity."""
+import csv
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+from megatron_lc.planning.capacity import minimize
+from megatron_lc.planning.mip import mip
+from megatron_lc.planning.planner import plan_capacity, plan_trace
+from megatron_lc.planning.search import FEASIBLE, INFEASIBLE, UNDECIDED, fit
+from megatron_lc.planning.sections import prepare
+from megatron_lc.planning.solvers import Rects, best_greedy, validate
+from megatron_lc.planning.trace import Trace
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "data",
+                    "minimalloc_challenging")
+
+
+def check(inst: Rects, offsets, capacity):
+    """No two time-overlapping rectangles share an address; everything (background included) under capacity."""
+    assert inst.peak(offsets) <= capacity
+    validate(list(inst.item), inst.height, inst.start, inst.end, offsets[inst.item], capacity)
+
+
+def csv_rects(path) -> Rects:
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    return Rects.flat(*(np.array([int(r[k]) for r in rows]) for k in ("size", "lower", "upper")))
+
+
+def test_minimalloc_readme_example():
+    # MiniMalloc's README input: b1 [0,3) 4, b2 [3,9) 4, b3 [0,9) 4, b4 [9,21) 4, b5 [0,21) 4; fits in 12
+    inst = Rects.flat([4, 4, 4, 4, 4], [0, 3, 0, 9, 0], [3, 9, 9, 21, 21])
+    r = fit(inst, 12)
+    assert r.status == FEASIBLE
+    check(inst, r.offsets, 12)
+    assert fit(inst, 11).status == INFEASIBLE  # the max-live bound is 12
+
+
+def test_tight_instance_greedy_misses():
+    # measured: every greedy order peaks at 9, the bound 8 is reachable (MIP agrees)
+    inst = Rects.flat([3, 2, 4, 3], [5, 5, 0, 3], [9, 6, 4, 6])
+    assert inst.lower_bound() == 8 and best_greedy(inst)[1] == 9
+    r = fit(inst, 8)
+    assert r.status == FEASIBLE
+    check(inst, r.offsets, 8)
+    off, peak, status, info = minimize(inst, lower_bound=8, best=best_greedy(inst)[:2], time_limit=5)
+    assert (peak, status) == (8, "optimal")
+
+
+def random_instance(seed):
+    rng = random.Random(seed)
+    n = rng.randrange(3, 9)
+    s = [rng.randrange(1, 6) for _ in range(n)]
+    a = [rng.randrange(0, 10) for _ in range(n)]
+    b = [x + rng.randrange(1, 6) for x in a]
+    if seed % 3:
+        return Rects.flat(s, a, b)
+    # a rigid shape (item 0 gets a second rectangle after its first) and a background, as the bi-level plan has
+    item, st, en, h = list(range(n)) + [0], a + [b[0]], b + [b[0] + 3], s + [rng.randrange(1, 6)]
+    bg = np.array([rng.randrange(0, 3) for _ in range(max(en) + 1)])
+    return Rects(item, st, en, h, n, background=bg)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_agrees_with_the_mip(seed):
+    """fit(optimum) finds a valid plan, fit(optimum - 1) proves there is none; the optimum from the big-M MIP."""
+    inst = random_instance(seed)
+    off, peak, _ = best_greedy(inst)
+    _, opt, st = mip(inst, lower_bound=inst.lower_bound(), upper_bound=peak, time_limit=20)
+    assert st == "optimal"
+    r = fit(inst, opt)
+    assert r.status == FEASIBLE
+    check(inst, r.offsets, opt)
+    assert fit(inst, opt - 1).status == INFEASIBLE
+    off2, peak2, status, _ = minimize(inst, lower_bound=inst.lower_bound(), best=(off, peak), time_limit=5)
+    assert (peak2, status) == (opt, "optimal")
+    check(inst, off2, peak2)
+
+
+def test_sections_and_decomposition():
+    # a [0,4) b [1,2) c [3,6): sections {a,b} {a,c} {c}; d, e live after a gap: a second partition
+    inst = Rects.flat([2, 1, 3, 1, 1], [0, 1, 3, 8, 9], [4, 2, 6, 10, 11])
+    p = prepare(inst)
+    assert p.S == 5 and [p.span[i] for i in range(3)] == [(0, 2), (0, 1), (1, 3)]
+    assert p.total.tolist() == [3, 5, 3, 2, 1] and p.cuts.tolist() == [1, 1, 0, 1]
+    assert [sorted(g.tolist()) for g, _, _ in p.partitions] == [[0, 1, 2], [3, 4]]
+    assert dict(zip(*p.adj[0])) == {1: 2, 2: 2}
+    r = fit(inst, 5)
+    assert r.status == FEASIBLE
+    check(inst, r.offsets, 5)
+
+
+def test_challenging_instance_at_capacity():
+    """MiniMalloc's published hard instance F (296 buffers) at its capacity 1,048,576: greedy is 1.20x above."""
+    inst = csv_rects(os.path.join(DATA, "F.1048576.csv"))
+    assert best_greedy(inst)[1] > 1048576
+    r = fit(inst, 1048576, time_limit=20)
+    assert r.status == FEASIBLE
+    check(inst, r.offsets, 1048576)
+
+
+def test_capacity_mode_three_answers(tmp_path, capsys):
+    from tools.plan_memory import main
+
+    t = Trace.load_csv(os.path.join(DATA, "A.1048576.csv"))
+    lb = Rects.flat(*(np.array(v) for v in zip(*[(r.size, r.start, r.end) for r in t.requests()]))).lower_bound()
+    out = str(tmp_path / "plan.json")
+    ans, plan = plan_capacity(t, 2 * lb, alignment=1)  # greedy fits
+    assert ans == FEASIBLE and plan.peak_bytes <= 2 * lb
+    plan.validate(t)
+    assert plan_capacity(t, lb - 1, alignment=1) == (INFEASIBLE, None)  # below the bound
+    # at the bound greedy does not fit and 50 ms of search decide nothing
+    assert plan_capacity(t, lb, time_limit=0.05, alignment=1) == (UNDECIDED, None)
+    csv_path = os.path.join(DATA, "A.1048576.csv")
+    assert main([csv_path, "--out", out, "--alignment", "1", "--capacity", str(2 * lb)]) == 0
+    assert json.loads(capsys.readouterr().out)["answer"] == "feasible"
+    assert main([csv_path, "--out", out, "--alignment", "1", "--capacity", str(lb - 1)]) == 1
+    assert json.loads(capsys.readouterr().out)["answer"] == "infeasible"
+    assert main([csv_path, "--out", out, "--alignment", "1", "--capacity", str(lb), "--time-limit", "0.05"]) == 3
+    assert json.loads(capsys.readouterr().out)["answer"] == "undecided"
+
+
+def test_auto_runs_the_search_when_greedy_is_above_the_bound():
+    from tests.test_planner import random_trace
+
+    t = random_trace(60, 5)  # greedy 7% above the bound (measured)
+    g = plan_trace(t, mode="flat", solver="greedy")
+    plan = plan_trace(t, mode="flat", solver="search", time_limit=5)
+    assert g.peak_bytes > g.lower_bound_bytes and "+search" in plan.solver
+    assert plan.peak_bytes == plan.lower_bound_bytes and plan.status == "optimal"
+    plan.validate(t)
