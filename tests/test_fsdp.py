@@ -14,9 +14,11 @@ from tests.dist import run_dist
 from tests.parity import assert_close_grads, assert_close_loss
 
 FSDP = ["parallel.use_torch_fsdp2=true"]
+TIED = "model.untie_embeddings_and_output_weights=false"
 # name -> (world, overrides); global batch 4 everywhere, so every case is the same optimisation problem
 CASES = {
     "dp2": (2, ["train.micro_batch_size=2"]),
+    "dp2-tied-head": (2, ["train.micro_batch_size=2", TIED]),  # one unit: the root
     "ring-cp2": (2, ["parallel.context_parallel_size=2", "train.micro_batch_size=4"]),
     "tp2-alone": (2, ["parallel.tensor_model_parallel_size=2", "train.micro_batch_size=4"]),  # a 1-rank shard group
     "mst+memo": (2, ["memory.mst=true", "memory.mst_mlp_chunk_size=16", "memory.mst_head_chunks=4",
@@ -32,7 +34,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def results():
-    out = {"reference": fsdp.first_step_grads(0, 1, ["train.micro_batch_size=4"])}
+    out = {"reference": fsdp.first_step_grads(0, 1, ["train.micro_batch_size=4"]),
+           "reference-tied": fsdp.first_step_grads(0, 1, ["train.micro_batch_size=4", TIED])}
     for world in (2, 4):
         names = {n: FSDP + ov for n, (w, ov) in CASES.items() if w == world}
         out.update(run_dist(world, fsdp.grad_cases, names)[0])
@@ -41,7 +44,7 @@ def results():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fsdp_gradients_equal_the_plain_model(results, case):
-    ref, got = results["reference"], results[case]
+    ref, got = results["reference-tied" if TIED in CASES[case][1] else "reference"], results[case]
     assert got["sharded"] == len(ref["grads"]), "every parameter is an FSDP shard"
     assert_close_loss(got["loss"], ref["loss"])
     assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], (got["grad_norm"], ref["grad_norm"])

@@ -15,20 +15,22 @@ from ..parallel.tensor_parallel import copy_to_tp, gather_from_sp, vocab_paralle
 
 
 class LMHead(nn.Module):
-    def __init__(self, cfg: ModelConfig, parts, tied_weight: Optional[nn.Parameter] = None):
+    def __init__(self, cfg: ModelConfig, parts, tied_embedding: Optional[nn.Module] = None):
+        """``tied_embedding``: the embedding whose weight the head shares (None: an output layer of its own)."""
         super().__init__()
         self.topo, self.sequence_parallel = parts.topo, parts.sequence_parallel
-        if tied_weight is None:
+        if tied_embedding is None:
             self.output_layer = parts.column_linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False,
                                                     std=cfg.init_method_std)
-            self.tied_weight = None
+            self.tied = None
         else:
             self.output_layer = None
-            self.tied_weight = [tied_weight]  # a list, so the parameter is not registered twice
+            self.tied = [tied_embedding]  # a list, so the embedding is not registered twice
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.tied_weight[0] if self.tied_weight is not None else self.output_layer.weight
+        """Looked up at each use: the module's current parameter (FSDP2 swaps in the gathered one)."""
+        return self.tied[0].weight if self.tied is not None else self.output_layer.weight
 
     def gather_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """The column-parallel input mapping (all-gather with SP, identity-with-allreduce-grad without)."""

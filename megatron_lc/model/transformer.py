@@ -73,7 +73,7 @@ class GPTModel(nn.Module):
                        if cfg.position_embedding_type == "rope" else None)
         self.layers = nn.ModuleList([TransformerLayer(cfg, parts, i) for i in range(cfg.num_layers)])
         self.final_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, parts.sequence_parallel)
-        tied = None if cfg.untie_embeddings_and_output_weights else self.embedding.weight
+        tied = None if cfg.untie_embeddings_and_output_weights else self.embedding
         self.head = parts.spec.head(cfg, parts, tied)
 
     def embed(self, tokens_sb: torch.Tensor, pos_sb: torch.Tensor) -> torch.Tensor:

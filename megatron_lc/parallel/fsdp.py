@@ -4,8 +4,8 @@ own tensor parallelism (``parallel.use_torch_fsdp2``).
 cp ranks hold identical parameters, like dp ranks, so the shard mesh is the dp x cp group: every parameter's
 tp-local piece is cut into dp x cp shards, each rank keeps one (fp32 master weight, its gradient, its AdamW
 states). Each transformer layer is one FSDP unit (all-gathered just before its forward and again before its
-backward, freed after each: peak = one layer's full weights on top of the shards); the embedding, final norm and
-head are the root unit. Example, 8 ranks, tp=2, cp=4 (dp x cp groups ``[0,2,4,6]`` and ``[1,3,5,7]``, see
+backward, freed after each: peak = one layer's full weights on top of the shards), so are the embedding and the
+head when they are untied; the final norm (and a tied embedding / head) is the root unit. Example, 8 ranks, tp=2, cp=4 (dp x cp groups ``[0,2,4,6]`` and ``[1,3,5,7]``, see
 ``topology.py``): a layer's QKV weight ``[3072, 2048]`` is ``[1536, 2048]`` per tp rank (rows), and each of ranks
 0, 2, 4, 6 keeps a quarter of tp rank 0's piece, ``[1536, 512]`` -- FSDP cuts a dim other than the tp partition
 (``shard_dim``), so a checkpoint can name every shard as a box of the full tensor (``training/sharded_state.py``).
@@ -79,10 +79,13 @@ def apply_fsdp(model: nn.Module, topo: Topology, device: torch.device, *, bf16: 
     kw = dict(mesh=fsdp_mesh(topo, device), mp_policy=mp,
               offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy(),
               shard_placement_fn=lambda p: Shard(dims[id(p)]))
-    for layer in model.layers:
-        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
+    units = list(model.layers)
+    if model.cfg.untie_embeddings_and_output_weights:  # tied: one weight, so one unit (the root)
+        units += [model.embedding, model.head]
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
-    for m in [*model.layers, model]:
+    for m in [*units, model]:
         m.set_gradient_divide_factor(1.0)  # a SUM over dp x cp: the loss already is the global mean
         m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     for n, p in model.named_parameters():

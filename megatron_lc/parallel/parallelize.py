@@ -59,7 +59,7 @@ class ModelSpec:
 
     attention_block: type = SelfAttention  # (cfg, parts, layer_number, output_std)
     mlp: type = MLP  # (cfg, parts, output_std)
-    head: type = LMHead  # (cfg, parts, tied_weight)
+    head: type = LMHead  # (cfg, parts, tied_embedding)
     executor: Optional[Callable[[], object]] = None  # () -> fn(layer, x, rope) -> y
 
 

@@ -64,8 +64,8 @@ class MiniSequenceLMHead(LMHead):
     [s, b]) -> [s, b]`` fp32 per-token loss, labels ``-100`` ignored. ``labels=None`` still returns the full
     local logits (inference asks for them)."""
 
-    def __init__(self, cfg: ModelConfig, parts, tied_weight: Optional[nn.Parameter] = None, ignore_index: int = -100):
-        super().__init__(cfg, parts, tied_weight)
+    def __init__(self, cfg: ModelConfig, parts, tied_embedding: Optional[nn.Module] = None, ignore_index: int = -100):
+        super().__init__(cfg, parts, tied_embedding)
         self.chunks = head_chunk_count(parts.cfg)
         self.explicit = parts.cfg.memory.mst_head_chunks is not None
         self.ignore_index = ignore_index
