@@ -10,7 +10,7 @@ from .base import ConfigError
 def _refusals(cfg):
     """(condition, message) for every refused pair."""
     m, p = cfg.memory, cfg.parallel
-    yield (m.recompute_granularity == "selective" and m.activation_offload != "none",
+    yield (m.recompute_granularity == "selective" and m.activation_offload == "memo",
            f"memory.recompute_granularity=selective with memory.activation_offload={m.activation_offload}: "
            f"selective recomputes core attention, offload keeps its output; use recompute_granularity full or none "
            f"with memo")
@@ -18,6 +18,9 @@ def _refusals(cfg):
            "memory.recompute_granularity=selective with parallel.cp_comm_type=fpdt: selective checkpoints the core "
            "attention, and FPDT's block has none (it keeps only its chunks, on the host with fpdt_offload); use "
            "recompute_granularity full (token-wise recompute around the FPDT block) or none")
+    yield (m.activation_offload == "checkpoints" and m.recompute_granularity != "none",
+           f"memory.activation_offload=checkpoints with memory.recompute_granularity={m.recompute_granularity}: the "
+           f"checkpoints mode re-runs every whole layer already; set recompute_granularity none")
     yield (p.use_torch_fsdp2 and p.use_distributed_optimizer,
            "parallel.use_torch_fsdp2 with parallel.use_distributed_optimizer: FSDP2 already shards the optimizer "
            "states (with the weights and gradients); set use_distributed_optimizer false")

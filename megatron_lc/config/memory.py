@@ -10,7 +10,9 @@ from .base import check
 @dataclass
 class MemoryConfig:
     recompute_granularity: Literal["none", "selective", "full"] = "none"
-    activation_offload: Literal["none", "memo"] = "none"
+    # memo: Memo's token-wise offload (input + attention output + alpha of the rest per layer on the host);
+    # checkpoints: only each layer's input on the host, the whole layer re-run in backward (memory/checkpoint_offload)
+    activation_offload: Literal["none", "memo", "checkpoints"] = "none"
     offload_fraction: Union[float, Literal["auto"]] = "auto"  # Memo's alpha
     host_memory_gb: Optional[float] = None  # host budget of one node for offload; default: what the OS reports
     mst: bool = False

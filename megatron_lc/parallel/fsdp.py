@@ -5,10 +5,12 @@ cp ranks hold identical parameters, like dp ranks, so the shard mesh is the dp x
 tp-local piece is cut into dp x cp shards, each rank keeps one (fp32 master weight, its gradient, its AdamW
 states). Each transformer layer is one FSDP unit (all-gathered just before its forward and again before its
 backward, freed after each: peak = one layer's full weights on top of the shards), so are the embedding and the
-head when they are untied; the final norm (and a tied embedding / head) is the root unit. Example, 8 ranks, tp=2, cp=4 (dp x cp groups ``[0,2,4,6]`` and ``[1,3,5,7]``, see
-``topology.py``): a layer's QKV weight ``[3072, 2048]`` is ``[1536, 2048]`` per tp rank (rows), and each of ranks
-0, 2, 4, 6 keeps a quarter of tp rank 0's piece, ``[1536, 512]`` -- FSDP cuts a dim other than the tp partition
-(``shard_dim``), so a checkpoint can name every shard as a box of the full tensor (``training/sharded_state.py``).
+head when they are untied; the final norm (and a tied embedding / head) is the root unit.
+
+Example, 8 ranks, tp=2, cp=4 (dp x cp groups ``[0,2,4,6]`` and ``[1,3,5,7]``, see ``topology.py``): a layer's
+QKV weight ``[3072, 2048]`` is ``[1536, 2048]`` per tp rank (rows), and each of ranks 0, 2, 4, 6 keeps a quarter of
+tp rank 0's piece, ``[1536, 512]`` -- FSDP cuts a dim other than the tp partition (``shard_dim``), so a checkpoint
+can name every shard as a box of the full tensor (``training/sharded_state.py``).
 
 Gradients: our loss is the global mean divided out before backward, so the dp x cp reduction must be a SUM (FSDP2
 averages by default: ``set_gradient_divide_factor(1)``); with ``train.bf16`` the weights are all-gathered in bf16
@@ -75,7 +77,9 @@ def apply_fsdp(model: nn.Module, topo: Topology, device: torch.device, *, bf16: 
     check_shardable(model)
     attrs = {n: {a: getattr(p, a) for a in PARAM_ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
     dims = {id(p): shard_dim(p) for p in model.parameters()}
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    # the residual stream stays fp32 between units (cast_forward_inputs False), as without FSDP under autocast
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32,
+                              cast_forward_inputs=False)
     kw = dict(mesh=fsdp_mesh(topo, device), mp_policy=mp,
               offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy(),
               shard_placement_fn=lambda p: Shard(dims[id(p)]))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional
 
+import torch
 from torch import nn
 
 from ..attention import build_core_attention
@@ -30,6 +31,7 @@ from ..attention.fpdt.buffers import FPDTState
 from ..config import Config, Layout
 from ..device import HostPool
 from ..memory.arena import ArenaHandle
+from ..memory.checkpoint_offload import CheckpointOffload, CheckpointOffloadExecutor
 from ..memory.memo import MemoBlockExecutor, MemoExecutor, MemoRuntime
 from ..memory.mst import MiniSequenceLMHead, MiniSequenceMLP
 from ..memory.recompute import SelectiveExecutor
@@ -49,6 +51,7 @@ class ModelContext:
     arena: ArenaHandle = field(default_factory=ArenaHandle)  # where framework buffers come from (memory plan)
     memo: Optional[MemoRuntime] = None  # recompute_granularity full / Memo offload: buffers, host copies, counters
     fpdt: Optional[FPDTState] = None  # FPDT blocks: device / host accounts, per-device buffers and streams
+    checkpoints: Optional[CheckpointOffload] = None  # activation_offload checkpoints: layer inputs on the host
     host_pool: HostPool = field(default_factory=HostPool)  # Memo's and FPDT's host memory: one allocation
 
 
@@ -72,6 +75,10 @@ def model_context(cfg: Config, layout: Layout) -> ModelContext:
         ctx.memo = MemoRuntime(cfg.model.num_layers, offload=offload, pool=ctx.host_pool)
     if layout.cp_comm_type == "fpdt":
         ctx.fpdt = FPDTState(ctx.arena, ctx.host_pool)
+    if m.activation_offload == "checkpoints":  # the fp32 residual stream between layers, [s, b, h] per rank
+        ctx.checkpoints = CheckpointOffload(cfg.model.num_layers, ctx.host_pool)
+        ctx.checkpoints.reserve((layout.block_seq_length, layout.micro_batch_size, cfg.model.hidden_size),
+                                torch.float32)
     return ctx
 
 
@@ -81,6 +88,8 @@ def model_spec(cfg: Config, layout: Layout, ctx: ModelContext) -> ModelSpec:
     executor = None
     if ctx.memo is not None:  # token-wise recompute (full) or Memo; around FPDT's block in block mode
         executor = partial(MemoBlockExecutor if fpdt else MemoExecutor, ctx.memo, layout.sp_degree)
+    elif ctx.checkpoints is not None:
+        executor = partial(CheckpointOffloadExecutor, ctx.checkpoints)
     elif cfg.memory.recompute_granularity == "selective":
         executor = SelectiveExecutor
     return ModelSpec(attention_block=FPDTSelfAttention if fpdt else SelfAttention,

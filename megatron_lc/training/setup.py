@@ -20,6 +20,7 @@ from ..attention.fpdt.calibrate import calibrate_fpdt
 from ..config import Config, ConfigError, Layout, resolve_layout
 from ..data import build_dataset, make_batch, microbatch_sample_ids
 from ..memory.arena import PlannedArena
+from ..memory.checkpoint_offload import check_host_budget
 from ..memory.memo import calibrate_memo
 from ..parallel.fsdp import apply_fsdp
 from ..parallel.parallelize import ModelContext, ModelSpec, build_model
@@ -101,6 +102,9 @@ def build_and_calibrate(cfg: Config, layout: Layout, topo: Topology, device: tor
                        lambda: training_autocast(cfg, device))
     if ctx.memo is not None:  # 5. bind Memo's runtime; with offload: profile layer 0, alpha, rounding buffers
         calibrate_memo(model, ctx.memo, cfg.memory, layout, topo, device, lambda: training_autocast(cfg, device))
+    if ctx.checkpoints is not None:  # 5. the layer inputs' host copies within the host budget
+        ctx.checkpoints.bind(device)
+        check_host_budget(ctx.checkpoints, cfg.memory.host_memory_gb, topo.rank)
     return model, ctx
 
 
