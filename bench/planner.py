@@ -3,6 +3,7 @@ allocator's reserved bytes / plan peak, on the same traces, side by side for the
 
     python bench/planner.py            # JSON on stdout (~2-4 minutes on 2 cores)
     python bench/planner.py --quick    # smaller traces, for a smoke run
+    python bench/planner.py --challenging [--time-limit 10]   # MiniMalloc's published hard set (~4 minutes)
 
 Traces:
 - ``tiny-L{n}[-recompute]``: captured from the tiny Llama (tests' small_config: hidden 64, 8 heads, 4 kv heads,
@@ -13,8 +14,10 @@ Traces:
 - ``llama3-8b-iter-*``: 32 layers + LM head generated from shapes: full recompute + MsT (MLP in 16
   mini-sequences, head in 32) at seq 65536 -- 12,033 requests -- and no recompute at seq 32768.
 
-Variants: ``flat-greedy`` (largest-first, best of 4 orders), ``flat-cpsat`` (greedy + CP-SAT, time limit),
-``bilevel-rectangle`` (the paper: a layer block is one pseudo request of its first-level peak), ``bilevel-skyline``
+Variants: ``flat-greedy`` (largest-first, best of 4 orders), ``flat-search`` (greedy + the exact search),
+``flat-cpsat`` (greedy + CP-SAT, time limit; only with OR-Tools), the bi-level plans with solver ``auto`` (greedy,
+the exact search, CP-SAT when installed): ``bilevel-rectangle`` (the paper: a layer block is one pseudo request of
+its first-level peak), ``bilevel-skyline``
 (ours: a block is the rigid shape of its first-level top over time, first level aware of the tensors outside the
 block), ``mip`` (the paper's big-M MIP on HiGHS via scipy, on the small traces only).
 """
@@ -49,7 +52,7 @@ def run_variant(trace, name: str, time_limit: float) -> dict:
     from megatron_lc.planning.planner import plan_trace
 
     mode, _, rest = name.partition("-")
-    kw = {"flat": dict(mode="flat", solver=rest), "bilevel": dict(mode="bilevel", pseudo=rest, solver="cpsat"),
+    kw = {"flat": dict(mode="flat", solver=rest), "bilevel": dict(mode="bilevel", pseudo=rest, solver="auto"),
           "mip": dict(mode="flat", solver="mip")}[mode]
     t0 = time.perf_counter()
     plan = plan_trace(trace, time_limit=time_limit, **kw)
@@ -58,13 +61,72 @@ def run_variant(trace, name: str, time_limit: float) -> dict:
             "status": plan.status, "solver": plan.solver, "solve_seconds": round(secs, 2)}
 
 
+CHALLENGING = os.path.join(ROOT, "bench", "data", "minimalloc_challenging")
+MINIMALLOC_CAPACITY = 1048576  # MiniMalloc solves each instance at this capacity (the files' names, its scripts)
+
+
+def challenging(time_limit: float) -> list:
+    """Per instance of MiniMalloc's challenging set (times as published, not event positions): the max-live
+    bound, greedy's peak, the capacity mode at MiniMalloc's capacity (answer, seconds, search nodes, plan
+    validated) and the peak-minimising mode (``solve_dsa`` with ``auto``: greedy, search, CP-SAT if installed)."""
+    import csv
+
+    import numpy as np
+
+    from megatron_lc.planning.dsa import solve_dsa
+    from megatron_lc.planning.search import fit
+    from megatron_lc.planning.solvers import PlanError, Rects, best_greedy, validate
+
+    rows = []
+    for name in sorted(os.listdir(CHALLENGING)):
+        if not name.endswith(".csv"):
+            continue
+        with open(os.path.join(CHALLENGING, name)) as f:
+            data = list(csv.DictReader(f))
+        size, lower, upper = (np.array([int(r[k]) for r in data]) for k in ("size", "lower", "upper"))
+        inst = Rects.flat(size, lower, upper)
+        lb = inst.lower_bound()
+        cap = MINIMALLOC_CAPACITY
+        t0 = time.perf_counter()
+        r = fit(inst, cap, time_limit=time_limit)
+        secs = time.perf_counter() - t0
+        valid = None
+        if r.offsets is not None:
+            try:
+                validate(list(range(len(size))), size, lower, upper, r.offsets, cap)
+                valid = True
+            except PlanError:
+                valid = False
+        t0 = time.perf_counter()
+        sol = solve_dsa(inst, solver="auto", time_limit=time_limit)  # validates its plan or raises
+        row = {"instance": name.split(".")[0], "buffers": len(size), "lower_bound_bytes": lb,
+               "greedy_peak_bytes": best_greedy(inst)[1],
+               "capacity_mode": {"capacity_bytes": cap, "answer": r.status, "seconds": round(secs, 2),
+                                 "nodes": r.nodes, "validated": valid},
+               "minimise_mode": {"peak_bytes": sol.peak, "peak_over_lower_bound": round(sol.peak / lb, 4),
+                                 "status": sol.status, "solver": sol.solver,
+                                 "seconds": round(time.perf_counter() - t0, 2), "validated": True},
+               "minimalloc_published": {"capacity_bytes": cap, "solved": True,
+                                        "seconds": "not published per instance"}}
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--time-limit", type=float, default=10.0)
+    p.add_argument("--challenging", action="store_true", help="MiniMalloc's challenging set instead of our traces")
     args = p.parse_args(argv)
+    if args.challenging:
+        rows = challenging(args.time_limit)
+        print(json.dumps({"bench": "planner-challenging", "time_limit": args.time_limit, "cpus": os.cpu_count(),
+                          "load_average_1min": round(os.getloadavg()[0], 1), "rows": rows}, indent=1))
+        return 0
 
     from megatron_lc.planning.cachesim import simulate
+    from megatron_lc.planning.dsa import have_ortools
     from megatron_lc.planning.synth import LlamaShape, llama_iteration_trace, llama_layer_trace
 
     tl = args.time_limit
@@ -87,7 +149,8 @@ def main(argv=None) -> int:
         row = {"trace": name, "requests": st["requests"], "layer_blocks": st["blocks"],
                "lower_bound_bytes": None, "variants": {}}
         big = st["requests"] > 2000
-        variants = ["flat-greedy", "flat-cpsat", "bilevel-rectangle", "bilevel-skyline"]
+        variants = ["flat-greedy", "flat-search"] + (["flat-cpsat"] if have_ortools() else []) + [
+            "bilevel-rectangle", "bilevel-skyline"]
         if st["requests"] <= 200:
             variants.append("mip")
         for v in variants:
