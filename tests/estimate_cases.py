@@ -37,6 +37,8 @@ CASES = [
      BENCH),
     ("memo-alpha1-mst", 1, ["data.seq_length=2048", "memory.activation_offload=memo", "memory.offload_fraction=1",
                             "memory.mst=true"]),
+    ("ckpt-offload", 1, ["data.seq_length=2048", "memory.activation_offload=checkpoints"]),
+    ("ckpt-offload-mst", 1, ["data.seq_length=2048", "memory.activation_offload=checkpoints", "memory.mst=true"]),
     # context parallel: 1024 tokens per rank, so activations (not the optimizer step) set the peak
     ("ring-cp2", 2, ["data.seq_length=2048", "parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p"], BENCH),
     ("ulysses-cp2", 2, ["data.seq_length=2048", "parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a"]),

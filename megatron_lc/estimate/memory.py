@@ -19,7 +19,8 @@ attention output (+ lse) and rematerialises the rest at the layer's backward; ``
 keeps nothing per layer on the device: two rounding buffers hold the kept skeletal tensors (input + attention
 output + α·others) of the layers in flight, the dropped (1-α)·others are rematerialised during one layer's
 backward (memory/offload.py; the paper's buffers hold 2·(input + attention + others)), and host memory gets the
-kept bytes of n-2 layers.
+kept bytes of n-2 layers; ``activation_offload: checkpoints`` keeps each layer's input on the host and re-runs the
+whole layer in its backward.
 """
 from __future__ import annotations
 
@@ -136,6 +137,12 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
             host_rank = ms.get("host", 0.0) + max(x.L - 2, 0) * kept
             recompute = full - kept
             notes.append("what-if: checkpoint + CPU offload of layer inputs (recompute_style=checkpoint)")
+    elif mem.activation_offload == "checkpoints":  # memory/checkpoint_offload.py
+        # nothing per layer on the device; the input leaves while the next layer computes (staging); a layer's
+        # backward re-runs it whole (its skeletal tensors) with the next layer's input already prefetched
+        keep, staging = 0.0, g["input"]
+        recompute = full + g["input"]
+        host_rank += x.L * g["input"]
     elif mem.recompute_granularity == "full":
         keep = g["input"] + (g["attn"] if recompute_style == "token_wise" else 0.0)
         recompute = full - keep
@@ -146,8 +153,9 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         # per layer on the host until its backward: the projection's saved chunk inputs, q^, k^, v^, o^, lse
         kv = x.kv_heads_after_a2a
         # (with classic checkpointing the block runs again in backward: one layer's chunks at a time)
-        layers = 1 if recompute_style == "checkpoint" and (mem.recompute_granularity == "full"
-                                                          or mem.activation_offload == "memo") else x.L
+        rerun = mem.activation_offload == "checkpoints" or (recompute_style == "checkpoint" and (
+            mem.recompute_granularity == "full" or mem.activation_offload == "memo"))
+        layers = 1 if rerun else x.L
         host_rank += layers * x.tokens * (x.h * x.act + (2 * x.nq_l + 2 * kv) * x.d * x.act + x.nq_l * 4)
         # the host pool also holds one backward's do^ and fp32 dq chunks (attention/fpdt/calibrate.py: L * F + B),
         # and rounds each parked view up to HostPool.ALIGN (per chunk: ~6 per layer, 2 for the backward)

@@ -11,8 +11,8 @@ What is searched (model, data and batch sizes stay as configured):
   batch allows;
 * cp flavour: ring (p2p), Ulysses (a2a), hybrid (a2a+p2p, every ulysses size between), FPDT (fpdt, chunk sizes
   seq / u for u = 1, 2, 4, ... with chunks of at least 8K tokens, offload on and off);
-* memory: recompute none / full, Memo offload with α from the LP (``auto``) or α in {0, 1/8, 1/4, 1/2, 1}, MsT
-  on / off;
+* memory: recompute none / full, Memo offload with α from the LP (``auto``) or α in {0, 1/8, 1/4, 1/2, 1},
+  activation checkpoints on the host (``activation_offload: checkpoints``), MsT on / off;
 * model states: ZeRO-1 (``use_distributed_optimizer``) whenever dp x cp > 1, FSDP2 (``use_torch_fsdp2``), FSDP2
   with ``fsdp_cpu_offload``.
 
@@ -56,7 +56,9 @@ class Candidate:
                           "fpdt": "fpdt"}[cp_type])
         if cp_type == "fpdt":
             parts.append(f"chunk{o['memory.fpdt_chunk_size'] // 1024}K" + ("" if o["memory.fpdt_offload"] else "-dev"))
-        if o["memory.activation_offload"] == "memo":
+        if o["memory.activation_offload"] == "checkpoints":
+            parts.append("ckpt-offload")
+        elif o["memory.activation_offload"] == "memo":
             a = self.est.memory.alpha
             parts.append(f"memo(a={a:.3g}{',auto' if o['memory.offload_fraction'] == 'auto' else ''})")
         elif o["memory.recompute_granularity"] != "none":
@@ -138,6 +140,8 @@ def memory_options(fpdt: bool) -> Iterator[dict]:
         for a in ALPHAS:
             yield {"memory.recompute_granularity": "none", "memory.activation_offload": "memo",
                    "memory.offload_fraction": a, "memory.mst": mst}
+        yield {"memory.recompute_granularity": "none", "memory.activation_offload": "checkpoints",
+               "memory.offload_fraction": "auto", "memory.mst": mst}
 
 
 def apply_overrides(cfg: Config, overrides: dict) -> Config:

@@ -115,7 +115,8 @@ def estimate_time(cfg: Config, x: Dims, hw: HardwareProfile, alpha: Optional[flo
         recompute = (1.0 - a) * (lin_f + comm["tp_fwd"])
     elif mem.recompute_granularity == "full":
         recompute = lin_f + comm["tp_fwd"]
-    if recompute_style == "checkpoint" and (mem.recompute_granularity == "full" or mem.activation_offload == "memo"):
+    if mem.activation_offload == "checkpoints" or (recompute_style == "checkpoint" and (
+            mem.recompute_granularity == "full" or mem.activation_offload == "memo")):
         recompute = lin_f + att_f + comm["tp_fwd"] + comm["cp_fwd"]  # the whole layer again, attention included
     elif mem.recompute_granularity == "selective":
         recompute = att_f
@@ -128,6 +129,10 @@ def estimate_time(cfg: Config, x: Dims, hw: HardwareProfile, alpha: Optional[flo
     if mem.activation_offload == "memo":
         g = group_bytes(layer_skeletal(x, mlp_chunked, False, token_wise=True))
         xfer = (g["input"] + g["attn"] + (alpha or 0.0) * g["others"]) / (hw.pcie_gbps * 1e9)
+        stall = max(0.0, xfer - fwd) + max(0.0, xfer - (bwd + recompute))
+    elif mem.activation_offload == "checkpoints":  # one input per layer each way, under the layer's compute
+        g = group_bytes(layer_skeletal(x, mlp_chunked, False, token_wise=False))
+        xfer = g["input"] / (hw.pcie_gbps * 1e9)
         stall = max(0.0, xfer - fwd) + max(0.0, xfer - (bwd + recompute))
     n_swapped = max(x.L - 2, 0)
     head_f = head_flops_fwd(x) / (peak * eff.gemm) * scale
