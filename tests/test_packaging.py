@@ -1,5 +1,6 @@
 """What ``pip install .`` (not editable: the Docker image, a site-packages install) ships: every folder of the
-package that holds modules is a package ``setup.py`` finds, and the planner's C replay source goes with it."""
+package that holds modules is a package ``setup.py`` finds, and the planner's C sources (the replay, the exact
+search's core) go with it."""
 import os
 
 from setuptools import find_packages
@@ -15,8 +16,9 @@ def test_every_module_folder_is_an_installed_package():
     assert folders - found == set(), f"folders with modules but no __init__.py (left out of a wheel): {folders - found}"
 
 
-def test_the_replay_source_is_package_data():
+def test_the_c_sources_are_package_data():
     with open(os.path.join(ROOT, "setup.py")) as f:
         setup_py = f.read()
     assert '"megatron_lc.planning": ["csrc/*.c"]' in setup_py
-    assert os.path.isfile(os.path.join(ROOT, "megatron_lc", "planning", "csrc", "plan_alloc.c"))
+    for src in ("plan_alloc.c", "dsa_search.c"):  # the replay and the exact search's core, both built on use
+        assert os.path.isfile(os.path.join(ROOT, "megatron_lc", "planning", "csrc", src))

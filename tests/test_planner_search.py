@@ -1,6 +1,8 @@
-"""The exact search over canonical placements (planning/search.py, sections.py, capacity.py): answers checked
-against hand instances and the big-M MIP, every plan validated, the capacity mode's three answers, the
-decomposition, one of MiniMalloc's published hard instances solved at its capacity."""
+"""The exact search over canonical placements (planning/search.py, sections.py, capacity.py) on both backends,
+the pure-Python search and its C twin (native.py, csrc/dsa_search.c; skipped with the reason when it cannot be
+built): answers checked against hand instances and the big-M MIP, every plan validated, the capacity mode's three
+answers, the decomposition, MiniMalloc's published hard instances solved at its capacity, and the two backends
+trying the very same nodes."""
 import csv
 import json
 import os
@@ -9,6 +11,7 @@ import random
 import numpy as np
 import pytest
 
+from megatron_lc.planning import native
 from megatron_lc.planning.capacity import minimize
 from megatron_lc.planning.mip import mip
 from megatron_lc.planning.planner import plan_capacity, plan_trace
@@ -19,6 +22,15 @@ from megatron_lc.planning.trace import Trace
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "data",
                     "minimalloc_challenging")
+
+
+@pytest.fixture(params=["python", "native"])
+def backend(request, monkeypatch):
+    """Runs a test once per search backend; ``fit``'s default ("auto") follows the environment variable."""
+    if request.param == "native" and native.load() is None:
+        pytest.skip(f"the native search core cannot be built here: {native.why_not()}")
+    monkeypatch.setenv(native.ENV, "0" if request.param == "python" else "1")
+    return request.param
 
 
 def check(inst: Rects, offsets, capacity):
@@ -33,7 +45,7 @@ def csv_rects(path) -> Rects:
     return Rects.flat(*(np.array([int(r[k]) for r in rows]) for k in ("size", "lower", "upper")))
 
 
-def test_minimalloc_readme_example():
+def test_minimalloc_readme_example(backend):
     # MiniMalloc's README input: b1 [0,3) 4, b2 [3,9) 4, b3 [0,9) 4, b4 [9,21) 4, b5 [0,21) 4; fits in 12
     inst = Rects.flat([4, 4, 4, 4, 4], [0, 3, 0, 9, 0], [3, 9, 9, 21, 21])
     r = fit(inst, 12)
@@ -42,7 +54,7 @@ def test_minimalloc_readme_example():
     assert fit(inst, 11).status == INFEASIBLE  # the max-live bound is 12
 
 
-def test_tight_instance_greedy_misses():
+def test_tight_instance_greedy_misses(backend):
     # measured: every greedy order peaks at 9, the bound 8 is reachable (MIP agrees)
     inst = Rects.flat([3, 2, 4, 3], [5, 5, 0, 3], [9, 6, 4, 6])
     assert inst.lower_bound() == 8 and best_greedy(inst)[1] == 9
@@ -68,7 +80,7 @@ def random_instance(seed):
 
 
 @pytest.mark.parametrize("seed", range(24))
-def test_agrees_with_the_mip(seed):
+def test_agrees_with_the_mip(seed, backend):
     """fit(optimum) finds a valid plan, fit(optimum - 1) proves there is none; the optimum from the big-M MIP."""
     inst = random_instance(seed)
     off, peak, _ = best_greedy(inst)
@@ -83,7 +95,7 @@ def test_agrees_with_the_mip(seed):
     check(inst, off2, peak2)
 
 
-def test_sections_and_decomposition():
+def test_sections_and_decomposition(backend):
     # a [0,4) b [1,2) c [3,6): sections {a,b} {a,c} {c}; d, e live after a gap: a second partition
     inst = Rects.flat([2, 1, 3, 1, 1], [0, 1, 3, 8, 9], [4, 2, 6, 10, 11])
     p = prepare(inst)
@@ -91,21 +103,63 @@ def test_sections_and_decomposition():
     assert p.total.tolist() == [3, 5, 3, 2, 1] and p.cuts.tolist() == [1, 1, 0, 1]
     assert [sorted(g.tolist()) for g, _, _ in p.partitions] == [[0, 1, 2], [3, 4]]
     assert dict(zip(*p.adj[0])) == {1: 2, 2: 2}
+    assert p.byfirst.tolist() == [0, 1, 2, 3, 4] and p.pf.tolist() == [0, 2, 3, 3, 5, 5]
     r = fit(inst, 5)
     assert r.status == FEASIBLE
     check(inst, r.offsets, 5)
 
 
-def test_challenging_instance_at_capacity():
+def test_challenging_instance_at_capacity(backend):
     """MiniMalloc's published hard instance F (296 buffers) at its capacity 1,048,576: greedy is 1.20x above."""
     inst = csv_rects(os.path.join(DATA, "F.1048576.csv"))
     assert best_greedy(inst)[1] > 1048576
-    r = fit(inst, 1048576, time_limit=20)
+    r = fit(inst, 1048576, time_limit=20, backend=backend)
     assert r.status == FEASIBLE
     check(inst, r.offsets, 1048576)
 
 
-def test_capacity_mode_three_answers(tmp_path, capsys):
+@pytest.mark.parametrize("name", ["B", "D", "J", "K"])
+def test_native_solves_the_challenging_set_at_capacity(name):
+    """The C core at MiniMalloc's capacity, 10 s each (Python needs 18 s for B): measured 0.05-0.25 s here."""
+    if native.load() is None:
+        pytest.skip(f"the native search core cannot be built here: {native.why_not()}")
+    inst = csv_rects(os.path.join(DATA, f"{name}.1048576.csv"))
+    r = fit(inst, 1048576, time_limit=10, backend="native")
+    assert r.status == FEASIBLE
+    check(inst, r.offsets, 1048576)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_backends_try_the_same_nodes(seed):
+    """Same answer, same plan, same node count from Python and C, at the optimum and around it: the C core is a
+    twin of the Python search, not another heuristic."""
+    if native.load() is None:
+        pytest.skip(f"the native search core cannot be built here: {native.why_not()}")
+    inst = random_instance(seed)
+    for cap in range(inst.lower_bound(), inst.lower_bound() + 4):
+        a, b = fit(inst, cap, backend="python"), fit(inst, cap, backend="native")
+        assert (a.status, a.nodes) == (b.status, b.nodes)
+        assert a.offsets is None or (a.offsets == b.offsets).all()
+    inst = csv_rects(os.path.join(DATA, "J.1048576.csv"))
+    if seed == 0:  # a published instance: 2,110 nodes, 0.5 s in Python
+        a, b = fit(inst, 1048576, backend="python"), fit(inst, 1048576, backend="native")
+        assert (a.status, a.nodes) == (b.status, b.nodes) == (FEASIBLE, 2110) and (a.offsets == b.offsets).all()
+
+
+def test_forced_python_and_a_failed_build(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.load() is None and native.why_not() == f"{native.ENV}=0"
+    inst = Rects.flat([4, 4, 4, 4, 4], [0, 3, 0, 9, 0], [3, 9, 9, 21, 21])
+    with pytest.raises(native.NativeUnavailable):
+        fit(inst, 12, backend="native")
+    assert fit(inst, 12).status == FEASIBLE  # auto: the Python search
+    bad = tmp_path / "bad.c"
+    bad.write_text("int dsa_fit( {")
+    with pytest.raises(native.NativeUnavailable, match="failed"):
+        native.build(str(bad), str(tmp_path))
+
+
+def test_capacity_mode_three_answers(tmp_path, capsys, backend):
     from tools.plan_memory import main
 
     t = Trace.load_csv(os.path.join(DATA, "A.1048576.csv"))
@@ -115,14 +169,15 @@ def test_capacity_mode_three_answers(tmp_path, capsys):
     assert ans == FEASIBLE and plan.peak_bytes <= 2 * lb
     plan.validate(t)
     assert plan_capacity(t, lb - 1, alignment=1) == (INFEASIBLE, None)  # below the bound
-    # at the bound greedy does not fit and 50 ms of search decide nothing
-    assert plan_capacity(t, lb, time_limit=0.05, alignment=1) == (UNDECIDED, None)
+    # E at its bound: greedy does not fit and 50 ms of search decide nothing (the C core needs 0.1 s for A)
+    hard = os.path.join(DATA, "E.1048576.csv")
+    assert plan_capacity(Trace.load_csv(hard), 1048576, time_limit=0.05, alignment=1) == (UNDECIDED, None)
     csv_path = os.path.join(DATA, "A.1048576.csv")
     assert main([csv_path, "--out", out, "--alignment", "1", "--capacity", str(2 * lb)]) == 0
     assert json.loads(capsys.readouterr().out)["answer"] == "feasible"
     assert main([csv_path, "--out", out, "--alignment", "1", "--capacity", str(lb - 1)]) == 1
     assert json.loads(capsys.readouterr().out)["answer"] == "infeasible"
-    assert main([csv_path, "--out", out, "--alignment", "1", "--capacity", str(lb), "--time-limit", "0.05"]) == 3
+    assert main([hard, "--out", out, "--alignment", "1", "--capacity", "1048576", "--time-limit", "0.05"]) == 3
     assert json.loads(capsys.readouterr().out)["answer"] == "undecided"
 
 

@@ -41,6 +41,17 @@ class Prepared:
     partitions: list  # [(items, lo, hi)]: independent section ranges and their items
     area: np.ndarray  # item -> sum of height x duration
     width: np.ndarray  # item -> lifetime (last end - first start)
+    # the same facts flattened for the C core (native.py): runs and neighbours as CSR (item i's are [ptr[i],
+    # ptr[i + 1])), and the items sorted by (first section, index), section s's starting at byfirst[pf[s]]
+    run_ptr: np.ndarray
+    run_lo: np.ndarray
+    run_hi: np.ndarray
+    run_h: np.ndarray
+    adj_ptr: np.ndarray
+    adj_j: np.ndarray
+    adj_e: np.ndarray
+    byfirst: np.ndarray
+    pf: np.ndarray
 
     def rank(self, heuristic: str) -> list:
         """Preorder rank of each item (0 first): by the letters of ``heuristic`` in turn, each descending --
@@ -96,7 +107,10 @@ def prepare(inst: Rects) -> Prepared:
     np.maximum.at(last, ri, re)
     width = np.where(height > 0, last - first, 0)
 
-    adj = _neighbours(n, ri, lo, hi, rh)
+    adj_ptr, adj_j, adj_e = _neighbours(n, ri, lo, hi, rh)
+    adj = [(adj_j[a:b], adj_e[a:b]) for a, b in zip(adj_ptr[:-1].tolist(), adj_ptr[1:].tolist())]
+    by_item = np.argsort(ri, kind="stable")  # the runs in the order of ``runs``
+    run_ptr = np.searchsorted(ri[by_item], np.arange(n + 1)).astype(np.int64)
     items = [i for i in range(n) if runs[i]]
     bounds = [0] + (np.flatnonzero(cuts == 0) + 1).tolist() + [S]
     groups: dict = {}
@@ -109,13 +123,17 @@ def prepare(inst: Rects) -> Prepared:
     srt = np.argsort(sec, kind="stable")
     members = np.repeat(ri, cover)[srt]
     ptr = np.searchsorted(sec[srt], np.arange(S + 1))
+    kept = np.flatnonzero(height > 0)
+    byfirst = kept[np.lexsort((kept, sp[kept, 0]))]
+    pf = np.searchsorted(sp[byfirst, 0], np.arange(S + 1)).astype(np.int64)
     return Prepared(n, S, runs, span, sp[:, 0].copy(), height, reach, total, cuts, adj, members, ptr, partitions,
-                    area, width)
+                    area, width, run_ptr, lo[by_item], hi[by_item], rh[by_item], adj_ptr, adj_j, adj_e, byfirst, pf)
 
 
-def _neighbours(n: int, ri, lo, hi, rh) -> list:
-    """item -> [(neighbour, effective size)]: rectangles of two items overlap in time when their section ranges
-    intersect; the effective size of i towards j is the tallest rectangle of i overlapping one of j's."""
+def _neighbours(n: int, ri, lo, hi, rh) -> tuple:
+    """(ptr, neighbour, effective size), item i's neighbours at [ptr[i], ptr[i + 1]): rectangles of two items
+    overlap in time when their section ranges intersect; the effective size of i towards j is the tallest rectangle
+    of i overlapping one of j's."""
     R = len(ri)
     order = np.argsort(lo, kind="stable")
     ri, lo, hi, rh = ri[order], lo[order], hi[order], rh[order]
@@ -139,13 +157,11 @@ def _neighbours(n: int, ri, lo, hi, rh) -> list:
         k0 = k1
     i, j, e = (np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for v in (pi, pj, pe))
     if not len(i):
-        empty = np.zeros(0, dtype=np.int64)
-        return [(empty, empty)] * n
+        return np.zeros(n + 1, dtype=np.int64), i, e
     key = i * n + j
     srt = np.lexsort((-e, key))  # per (i, j): the largest e first
     key, e = key[srt], e[srt]
     first = np.concatenate(([True], key[1:] != key[:-1]))
     key, e = key[first], e[first]
     i, j = key // n, key % n
-    bounds = np.searchsorted(i, np.arange(n + 1)).tolist()
-    return [(j[a:b], e[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return np.searchsorted(i, np.arange(n + 1)).astype(np.int64), j, e

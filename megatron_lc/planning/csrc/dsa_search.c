@@ -1,0 +1,336 @@
+/* The exact DSA search's inner loop in C99: a line-by-line twin of planning/search.py (_Search.run and the
+ * restart loop of fit), loaded through ctypes by planning/native.py; search.py stays the reference and fallback.
+ *
+ * Same semantics, node for node: candidates (min offset, preorder rank) in the same order, the same spatial
+ * inference, dominance, hatless cut, decomposition and failed-state table (keys: 128-bit hashes of the unplaced
+ * items and their min offsets plus the canonical threshold), the same node limits doubling per round. Only the
+ * deadline differs (a node is ~100x cheaper here).
+ *
+ * A node's unplaced items are never copied: they are exactly the unplaced items whose first section lies in the
+ * node's section range [lo, hi), a contiguous run of the items sorted by (first section, index) ("byfirst").
+ * Example: items 0..2 with first sections 1, 0, 1 give byfirst = 1, 0, 2 and pf = {0, 1, 3}: a node over sections
+ * [1, 2) scans byfirst[1:3], i.e. items 0 and 2, skipping the placed ones.
+ */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef long long i64;
+typedef uint64_t u64;
+
+enum { OK = 0, FAIL = 1, NEW = 2, ABORT = 3, NOMEM = -1 };
+
+typedef struct {
+    int n, S;
+    const i64 *height, *first, *span_lo, *span_hi, *run_ptr, *run_lo, *run_hi, *run_h;
+    const i64 *adj_ptr, *adj_j, *adj_e, *members, *ptr, *byfirst, *pf;
+    i64 C, *ub, *minoff, *total, *cuts, *sol;
+    const i64 *rank, *item_of_rank; /* the preorder of this run and its inverse */
+    char *placed;
+    i64 *arena; size_t top, cap;   /* cands (o, rank), undo (item, old), parts (lo, hi): pairs, LIFO */
+} Ctx;
+
+typedef struct {
+    int is_and, lo, hi;
+    size_t mark;                   /* arena top when the frame was made: restored when it is popped */
+    /* node */
+    size_t cand_at, cand_end, undo_at; int ncand, k, nundo, hatless; i64 j, o; u64 key0, key1;
+    /* and */
+    int nparts, next; i64 last_o, last_r;
+} Frame;
+
+typedef struct { u64 *keys; size_t cap, cnt; } Set;  /* open addressing, (k0, k1) pairs, (0, 0) = empty */
+
+static u64 mix(u64 x) {
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
+    return x;
+}
+
+static int set_has(const Set *s, u64 a, u64 b) {
+    if (!s->cap) return 0;
+    for (size_t i = a & (s->cap - 1);; i = (i + 1) & (s->cap - 1)) {
+        if (s->keys[2 * i] == a && s->keys[2 * i + 1] == b) return 1;
+        if (!s->keys[2 * i] && !s->keys[2 * i + 1]) return 0;
+    }
+}
+
+static int set_add(Set *s, u64 a, u64 b) {
+    if (2 * (s->cnt + 1) > s->cap) {  /* keep the load under 1/2 */
+        Set g = {calloc(2 * (s->cap ? 2 * s->cap : 1024), sizeof(u64)), s->cap ? 2 * s->cap : 1024, 0};
+        if (!g.keys) return NOMEM;
+        for (size_t i = 0; i < s->cap; i++)
+            if (s->keys[2 * i] || s->keys[2 * i + 1]) set_add(&g, s->keys[2 * i], s->keys[2 * i + 1]);
+        free(s->keys);
+        *s = g;
+    }
+    size_t i = a & (s->cap - 1);
+    while (s->keys[2 * i] || s->keys[2 * i + 1]) {
+        if (s->keys[2 * i] == a && s->keys[2 * i + 1] == b) return OK;
+        i = (i + 1) & (s->cap - 1);
+    }
+    s->keys[2 * i] = a; s->keys[2 * i + 1] = b; s->cnt++;
+    return OK;
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* room for ``pairs`` more pairs on the arena; NOMEM when it cannot grow */
+static int reserve(Ctx *c, size_t pairs) {
+    if (c->top + 2 * pairs <= c->cap) return OK;
+    size_t cap = c->cap ? c->cap : 1 << 16;
+    while (cap < c->top + 2 * pairs) cap *= 2;
+    i64 *a = realloc(c->arena, cap * sizeof(i64));
+    if (!a) return NOMEM;
+    c->arena = a; c->cap = cap;
+    return OK;
+}
+
+static int cmp_pair(const void *x, const void *y) {  /* (offset, rank), both ascending */
+    const i64 *a = x, *b = y;
+    if (a[0] != b[0]) return a[0] < b[0] ? -1 : 1;
+    return a[1] < b[1] ? -1 : (a[1] > b[1]);
+}
+
+/* Fill ``f`` as the node for the unplaced items in sections [lo, hi) after a placement at (lo_o, lo_r): the
+ * candidates on the arena (none when the state failed before or spatial inference fails). search.py: node(). */
+static int make_node(Ctx *c, Set *failed, Frame *f, int lo, int hi, i64 lo_o, i64 lo_r) {
+    memset(f, 0, sizeof *f);
+    f->lo = lo; f->hi = hi; f->mark = f->cand_at = f->cand_end = c->top; f->j = f->o = -1;
+    u64 h0 = 0x243f6a8885a308d3ULL, h1 = 0x13198a2e03707344ULL;
+    i64 cnt = 0;
+    for (i64 q = c->pf[lo]; q < c->pf[hi]; q++) {
+        i64 i = c->byfirst[q];
+        if (c->placed[i]) continue;
+        h0 = mix(h0 ^ (u64)i) + (u64)c->minoff[i];
+        h1 = mix(h1 + 0x9e3779b97f4a7c15ULL * ((u64)c->minoff[i] ^ ((u64)i << 40) ^ (u64)i));
+        cnt++;
+    }
+    h0 = mix(h0 ^ (u64)lo_o) ^ mix((u64)lo_r + 0x632be59bd9b4e019ULL);
+    h1 = mix(h1 + (u64)cnt) ^ mix((u64)lo_o * 0x85ebca6bULL + (u64)lo_r);
+    f->key0 = h0; f->key1 = h1;
+    if (set_has(failed, h0, h1)) return OK;
+    /* spatial inference: a section's unplaced items stack above their lowest min offset and above lo_o */
+    i64 tmax = 0;
+    for (int s = lo; s < hi; s++) {
+        i64 tot = c->total[s];
+        if (tot > tmax) tmax = tot;
+        if (tot <= 0) continue;
+        i64 floor = INT64_MAX;
+        for (i64 m = c->ptr[s]; m < c->ptr[s + 1]; m++) {
+            i64 i = c->members[m];
+            if (!c->placed[i] && c->minoff[i] < floor) floor = c->minoff[i];
+        }
+        if ((floor > lo_o ? floor : lo_o) + tot > c->C) return OK;
+    }
+    /* dominance: nothing at or above the lowest top an unplaced item reaches at its min offset */
+    i64 mintop = INT64_MAX;
+    for (i64 q = c->pf[lo]; q < c->pf[hi]; q++) {
+        i64 i = c->byfirst[q];
+        if (!c->placed[i] && c->minoff[i] + c->height[i] < mintop) mintop = c->minoff[i] + c->height[i];
+    }
+    if (reserve(c, (size_t)cnt) != OK) return NOMEM;
+    i64 *out = c->arena + c->top;
+    int nc = 0;
+    for (i64 q = c->pf[lo]; q < c->pf[hi]; q++) {
+        i64 i = c->byfirst[q], mo = c->minoff[i], rk = c->rank[i];
+        if (c->placed[i] || mo >= mintop || mo > c->C - tmax || mo > c->ub[i]) continue;
+        if (mo < lo_o || (mo == lo_o && rk <= lo_r)) continue;  /* canonical order after the last placement */
+        out[2 * nc] = mo; out[2 * nc + 1] = rk; nc++;
+    }
+    qsort(out, (size_t)nc, 2 * sizeof(i64), cmp_pair);
+    c->top += 2 * (size_t)nc;
+    f->ncand = nc; f->cand_end = c->top;
+    return OK;
+}
+
+/* search.py: place(). The undo pairs go on the arena right after the node's candidates. */
+static int place(Ctx *c, Frame *f, i64 j, i64 o) {
+    c->top = f->cand_end;
+    if (reserve(c, (size_t)(c->adj_ptr[j + 1] - c->adj_ptr[j])) != OK) return NOMEM;
+    f->undo_at = c->top; f->nundo = 0; f->hatless = 1;
+    for (i64 a = c->adj_ptr[j]; a < c->adj_ptr[j + 1]; a++) {
+        i64 nb = c->adj_j[a], t = o + c->adj_e[a];
+        if (c->placed[nb]) continue;
+        f->hatless = 0;
+        if (c->minoff[nb] < t) {
+            c->arena[c->top++] = nb; c->arena[c->top++] = c->minoff[nb];
+            c->minoff[nb] = t; f->nundo++;
+        }
+    }
+    c->placed[j] = 1;
+    for (i64 r = c->run_ptr[j]; r < c->run_ptr[j + 1]; r++)
+        for (i64 s = c->run_lo[r]; s < c->run_hi[r]; s++) c->total[s] -= c->run_h[r];
+    for (i64 s = c->span_lo[j]; s < c->span_hi[j] - 1; s++) c->cuts[s]--;
+    f->j = j; f->o = o;
+    return OK;
+}
+
+static void unplace(Ctx *c, Frame *f) {
+    i64 j = f->j;
+    for (int u = f->nundo - 1; u >= 0; u--) c->minoff[c->arena[f->undo_at + 2 * u]] = c->arena[f->undo_at + 2 * u + 1];
+    for (i64 r = c->run_ptr[j]; r < c->run_ptr[j + 1]; r++)
+        for (i64 s = c->run_lo[r]; s < c->run_hi[r]; s++) c->total[s] += c->run_h[r];
+    for (i64 s = c->span_lo[j]; s < c->span_hi[j] - 1; s++) c->cuts[s]++;
+    c->placed[j] = 0;
+    f->j = -1; f->nundo = 0;
+}
+
+static int any_unplaced(const Ctx *c, int lo, int hi) {
+    for (i64 q = c->pf[lo]; q < c->pf[hi]; q++)
+        if (!c->placed[c->byfirst[q]]) return 1;
+    return 0;
+}
+
+/* search.py: child(). Returns 0 (the partition is done), 1 (``nf`` is a node, maybe without candidates),
+ * 2 (``nf`` is a decomposition into independent parts), or NOMEM. */
+static int child(Ctx *c, Set *failed, Frame *f, Frame *nf) {
+    if (!any_unplaced(c, f->lo, f->hi)) return 0;
+    i64 lo_r = c->rank[f->j];
+    int a = (int)(c->span_lo[f->j] > f->lo ? c->span_lo[f->j] : f->lo);
+    int b = (int)(c->span_hi[f->j] - 1 < f->hi - 1 ? c->span_hi[f->j] - 1 : f->hi - 1);
+    int nz = 0;
+    for (int s = a; s < b; s++) nz += c->cuts[s] == 0;
+    if (!nz) return make_node(c, failed, nf, f->lo, f->hi, f->o, lo_r) == OK ? 1 : NOMEM;
+    if (reserve(c, (size_t)nz + 1) != OK) return NOMEM;
+    size_t at = c->top;
+    int np = 0, start = f->lo;
+    for (int s = a; s <= b; s++) {
+        int end = s < b ? (c->cuts[s] == 0 ? s + 1 : -1) : f->hi;
+        if (end < 0) continue;
+        if (any_unplaced(c, start, end)) {
+            c->arena[at + 2 * np] = start; c->arena[at + 2 * np + 1] = end; np++;
+        }
+        start = end;
+    }
+    if (np == 1) {
+        int lo = (int)c->arena[at], hi = (int)c->arena[at + 1];
+        return make_node(c, failed, nf, lo, hi, f->o, lo_r) == OK ? 1 : NOMEM;
+    }
+    memset(nf, 0, sizeof *nf);
+    nf->is_and = 1; nf->mark = at; nf->nparts = np; nf->last_o = f->o; nf->last_r = lo_r;
+    c->top = at + 2 * (size_t)np;
+    return 2;
+}
+
+/* One depth-first search with the preorder in ``c->rank``: OK (c->sol holds the bases), FAIL or ABORT (node limit
+ * or deadline) or NOMEM. search.py: _Search.run(), the same events travelling down the same stack. */
+static int run(Ctx *c, Frame *st, const i64 *parts, int nparts, Set *failed, i64 limit, double deadline,
+               i64 *nodes) {
+    memset(c->placed, 0, (size_t)c->n);
+    memset(c->minoff, 0, (size_t)c->n * sizeof(i64));
+    c->top = 0;
+    *nodes = 0;
+    if (reserve(c, (size_t)nparts) != OK) return NOMEM;
+    memcpy(c->arena, parts, 2 * (size_t)nparts * sizeof(i64));
+    int sp = 1;
+    memset(st, 0, sizeof *st);
+    st->is_and = 1; st->nparts = nparts; st->last_o = st->last_r = -1;
+    c->top = 2 * (size_t)nparts;
+    int ev = OK;  /* an and-frame starts its next part on OK */
+    while (sp) {
+        Frame *f = &st[sp - 1];
+        if (f->is_and) {
+            if (ev == FAIL || f->next == f->nparts) {  /* a part failed, or all are solved: the event goes down */
+                c->top = f->mark; sp--;
+                continue;
+            }
+            const i64 *p = c->arena + f->mark + 2 * f->next++;
+            if (make_node(c, failed, &st[sp], (int)p[0], (int)p[1], f->last_o, f->last_r) != OK) return NOMEM;
+            if (!st[sp].ncand) { ev = FAIL; continue; }
+            sp++; ev = NEW;
+            continue;
+        }
+        if (ev == OK) {  /* the subtree under this placement is solved: keep it, unwind */
+            c->sol[f->j] = f->o;
+            unplace(c, f);
+            c->top = f->mark; sp--;
+            continue;
+        }
+        if (ev == FAIL) {
+            int hatless = f->hatless;
+            unplace(c, f);
+            if (hatless) { c->top = f->mark; sp--; continue; }  /* nothing rests on it: no sibling helps */
+        }
+        int got = -1;  /* what follows the current placement: 0 done, 1 node, 2 decomposition */
+        while (f->k < f->ncand) {
+            const i64 *cd = c->arena + f->cand_at + 2 * f->k++;
+            if (++*nodes >= limit || ((*nodes & 127) == 0 && now() > deadline)) return ABORT;
+            if (place(c, f, c->item_of_rank[cd[1]], cd[0]) != OK) return NOMEM;
+            got = child(c, failed, f, &st[sp]);
+            if (got < 0) return NOMEM;
+            if (got != 1 || st[sp].ncand) break;
+            int hatless = f->hatless;
+            unplace(c, f);
+            got = -1;
+            if (hatless) break;
+        }
+        if (f->j < 0) {  /* no candidate left: this state fails whenever it comes back */
+            if (set_add(failed, f->key0, f->key1) != OK) return NOMEM;
+            c->top = f->mark; sp--;
+            ev = FAIL;
+            continue;
+        }
+        if (got == 0) { ev = OK; continue; }  /* the partition is complete: unwind on the next turn */
+        sp++;
+        ev = got == 2 ? OK : NEW;
+    }
+    return ev == OK ? OK : FAIL;
+}
+
+/* The restart loop of search.fit: preorders in turn, the node limit doubling each round (starting from 2n),
+ * until one run is complete or ``time_limit`` seconds pass. Returns OK (``sol``), FAIL (proved infeasible),
+ * ABORT (undecided) or NOMEM; ``nodes_out`` counts the placements tried. Arrays as in sections.Prepared, flattened
+ * by planning/native.py; ``ranks`` is H x n, ``parts`` the (lo, hi) section ranges of the partitions. */
+int dsa_fit(int n, int S, const i64 *height, const i64 *reach, const i64 *first, const i64 *span_lo,
+            const i64 *span_hi, const i64 *run_ptr, const i64 *run_lo, const i64 *run_hi, const i64 *run_h,
+            const i64 *total, const i64 *cuts, const i64 *adj_ptr, const i64 *adj_j, const i64 *adj_e,
+            const i64 *members, const i64 *ptr, const i64 *byfirst, const i64 *pf, int nparts, const i64 *parts,
+            int H, const i64 *ranks, i64 capacity, double time_limit, i64 *sol, i64 *nodes_out) {
+    double deadline = now() + time_limit;
+    Ctx c = {.n = n, .S = S, .height = height, .first = first, .span_lo = span_lo, .span_hi = span_hi,
+             .run_ptr = run_ptr, .run_lo = run_lo, .run_hi = run_hi, .run_h = run_h, .adj_ptr = adj_ptr,
+             .adj_j = adj_j, .adj_e = adj_e, .members = members, .ptr = ptr, .byfirst = byfirst, .pf = pf,
+             .C = capacity};
+    int rc = NOMEM;
+    c.ub = malloc(sizeof(i64) * (size_t)(n + 1));
+    c.minoff = malloc(sizeof(i64) * (size_t)(n + 1));
+    c.total = malloc(sizeof(i64) * (size_t)(S + 1));
+    c.cuts = malloc(sizeof(i64) * (size_t)(S + 1));
+    c.sol = sol;
+    c.placed = malloc((size_t)n + 1);
+    i64 *inv = malloc(sizeof(i64) * (size_t)H * (size_t)(n + 1));
+    Frame *st = malloc(sizeof(Frame) * (size_t)(2 * n + 4));
+    Set *failed = calloc((size_t)H, sizeof(Set));
+    *nodes_out = 0;
+    if (!c.ub || !c.minoff || !c.total || !c.cuts || !c.placed || !inv || !st || !failed) goto out;
+    for (int i = 0; i < n; i++) c.ub[i] = capacity - reach[i];
+    for (int h = 0; h < H; h++)
+        for (int i = 0; i < n; i++) inv[(size_t)h * n + ranks[(size_t)h * n + i]] = i;
+    i64 limit = n;
+    rc = ABORT;
+    while (now() < deadline) {
+        limit *= 2;
+        for (int h = 0; h < H; h++) {
+            memcpy(c.total, total, sizeof(i64) * (size_t)S);
+            if (S > 1) memcpy(c.cuts, cuts, sizeof(i64) * (size_t)(S - 1));
+            c.rank = ranks + (size_t)h * n;
+            c.item_of_rank = inv + (size_t)h * n;
+            i64 nodes = 0;
+            int r = run(&c, st, parts, nparts, &failed[h], limit, deadline, &nodes);
+            *nodes_out += nodes;
+            if (r != ABORT) { rc = r; goto out; }
+            if (now() > deadline) break;
+        }
+    }
+out:
+    if (failed) for (int h = 0; h < H; h++) free(failed[h].keys);
+    free(failed); free(st); free(inv); free(c.placed); free(c.cuts); free(c.total); free(c.minoff); free(c.ub);
+    free(c.arena);
+    return rc;
+}
