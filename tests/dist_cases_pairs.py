@@ -50,16 +50,18 @@ FEATURES = {
     "zero1": ("parallel.use_distributed_optimizer", ["parallel.use_distributed_optimizer=true"]),
     "fsdp": ("parallel.use_torch_fsdp2", ["parallel.use_torch_fsdp2=true"]),
     "ckpt-offload": ("memory.activation_offload", ["memory.activation_offload=checkpoints"]),
+    "chunks": ("memory.layer_chunk_size", ["memory.recompute_granularity=full", "memory.layer_chunk_size=20"]),
     "accum": ("train.micro_batch_size", ["train.micro_batch_size=1"]),  # every rank: several micro-batches
 }
 EXCLUSIVE = [{"tp2", "tp2+sp"}, {"ring", "ulysses", "hybrid", "fpdt", "fpdt+offload"},
-             {"memo", "memo-auto", "ckpt-offload"}]
+             {"memo", "memo-auto", "ckpt-offload"}, {"chunks", "ckpt-offload"},
+             {"chunks", "full", "selective"}]  # chunks sets recompute full
 # what users run together beyond pairs
 TRIPLES = [("tp2+sp", "ring", "mst", "memo"), ("tp2", "ulysses", "mst", "memo-auto"),
            ("tp2+sp", "fpdt+offload", "mst", "full"), ("hybrid", "mst", "memo", "plan"),
            ("tp2+sp", "hybrid", "mst", "full"), ("ring", "mst", "memo", "zero1", "accum"),
            ("tp2+sp", "ring", "mst", "memo", "fsdp", "accum"), ("fpdt+offload", "mst", "full", "fsdp"),
-           ("tp2+sp", "ring", "mst", "ckpt-offload", "fsdp", "accum")]
+           ("tp2+sp", "ring", "mst", "ckpt-offload", "fsdp", "accum"), ("tp2+sp", "ring", "mst", "memo", "chunks")]
 
 
 def cases() -> list[tuple]:

@@ -17,7 +17,8 @@ from tests.dist import run_dist
 
 # refused pairs (config/combinations.py), each a set of feature names
 REFUSED = [{"selective", "memo"}, {"selective", "memo-auto"}, {"selective", "fpdt"}, {"selective", "fpdt+offload"},
-           {"fsdp", "zero1"}, {"ckpt-offload", "selective"}, {"ckpt-offload", "full"}]
+           {"fsdp", "zero1"}, {"ckpt-offload", "selective"}, {"ckpt-offload", "full"},
+           {"chunks", "fpdt"}, {"chunks", "fpdt+offload"}]
 CASES = pairs.cases()
 
 

@@ -15,6 +15,9 @@ class MemoryConfig:
     activation_offload: Literal["none", "memo", "checkpoints"] = "none"
     offload_fraction: Union[float, Literal["auto"]] = "auto"  # Memo's alpha
     host_memory_gb: Optional[float] = None  # host budget of one node for offload; default: what the OS reports
+    # tokens per mini-sequence of a layer's token-wise parts in token-wise recompute / Memo (memory/memo/steps.py):
+    # outside core attention a layer's recompute holds O(chunk) rows; None: all tokens at once
+    layer_chunk_size: Optional[int] = None
     mst: bool = False
     mst_mlp_chunk_size: Optional[int] = None  # tokens per MLP mini-sequence; default hidden_size
     mst_head_chunks: Optional[int] = None  # chunks of LM head + loss; default ceil(vocab / hidden)
@@ -31,6 +34,6 @@ class MemoryConfig:
             check(not self.plan, "memory.plan (true) must be 'off', 'auto' or the path of a plan JSON file")
             self.plan = "off"
         check(self.plan_time_limit > 0, f"memory.plan_time_limit ({self.plan_time_limit}) must be > 0 seconds")
-        for name in ("mst_mlp_chunk_size", "mst_head_chunks", "fpdt_chunk_size"):
+        for name in ("mst_mlp_chunk_size", "mst_head_chunks", "fpdt_chunk_size", "layer_chunk_size"):
             v = getattr(self, name)
             check(v is None or v >= 1, f"memory.{name} ({v}) must be >= 1")

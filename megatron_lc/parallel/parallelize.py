@@ -72,7 +72,8 @@ def model_context(cfg: Config, layout: Layout) -> ModelContext:
     ctx = ModelContext()
     offload = m.activation_offload == "memo"
     if offload or m.recompute_granularity == "full":
-        ctx.memo = MemoRuntime(cfg.model.num_layers, offload=offload, pool=ctx.host_pool)
+        ctx.memo = MemoRuntime(cfg.model.num_layers, offload=offload, pool=ctx.host_pool,
+                               chunk_tokens=m.layer_chunk_size)
     if layout.cp_comm_type == "fpdt":
         ctx.fpdt = FPDTState(ctx.arena, ctx.host_pool)
     if m.activation_offload == "checkpoints":  # the fp32 residual stream between layers, [s, b, h] per rank

@@ -78,8 +78,10 @@ class MemoRuntime:
     from (the model context's, shared with FPDT; a fresh one if None)."""
 
     def __init__(self, num_layers: int, offload: bool, alpha: float = 0.0, measure: bool = False,
-                 device: Optional[torch.device] = None, pool: Optional[HostPool] = None):
+                 device: Optional[torch.device] = None, pool: Optional[HostPool] = None,
+                 chunk_tokens: Optional[int] = None):
         self.n = num_layers
+        self.chunk_tokens = chunk_tokens  # memory.layer_chunk_size: mini-sequences of the dropped tokens (steps.py)
         self.measure = measure  # calibration probe: count bytes by kind, copy nothing
         self.alpha = alpha if offload else 0.0  # offload: set by the calibration (``calibrate.py``)
         self.offload = offload

@@ -17,6 +17,11 @@ cuts and merges both kinds. Example S = 4, sA = 1, G = 2 (rank r holds tokens r0
 
     local x on rank r     [r0 r1 r2 r3]              -> kept [r0]        dropped [r1 r2 r3]
     gathered q            [00 01 02 03 10 11 12 13]  -> kept [00 10]     dropped [01 02 03 11 12 13]
+
+``memory.layer_chunk_size`` = c: the dropped tokens' ``post`` (forward and recompute) and ``pre`` (recompute) run in
+mini-sequences of c tokens, so outside core attention a layer's working set is O(c) rows, not O(S) (the attention
+backward still holds the dropped tokens' q, k, v, computed once more without a graph). With c = 2 above, chunk 1 is
+local ``[r1 r2]`` / gathered ``[01 02 11 12]`` and chunk 2 local ``[r3]`` / gathered ``[03 13]``.
 """
 from __future__ import annotations
 
@@ -45,6 +50,18 @@ class TokenSplit:
         v = t.view(self.G, self.S, *t.shape[1:])
         return (v[:, :self.sA].reshape(self.G * self.sA, *t.shape[1:]),
                 v[:, self.sA:].reshape(self.G * self.sD, *t.shape[1:]))
+
+    def dropped_chunks(self, chunk: Optional[int]) -> list:
+        """``[(start, end)]`` mini-sequences of the dropped tokens (local rows ``[sA + start, sA + end)``), at most
+        ``chunk`` each; one range when ``chunk`` is None."""
+        c = chunk or self.sD
+        return [(i, min(i + c, self.sD)) for i in range(0, self.sD, c)]
+
+    def dropped_rows(self, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Rows ``[start, end)`` of every one of the G blocks of a gathered dropped-token tensor (block order)."""
+        if self.G == 1:
+            return t[start:end]
+        return t.view(self.G, self.sD, *t.shape[1:])[:, start:end].reshape(self.G * (end - start), *t.shape[1:])
 
     def merge(self, a: Optional[torch.Tensor], d: Optional[torch.Tensor]) -> torch.Tensor:
         """Inverse of ``gathered``."""
@@ -94,6 +111,24 @@ class LayerStep:
             out = fn(*args)
         return out, probe
 
+    @property
+    def chunk(self) -> Optional[int]:
+        """Tokens per mini-sequence of the dropped tokens' recompute (None: all at once)."""
+        c = self.runtime.chunk_tokens
+        return c if c is not None and c < self.split.sD else None
+
+    def dropped_qkv(self):
+        """q, k, v of the dropped tokens for the attention backward: with mini-sequences, recomputed whole without a
+        graph (the pre backward recomputes them chunk by chunk); else the graph of ``recompute_pre``."""
+        if self.chunk is None:
+            return tuple(t.detach() for t in self.recompute_pre()[1])
+        x = self.split.local(self.kept_input())[1]
+        with contextlib.ExitStack() as stack:
+            for dev, dtype in self.autocast:
+                stack.enter_context(torch.autocast(dev, dtype=dtype))
+            stack.enter_context(torch.no_grad())
+            return tuple(self.pre_fn(x, self.rope_d))
+
     def recompute_pre(self):
         """The pre-attention outputs (q, k, v) of the dropped tokens, with their autograd graph (once)."""
         if self.pre_d is None:
@@ -120,13 +155,37 @@ class _PreDropped(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         st = ctx.st
-        x, qkv, nbytes = st.recompute_pre()
-        pairs = [(t, g) for t, g in zip(qkv, grads) if g is not None]
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        st.pre_d = None
-        st.runtime.account.release("memo.recompute", nbytes)
+        if st.chunk is not None:
+            dx = _pre_backward_chunks(st, grads)
+        else:
+            x, qkv, nbytes = st.recompute_pre()
+            pairs = [(t, g) for t, g in zip(qkv, grads) if g is not None]
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            st.pre_d = None
+            st.runtime.account.release("memo.recompute", nbytes)
+            dx = x.grad
         st.runtime.layer_backward_done(st.slot)
-        return None, x.grad, None
+        return None, dx, None
+
+
+def _pre_backward_chunks(st: LayerStep, grads) -> torch.Tensor:
+    """``pre`` of the dropped tokens re-run and backpropagated one mini-sequence at a time; returns their dx."""
+    sp = st.split
+    x_all = sp.local(st.kept_input())[1]
+    dx = torch.empty_like(x_all)
+    for a, b in sp.dropped_chunks(st.chunk):
+        x = x_all[a:b].detach().requires_grad_()
+        rope = None if st.rope_d is None else tuple(sp.dropped_rows(t, a, b) for t in st.rope_d)
+        qkv, probe = st._measure(lambda *args: tuple(st.pre_fn(*args)), x, rope)
+        probe.flush()
+        nbytes = probe.stats.bytes["other"]
+        st.slot.stats.bytes_recomputed += nbytes
+        st.runtime.account.acquire("memo.recompute", nbytes)
+        pairs = [(t, sp.dropped_rows(g, a, b)) for t, g in zip(qkv, grads) if g is not None]
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        st.runtime.account.release("memo.recompute", nbytes)
+        dx[a:b] = x.grad
+    return dx
 
 
 class _PostDropped(torch.autograd.Function):
@@ -135,20 +194,35 @@ class _PostDropped(torch.autograd.Function):
     @staticmethod
     def forward(ctx, st: LayerStep, x_d, o_d, always_grad):
         ctx.st = st
-        return st.post_fn(x_d, o_d)
+        if st.chunk is None:
+            return st.post_fn(x_d, o_d)
+        y = torch.empty_like(x_d)  # the layer output keeps the residual stream's dtype
+        for a, b in st.split.dropped_chunks(st.chunk):
+            y[a:b] = st.post_fn(x_d[a:b], st.split.dropped_rows(o_d, a, b))
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         st = ctx.st
-        x = st.split.local(st.kept_input())[1].detach().requires_grad_()
-        o = st.kept_attn()[st.split.G * st.split.sA:].detach().requires_grad_()  # dropped rows come last
-        y, probe = st._measure(st.post_fn, x, o)
-        probe.flush()
-        st.slot.stats.bytes_recomputed += probe.stats.bytes["other"]
-        st.runtime.account.acquire("memo.recompute", probe.stats.bytes["other"])
-        torch.autograd.backward(y, dy)
-        st.runtime.account.release("memo.recompute", probe.stats.bytes["other"])
-        return None, x.grad, o.grad, None
+        sp = st.split
+        x_all = sp.local(st.kept_input())[1]
+        o_all = st.kept_attn()[sp.G * sp.sA:]  # dropped rows come last
+        dx, do = torch.empty_like(x_all), torch.empty_like(o_all)
+        for a, b in sp.dropped_chunks(st.chunk):
+            x = x_all[a:b].detach().requires_grad_()
+            o = sp.dropped_rows(o_all, a, b).detach().requires_grad_()
+            y, probe = st._measure(st.post_fn, x, o)
+            probe.flush()
+            st.slot.stats.bytes_recomputed += probe.stats.bytes["other"]
+            st.runtime.account.acquire("memo.recompute", probe.stats.bytes["other"])
+            torch.autograd.backward(y, dy[a:b])
+            st.runtime.account.release("memo.recompute", probe.stats.bytes["other"])
+            dx[a:b] = x.grad
+            if sp.G == 1:
+                do[a:b] = o.grad
+            else:
+                do.view(sp.G, sp.sD, *do.shape[1:])[:, a:b] = o.grad.view(sp.G, b - a, *do.shape[1:])
+        return None, dx, do, None
 
 
 class _Attention(torch.autograd.Function):
@@ -178,7 +252,7 @@ class _Attention(torch.autograd.Function):
         if sp.sA:
             qa, ka, va = (slot.unpack(h) for h in st.h_qkv_kept)
         if sp.sD:
-            qd, kd, vd = (t.detach() for t in st.recompute_pre()[1])
+            qd, kd, vd = st.dropped_qkv()
         q, k, v = sp.merge(qa, qd), sp.merge(ka, kd), sp.merge(va, vd)
         if sp.G > 1 and sp.sA and sp.sD:
             n = sp.G * sp.sA
