@@ -68,11 +68,13 @@ MINIMALLOC_CAPACITY = 1048576  # MiniMalloc solves each instance at this capacit
 def challenging(time_limit: float) -> list:
     """Per instance of MiniMalloc's challenging set (times as published, not event positions): the max-live
     bound, greedy's peak, the capacity mode at MiniMalloc's capacity (answer, seconds, search nodes, plan
-    validated) and the peak-minimising mode (``solve_dsa`` with ``auto``: greedy, search, CP-SAT if installed)."""
+    validated) on the C core and on the Python search (the C core only when it builds), and the peak-minimising
+    mode (``solve_dsa`` with ``auto``: greedy, search, CP-SAT if installed; started from the capacity mode's plan)."""
     import csv
 
     import numpy as np
 
+    from megatron_lc.planning import native
     from megatron_lc.planning.dsa import solve_dsa
     from megatron_lc.planning.search import fit
     from megatron_lc.planning.solvers import PlanError, Rects, best_greedy, validate
@@ -87,22 +89,34 @@ def challenging(time_limit: float) -> list:
         inst = Rects.flat(size, lower, upper)
         lb = inst.lower_bound()
         cap = MINIMALLOC_CAPACITY
+        def capacity_mode(backend: str) -> tuple:
+            t0 = time.perf_counter()
+            r = fit(inst, cap, time_limit=time_limit, backend=backend)
+            secs = time.perf_counter() - t0
+            valid = None
+            if r.offsets is not None:
+                try:
+                    validate(list(range(len(size))), size, lower, upper, r.offsets, cap)
+                    valid = True
+                except PlanError:
+                    valid = False
+            return r, {"capacity_bytes": cap, "answer": r.status, "seconds": round(secs, 2), "nodes": r.nodes,
+                       "validated": valid, "backend": backend, "load_average_1min": round(os.getloadavg()[0], 1)}
+
+        modes = {}
+        if native.load() is not None:
+            r, modes["capacity_mode"] = capacity_mode("native")
+            modes["capacity_mode_python"] = capacity_mode("python")[1]
+        else:
+            r, modes["capacity_mode"] = capacity_mode("python")
+        valid = modes["capacity_mode"]["validated"]
         t0 = time.perf_counter()
-        r = fit(inst, cap, time_limit=time_limit)
-        secs = time.perf_counter() - t0
-        valid = None
-        if r.offsets is not None:
-            try:
-                validate(list(range(len(size))), size, lower, upper, r.offsets, cap)
-                valid = True
-            except PlanError:
-                valid = False
-        t0 = time.perf_counter()
-        sol = solve_dsa(inst, solver="auto", time_limit=time_limit)  # validates its plan or raises
+        # the minimiser starts from the capacity mode's plan when there is one: never above a capacity found
+        start = (r.offsets, inst.peak(r.offsets)) if valid else None
+        sol = solve_dsa(inst, solver="auto", time_limit=time_limit, start=start)  # validates its plan or raises
         row = {"instance": name.split(".")[0], "buffers": len(size), "lower_bound_bytes": lb,
                "greedy_peak_bytes": best_greedy(inst)[1],
-               "capacity_mode": {"capacity_bytes": cap, "answer": r.status, "seconds": round(secs, 2),
-                                 "nodes": r.nodes, "validated": valid},
+               **modes,
                "minimise_mode": {"peak_bytes": sol.peak, "peak_over_lower_bound": round(sol.peak / lb, 4),
                                  "status": sol.status, "solver": sol.solver,
                                  "seconds": round(time.perf_counter() - t0, 2), "validated": True},

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -57,15 +58,20 @@ class Solution:
 
 
 def solve_dsa(inst: Rects, *, solver: str = "auto", time_limit: float = 10.0, workers: int = 2,
-              names=None, orders=("size", "area", "lifetime", "start"), gap: float = 0.0) -> Solution:
+              names=None, orders=("size", "area", "lifetime", "start"), gap: float = 0.0,
+              start: Optional[tuple] = None) -> Solution:
     """Plan one DSA instance: greedy warm start; stop if it is within ``gap`` (relative) of the max-live bound; else
     improve with ``solver`` within ``time_limit`` seconds. The result is validated (``names``: item names for the
-    error message)."""
+    error message). ``start``: a plan known already, (offsets, peak) -- e.g. the capacity mode's at C -- used in
+    place of greedy's when lower, so the result is never above it (the minimiser bisects below it)."""
     solver = resolve_solver(solver)
     t0 = time.perf_counter()
     lb = inst.lower_bound()
     off, peak, order = best_greedy(inst, orders, lower_bound=lb, time_limit=0.3 * time_limit)
     status, used = ("optimal" if peak == lb else "feasible"), f"greedy-{order}"
+    if start is not None and start[1] < peak:
+        off, peak, used = np.asarray(start[0], dtype=np.int64), int(start[1]), "start"
+        status = "optimal" if peak == lb else "feasible"
     build = CPSAT_BUILD_SECONDS_PER_RECT * len(inst.item)  # model building is not covered by the solver's limit
     left = time_limit - (time.perf_counter() - t0)
     proved = lb  # no plan below this

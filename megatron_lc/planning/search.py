@@ -34,7 +34,9 @@ from .sections import Prepared, prepare
 from .solvers import Rects
 
 FEASIBLE, INFEASIBLE, UNDECIDED = "feasible", "infeasible", "undecided"
-HEURISTICS = ("WAT", "TAW", "TWA")  # preorders tried in turn: W lifetime, A area, T max section bytes (descending)
+# preorders tried in turn (each key descending): W lifetime, A area, T max section bytes. MiniMalloc's three, with
+# AWT first: measured on its challenging set, AWT alone decides E (1.07M nodes), none of the three does in 28M.
+HEURISTICS = ("AWT", "WAT", "TAW", "TWA")
 _OK, _FAIL, _NEW, _ABORT = 0, 1, 2, 3
 
 

@@ -55,12 +55,13 @@ class Prepared:
 
     def rank(self, heuristic: str) -> list:
         """Preorder rank of each item (0 first): by the letters of ``heuristic`` in turn, each descending --
-        W lifetime, A area, T the largest total of the sections it covers -- then by index."""
+        W lifetime, A area, T the largest total of the sections it covers, Z height -- then by index. Example:
+        heights 1, 2 on [0, 4), [1, 2): "WA" ranks item 0 first (longer), "Z" item 1."""
         tmax = np.zeros(self.n, dtype=np.int64)
         for i, rs in enumerate(self.runs):
             if rs:
                 tmax[i] = max(int(self.total[lo:hi].max()) for lo, hi, _ in rs)
-        keys = {"W": self.width, "A": self.area, "T": tmax}
+        keys = {"W": self.width, "A": self.area, "T": tmax, "Z": self.height}
         order = np.lexsort([np.arange(self.n)] + [-keys[c] for c in reversed(heuristic)])
         rank = [0] * self.n
         for k, i in enumerate(order.tolist()):

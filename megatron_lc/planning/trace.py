@@ -70,6 +70,9 @@ class Block:
 class Trace:
     events: list = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # free-form description (model, seq length, ...); not part of a line
+    # the time of each event when the source had times (MiniMalloc's CSV): requests keep their own lifetimes
+    # instead of event positions -- the same conflicts, but the search's preorders (lifetime, area) are the source's
+    times: Optional[list] = None
 
     # ---- I/O -----------------------------------------------------------------------------------------------
     @classmethod
@@ -134,14 +137,15 @@ class Trace:
     def requests(self) -> list:
         """The tensors of the trace in malloc order (assumes ``validate()`` passed)."""
         out, by_id = [], {}
-        end = len(self.events)
-        for n, e in enumerate(self.events):
+        at = self.times if self.times is not None else range(len(self.events))
+        end = (self.times[-1] + 1) if self.times else len(self.events)
+        for t, e in zip(at, self.events):
             if e.op == "malloc":
-                r = Request(e.id, e.size, n, end, e.tag)
+                r = Request(e.id, e.size, t, end, e.tag)
                 by_id[e.id] = r
                 out.append(r)
             else:
-                by_id[e.id].end = n
+                by_id[e.id].end = t
         return out
 
     def blocks(self) -> list:
@@ -159,11 +163,15 @@ class Trace:
     @classmethod
     def from_intervals(cls, rows: Iterable[tuple]) -> "Trace":
         """A trace of buffers ``(id, lower, upper, size)`` living on ``[lower, upper)`` (MiniMalloc's CSV rows):
-        events sorted by time, frees before mallocs at one time, so the same pairs conflict."""
+        events sorted by time, frees before mallocs at one time, so the same pairs conflict; ``times`` keeps each
+        event's time, so ``requests()`` gives ``[lower, upper)``. Example: rows (1, 0, 10, 4), (2, 10, 30, 4) give
+        free 1 before malloc 2 at time 10, and requests 1: [0, 10), 2: [10, 30)."""
         ev = []
         for i, lo, up, size in rows:
             ev += [(int(lo), 1, int(i), int(size)), (int(up), 0, int(i), int(size))]
-        return cls([Event("malloc" if kind else "free", i, size) for _, kind, i, size in sorted(ev)])
+        ev.sort()
+        return cls([Event("malloc" if kind else "free", i, size) for _, kind, i, size in ev], {},
+                   [t for t, _, _, _ in ev])
 
     @classmethod
     def load_csv(cls, path: str) -> "Trace":
@@ -174,7 +182,8 @@ class Trace:
     def subset(self, ids: Iterable[int]) -> "Trace":
         """The events of the given ids only, in order (marks kept)."""
         keep = set(ids)
-        return Trace([e for e in self.events if e.id in keep], dict(self.meta))
+        times = None if self.times is None else [t for t, e in zip(self.times, self.events) if e.id in keep]
+        return Trace([e for e in self.events if e.id in keep], dict(self.meta), times)
 
     def stats(self) -> dict:
         reqs = self.requests()
