@@ -182,12 +182,13 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         notes.append("fragmentation reserve 10% of activations (memory.plan: off)")
     accum = ms["grads"] if x.n_micro > 1 or ms["persistent_grads"] else 0.0
     static = ms["params"] + ms["optimizer"]
+    head_units = ms.get("head_gathered", 0.0)  # FSDP2: the gathered embedding / head weights
     bwd_grads = accum or (ms["head_grad"] + ms["layer_grad"])
     phases = {
         "layer forward": static + ms["autocast_copies"] + accum + acts["layer forward"] * scale + frag,
-        "head forward": static + ms["autocast_copies"] + accum + acts["head forward"] * scale + frag,
-        "head backward": static + ms["autocast_copies"] + max(accum, ms["head_grad"]) + acts["head backward"] * scale
-        + frag,
+        "head forward": static + head_units + ms["autocast_copies"] + accum + acts["head forward"] * scale + frag,
+        "head backward": static + head_units + ms["autocast_copies"] + max(accum, ms["head_grad"])
+        + acts["head backward"] * scale + frag,
         "layer backward": static + ms["autocast_copies"] + bwd_grads + acts["layer backward"] * scale + frag,
         "optimizer": static + ms["grads"] + rounding + on_host + T.optimizer_step(x, ms["numels"], ms["state_numel"]),
     }

@@ -71,17 +71,19 @@ def model_state_bytes(cfg: Config, x: Dims, preset: str = "framework") -> dict:
 
 def fsdp_state_bytes(cfg: Config, x: Dims, numels: list, layer: float, head: float) -> dict:
     """FSDP2 (``parallel/fsdp.py``): fp32 shards of the parameters, their gradients and AdamW states, 1/(dp x cp)
-    each; on the device also the gathered weights in the compute dtype of two layers (the one computing and the
-    one prefetched) or of the embedding / head unit, and one layer's unsharded gradients (compute dtype + the fp32
-    copy reduce-scattered). ``fsdp_cpu_offload``: the shards, gradients and AdamW states are host memory
-    (``host``), AdamW runs on the host."""
+    each; on the device also the gathered weights in the compute dtype of two layers (the one computing and the one
+    prefetched), of the embedding / head unit at the head's moments (``head_gathered``), and one layer's unsharded
+    gradients (compute dtype + the fp32 copy reduce-scattered). ``fsdp_cpu_offload``: the shards, gradients and
+    AdamW states are host memory (``host``), AdamW runs on the host."""
     n = x.dp * x.cp
     total = sum(numels)
     shard = total / n
-    gathered = x.act * (2 * layer + max(x.V_l * x.h, head))  # compute dtype: bf16 with train.bf16
     # on a CPU run the host is the device: the offload moves nothing (the GPU split is not measured here)
     dev = 0.0 if cfg.parallel.fsdp_cpu_offload and x.device != "cpu" else 1.0
-    return {"params": 4.0 * shard * dev + gathered, "grads": 4.0 * shard * dev, "optimizer": 8.0 * shard * dev,
+    return {"params": 4.0 * shard * dev + x.act * 2 * layer,  # + two gathered layers, in the compute dtype
+            "head_gathered": x.act * max(x.V_l * x.h, head),  # the embedding / head unit, at the head's moments
+            "grads": 4.0 * shard * dev, "optimizer": 8.0 * shard * dev,
             "autocast_copies": 0.0, "numels": [m / n * dev for m in numels], "state_numel": shard * dev,
-            "head_grad": (x.act + 4.0) * head, "layer_grad": (x.act + 4.0) * layer, "persistent_grads": True,
+            "head_grad": (x.act + 4.0) * head, "layer_grad": (x.act + 4.0) * layer,
+            "persistent_grads": False,  # zero_grad(set_to_none) frees the sharded gradients after each step
             "host": 16.0 * shard * (1.0 - dev)}
