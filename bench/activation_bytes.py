@@ -75,6 +75,11 @@ ROWS = {
                           note="token-wise: keeps layer input + attention output + lse, recomputes the token-wise rest"),
     "mst": Row("framework", ["memory.mst=true"], note="MsT: mini-sequence MLP and LM head + loss (defaults)"),
     "mst+full_recompute": Row("framework", ["memory.mst=true", "memory.recompute_granularity=full"]),
+    "mst+full_recompute+chunks": Row("framework", ["memory.mst=true", "memory.recompute_granularity=full",
+                                                   "memory.layer_chunk_size=1024"],
+                                     note="+ the token-wise parts re-run in mini-sequences of 1024 tokens"),
+    "mst+ckpt_offload": Row("framework", ["memory.mst=true", "memory.activation_offload=checkpoints"],
+                            note="layer inputs on the host (in RSS on CPU), whole layer re-run in backward"),
     "layer_checkpoint": Row("framework", [], layer_checkpoint=True,
                             note="HF's scheme on our model, for comparison: torch.utils.checkpoint around each layer "
                                  "(keeps the layer input, recomputes the whole layer incl. attention)"),

@@ -98,6 +98,9 @@ def _framework_steps(spec: dict, metrics_file: str, rec: StepRecorder):
         rec.start_step()
         out = trainer.train_step(step)
         rec.end_step(out["loss"])
+    ck = trainer.ctx.checkpoints  # activation_offload checkpoints: the layer inputs' host share
+    if ck is not None:
+        rec.memo = {"host_bytes": ck.pool.reserved[ck.TAG]}
     if rt is not None:
         rec.memo = {"host_bytes": rt.host_bytes(), "accounted_peak_bytes": rt.account.peak, "alpha": rt.alpha,
                     "rounding_buffer_bytes": 2 * rt.buffers[0].capacity if rt.buffers[0] is not None else 0}
