@@ -77,3 +77,17 @@ def test_fsdp_refusals():
         with pytest.raises(ConfigError) as e:
             resolve_layout(load_config(None, fsdp.TINY + FSDP + extra), 2)
         assert "\n" not in str(e.value) and all(k in str(e.value) for k in keys), str(e.value)
+
+
+def test_one_process_fsdp2_with_cpu_offload_is_the_plain_model():
+    """The one-GPU case: FSDP2 over a group of this process alone (started by the framework when no launcher did),
+    states on the host; fp32, same data: the losses equal the plain model's bit for bit (nothing is re-associated)."""
+    import torch.distributed as dist
+
+    steps = ["train.micro_batch_size=4", "train.train_iters=2", "checkpoint.save=null"]
+    assert not dist.is_initialized()
+    try:
+        assert fsdp.train(0, 1, FSDP + ["parallel.fsdp_cpu_offload=true"] + steps) == fsdp.train(0, 1, steps)
+    finally:  # the group FSDP2 started for this process: gone before the next test
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -22,6 +22,7 @@ the weights before any of them touches a parameter, also when they recompute in 
 """
 from __future__ import annotations
 
+import socket
 import warnings
 from typing import Optional
 
@@ -51,11 +52,20 @@ def fsdp_mesh(topo: Topology, device: torch.device):
     dp x cp = 1 (one GPU with ``fsdp_cpu_offload``, or tp alone) a group of this rank alone."""
     group = topo.group(Axis.DP_CP)
     if group is None:
-        if not dist.is_initialized():
-            raise ConfigError("parallel.use_torch_fsdp2 needs torch.distributed (one process is enough): run "
-                              "pretrain_gpt.py, which starts it, or init a process group first")
+        if not dist.is_initialized():  # one process without a launcher (a tool, a test): a group of itself
+            if topo.world_size > 1:
+                raise ConfigError(f"parallel.use_torch_fsdp2 on {topo.world_size} ranks needs torch.distributed "
+                                  f"initialised (run under torchrun / pretrain_gpt.py)")
+            dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+                                    init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         group = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # every rank: all
     return DeviceMesh.from_group(group, device.type)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def check_shardable(model: nn.Module) -> None:

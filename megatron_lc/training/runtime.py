@@ -6,12 +6,12 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError, Layout, resolve_layout
+from ..parallel.fsdp import free_port
 from ..parallel.topology import Topology
 
 
@@ -46,12 +46,6 @@ def process_group_backend(cfg: Config, device: torch.device) -> str:
     return backend
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(cfg: Config) -> tuple[Layout, Topology, torch.device]:
     """Resolve the layout for this world size, start the process group and build the topology."""
     rank, world, local_rank = env_world()
@@ -61,7 +55,7 @@ def init_distributed(cfg: Config) -> tuple[Layout, Topology, torch.device]:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(process_group_backend(cfg, device), timeout=timeout)
     elif cfg.parallel.use_torch_fsdp2 and not dist.is_initialized():  # FSDP2 needs a process group, even of one
-        init = "env://" if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{_free_port()}"
+        init = "env://" if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{free_port()}"
         dist.init_process_group(process_group_backend(cfg, device), init_method=init, rank=0, world_size=1,
                                 timeout=timeout)
     topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, timeout=timeout)

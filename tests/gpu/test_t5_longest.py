@@ -20,11 +20,18 @@ VARIANTS = {  # name -> --set items (None: Hugging Face); cheap ones first, the 
     "fpdt-p1-offload": ["parallel.cp_comm_type=fpdt", "memory.fpdt_offload=true"],
     "mst-full-recompute": ["memory.mst=true", "memory.recompute_granularity=full"],
     "mst-memo-auto": ["memory.mst=true", "memory.activation_offload=memo", "memory.offload_fraction=auto"],
+    # issue 17's rows: the token-wise parts in mini-sequences; FSDP2 with its states on the host (the one-GPU case)
+    "mst-full-chunks": ["memory.mst=true", "memory.recompute_granularity=full", "memory.layer_chunk_size=8192"],
+    "mst-memo-auto-fsdp2-offload": ["memory.mst=true", "memory.activation_offload=memo",
+                                    "memory.offload_fraction=auto", "parallel.use_torch_fsdp2=true",
+                                    "parallel.fsdp_cpu_offload=true"],
+    "mst-ckpt-offload-fsdp2-offload": ["memory.mst=true", "memory.activation_offload=checkpoints",
+                                       "parallel.use_torch_fsdp2=true", "parallel.fsdp_cpu_offload=true"],
 }
 DRY_VARIANTS = {"hf-gc": 96, "mst-memo-auto": 160}  # dry run: name -> simulated out-of-memory above this length
 START, GRANULARITY, CAP = (64, 64, 256) if DRYRUN else (8192, 4096, 1 << 20)
 # the memory techniques start at 64K (the MFU point; a failure there bisects down): 8K-32K would only spend budget
-START_AT = {} if DRYRUN else {n: 65536 for n in ("fpdt-p1-offload", "mst-full-recompute", "mst-memo-auto")}
+START_AT = {} if DRYRUN else {n: 65536 for n in VARIANTS if n not in ("plain", "hf-gc")}
 BUDGET_S = 600 if DRYRUN else 840  # dry run: an upper bound only (a busy 2-core machine), it ends sooner
 MFU_AT = 128 if DRYRUN else 65536
 STEPS = 2 if DRYRUN else 3
