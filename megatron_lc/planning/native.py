@@ -2,7 +2,7 @@
 cache, keyed by the source's hash, and called through ctypes; ``search.py`` is the reference and the fallback.
 
     lib = load()                  # None (and the reason in why_not()) when there is no compiler or the build fails
-    code, offsets, nodes = fit_native(lib, prepared, capacity, ranks, time_limit=10.0)
+    code, offsets, nodes = fit_native(lib, prepared, capacity, ("WAT", "TAW"), time_limit=10.0)
 
 The library is ``$XDG_CACHE_HOME/megatron_lc/dsa_search-<sha256[:16]>.so`` (``~/.cache`` by default; a temporary
 directory when that is not writable), e.g. ``~/.cache/megatron_lc/dsa_search-3f2a9c0e1b7d4a65.so``; an edited
@@ -72,7 +72,7 @@ def _bind(so: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(so)
     P, L = ctypes.POINTER(ctypes.c_longlong), ctypes.c_longlong
     lib.dsa_fit.restype = ctypes.c_int
-    lib.dsa_fit.argtypes = ([ctypes.c_int] * 2 + [P] * 18 + [ctypes.c_int, P, ctypes.c_int, P, L, ctypes.c_double]
+    lib.dsa_fit.argtypes = ([ctypes.c_int] * 2 + [P] * 20 + [ctypes.c_int, P, ctypes.c_int, P, L, ctypes.c_double]
                             + [P, P])
     return lib
 
@@ -99,9 +99,10 @@ def why_not() -> str:
     return f"{ENV}=0" if os.environ.get(ENV, "1") == "0" else (load() is None and _state["why"]) or ""
 
 
-def fit_native(lib: ctypes.CDLL, p: Prepared, capacity: int, ranks: list, time_limit: float
+def fit_native(lib: ctypes.CDLL, p: Prepared, capacity: int, heuristics: tuple, time_limit: float
                ) -> tuple[int, np.ndarray, int]:
-    """One ``search.fit`` on the C core: (OK | FAIL | ABORT, item bases (valid on OK), placements tried)."""
+    """One ``search.fit`` on the C core with the preorders ``heuristics`` (strings of the letters of
+    ``Prepared.rank``): (OK | FAIL | ABORT, item bases (valid on OK), placements tried)."""
     def arr(a):
         a = np.ascontiguousarray(a, dtype=np.int64)
         keep.append(a)
@@ -110,12 +111,15 @@ def fit_native(lib: ctypes.CDLL, p: Prepared, capacity: int, ranks: list, time_l
     keep: list = []  # the converted arrays live until the call returns
     span = np.array(p.span, dtype=np.int64).reshape(-1, 2)
     parts = np.array([(lo, hi) for _, lo, hi in p.partitions], dtype=np.int64).reshape(-1, 2)
+    heur = np.full((len(heuristics), 4), -1, dtype=np.int64)  # letter codes as csrc's enum Key, -1 after the last
+    for h, letters in enumerate(heuristics):
+        heur[h, :len(letters)] = ["WATZ".index(c) for c in letters]
     sol = np.zeros(p.n, dtype=np.int64)
     nodes = ctypes.c_longlong(0)
     code = lib.dsa_fit(p.n, p.S, arr(p.height), arr(p.reach), arr(p.first), arr(span[:, 0]), arr(span[:, 1]),
                        arr(p.run_ptr), arr(p.run_lo), arr(p.run_hi), arr(p.run_h), arr(p.total), arr(p.cuts),
                        arr(p.adj_ptr), arr(p.adj_j), arr(p.adj_e), arr(p.members), arr(p.ptr), arr(p.byfirst),
-                       arr(p.pf), len(parts), arr(parts), len(ranks), arr(np.asarray(ranks).reshape(-1)),
+                       arr(p.pf), arr(p.width), arr(p.area), len(parts), arr(parts), len(heuristics), arr(heur),
                        int(capacity), float(time_limit), arr(sol), ctypes.byref(nodes))
     if code == NOMEM:
         raise MemoryError("the native DSA search ran out of memory")

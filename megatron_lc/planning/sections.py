@@ -53,19 +53,17 @@ class Prepared:
     byfirst: np.ndarray
     pf: np.ndarray
 
-    def rank(self, heuristic: str) -> list:
-        """Preorder rank of each item (0 first): by the letters of ``heuristic`` in turn, each descending --
-        W lifetime, A area, T the largest total of the sections it covers, Z height -- then by index. Example:
-        heights 1, 2 on [0, 4), [1, 2): "WA" ranks item 0 first (longer), "Z" item 1."""
-        tmax = np.zeros(self.n, dtype=np.int64)
-        for i, rs in enumerate(self.runs):
-            if rs:
-                tmax[i] = max(int(self.total[lo:hi].max()) for lo, hi, _ in rs)
-        keys = {"W": self.width, "A": self.area, "T": tmax, "Z": self.height}
-        order = np.lexsort([np.arange(self.n)] + [-keys[c] for c in reversed(heuristic)])
-        rank = [0] * self.n
-        for k, i in enumerate(order.tolist()):
-            rank[i] = k
+    def rank(self, heuristic: str, items: np.ndarray, total: np.ndarray) -> np.ndarray:
+        """Preorder rank (0 first) of each of ``items`` among them: by the letters of ``heuristic`` in turn, each
+        descending -- W lifetime, A area, T the largest of ``total`` (bytes still unplaced per section) over the
+        sections it covers, Z height -- then by index. Example: heights 1, 2 on [0, 4), [1, 2): "WA" ranks item 0
+        first (longer), "Z" item 1."""
+        tmax = np.array([max(int(total[lo:hi].max()) for lo, hi, _ in self.runs[i]) for i in items.tolist()],
+                        dtype=np.int64).reshape(-1)
+        keys = {"W": self.width[items], "A": self.area[items], "T": tmax, "Z": self.height[items]}
+        order = np.lexsort([items] + [-keys[c] for c in reversed(heuristic)])
+        rank = np.empty(len(items), dtype=np.int64)
+        rank[order] = np.arange(len(items))
         return rank
 
 

@@ -2,9 +2,10 @@
  * restart loop of fit), loaded through ctypes by planning/native.py; search.py stays the reference and fallback.
  *
  * Same semantics, node for node: candidates (min offset, preorder rank) in the same order, the same spatial
- * inference, dominance, hatless cut, decomposition and failed-state table (keys: 128-bit hashes of the unplaced
- * items and their min offsets plus the canonical threshold), the same node limits doubling per round. Only the
- * deadline differs (a node is ~100x cheaper here).
+ * inference, dominance, hatless cut, decomposition (each part ranked anew among its own items when it starts)
+ * and failed-state table (keys: 128-bit hashes of the unplaced items, their min offsets and ranks, plus the
+ * canonical threshold), the same node limits doubling per round. Only the deadline differs (a node is ~100x cheaper
+ * here).
  *
  * A node's unplaced items are never copied: they are exactly the unplaced items whose first section lies in the
  * node's section range [lo, hi), a contiguous run of the items sorted by (first section, index) ("byfirst").
@@ -26,11 +27,19 @@ typedef struct {
     int n, S;
     const i64 *height, *first, *span_lo, *span_hi, *run_ptr, *run_lo, *run_hi, *run_h;
     const i64 *adj_ptr, *adj_j, *adj_e, *members, *ptr, *byfirst, *pf;
+    const i64 *width, *area;
     i64 C, *ub, *minoff, *total, *cuts, *sol;
-    const i64 *rank, *item_of_rank; /* the preorder of this run and its inverse */
+    i64 *rank;                     /* each item's rank in the preorder of the part it belongs to */
+    const i64 *heur;               /* this run's preorder: up to 4 letter codes (Key), -1 after the last */
+    struct Keyed *keyed;           /* scratch for ranking a part */
     char *placed;
-    i64 *arena; size_t top, cap;   /* cands (o, rank), undo (item, old), parts (lo, hi): pairs, LIFO */
+    i64 *arena; size_t top, cap;   /* cands (o, rank, item), undo (item, old), parts (lo, hi), saved ranks
+                                      (item, old): LIFO */
 } Ctx;
+
+enum Key { KEY_W, KEY_A, KEY_T, KEY_Z };  /* lifetime, area, largest unplaced section total, height */
+
+struct Keyed { i64 k[4]; i64 item; };
 
 typedef struct {
     int is_and, lo, hi;
@@ -80,21 +89,56 @@ static double now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* room for ``pairs`` more pairs on the arena; NOMEM when it cannot grow */
-static int reserve(Ctx *c, size_t pairs) {
-    if (c->top + 2 * pairs <= c->cap) return OK;
+/* room for ``slots`` more values on the arena; NOMEM when it cannot grow */
+static int reserve(Ctx *c, size_t slots) {
+    if (c->top + slots <= c->cap) return OK;
     size_t cap = c->cap ? c->cap : 1 << 16;
-    while (cap < c->top + 2 * pairs) cap *= 2;
+    while (cap < c->top + slots) cap *= 2;
     i64 *a = realloc(c->arena, cap * sizeof(i64));
     if (!a) return NOMEM;
     c->arena = a; c->cap = cap;
     return OK;
 }
 
-static int cmp_pair(const void *x, const void *y) {  /* (offset, rank), both ascending */
+static int cmp_cand(const void *x, const void *y) {  /* (offset, rank), both ascending */
     const i64 *a = x, *b = y;
     if (a[0] != b[0]) return a[0] < b[0] ? -1 : 1;
     return a[1] < b[1] ? -1 : (a[1] > b[1]);
+}
+
+static int cmp_keyed(const void *x, const void *y) {  /* keys descending, then item ascending */
+    const struct Keyed *a = x, *b = y;
+    for (int q = 0; q < 4; q++)
+        if (a->k[q] != b->k[q]) return a->k[q] > b->k[q] ? -1 : 1;
+    return a->item < b->item ? -1 : (a->item > b->item);
+}
+
+/* Rank the unplaced items of sections [lo, hi) among themselves by this run's preorder, T from the bytes still
+ * unplaced per section; their previous ranks go on the arena as (item, old) pairs. search.py: Prepared.rank. */
+static int rank_part(Ctx *c, int lo, int hi) {
+    int m = 0;
+    for (i64 q = c->pf[lo]; q < c->pf[hi]; q++) {
+        i64 i = c->byfirst[q];
+        if (c->placed[i]) continue;
+        struct Keyed *e = &c->keyed[m++];
+        i64 tmax = 0;
+        for (i64 r = c->run_ptr[i]; r < c->run_ptr[i + 1]; r++)
+            for (i64 s = c->run_lo[r]; s < c->run_hi[r]; s++) if (c->total[s] > tmax) tmax = c->total[s];
+        for (int q2 = 0; q2 < 4; q2++) {
+            i64 code = c->heur[q2];
+            e->k[q2] = code == KEY_W ? c->width[i] : code == KEY_A ? c->area[i] : code == KEY_T ? tmax
+                     : code == KEY_Z ? c->height[i] : 0;
+        }
+        e->item = i;
+    }
+    qsort(c->keyed, (size_t)m, sizeof *c->keyed, cmp_keyed);
+    if (reserve(c, 2 * (size_t)m) != OK) return NOMEM;
+    for (int k = 0; k < m; k++) {
+        i64 i = c->keyed[k].item;
+        c->arena[c->top++] = i; c->arena[c->top++] = c->rank[i];
+        c->rank[i] = k;
+    }
+    return OK;
 }
 
 /* Fill ``f`` as the node for the unplaced items in sections [lo, hi) after a placement at (lo_o, lo_r): the
@@ -108,7 +152,8 @@ static int make_node(Ctx *c, Set *failed, Frame *f, int lo, int hi, i64 lo_o, i6
         i64 i = c->byfirst[q];
         if (c->placed[i]) continue;
         h0 = mix(h0 ^ (u64)i) + (u64)c->minoff[i];
-        h1 = mix(h1 + 0x9e3779b97f4a7c15ULL * ((u64)c->minoff[i] ^ ((u64)i << 40) ^ (u64)i));
+        h1 = mix(h1 + 0x9e3779b97f4a7c15ULL * ((u64)c->minoff[i] ^ ((u64)i << 40) ^ (u64)i)
+                 + 0xd1b54a32d192ed03ULL * (u64)c->rank[i]);
         cnt++;
     }
     h0 = mix(h0 ^ (u64)lo_o) ^ mix((u64)lo_r + 0x632be59bd9b4e019ULL);
@@ -134,17 +179,17 @@ static int make_node(Ctx *c, Set *failed, Frame *f, int lo, int hi, i64 lo_o, i6
         i64 i = c->byfirst[q];
         if (!c->placed[i] && c->minoff[i] + c->height[i] < mintop) mintop = c->minoff[i] + c->height[i];
     }
-    if (reserve(c, (size_t)cnt) != OK) return NOMEM;
+    if (reserve(c, 3 * (size_t)cnt) != OK) return NOMEM;
     i64 *out = c->arena + c->top;
     int nc = 0;
     for (i64 q = c->pf[lo]; q < c->pf[hi]; q++) {
         i64 i = c->byfirst[q], mo = c->minoff[i], rk = c->rank[i];
         if (c->placed[i] || mo >= mintop || mo > c->C - tmax || mo > c->ub[i]) continue;
         if (mo < lo_o || (mo == lo_o && rk <= lo_r)) continue;  /* canonical order after the last placement */
-        out[2 * nc] = mo; out[2 * nc + 1] = rk; nc++;
+        out[3 * nc] = mo; out[3 * nc + 1] = rk; out[3 * nc + 2] = i; nc++;
     }
-    qsort(out, (size_t)nc, 2 * sizeof(i64), cmp_pair);
-    c->top += 2 * (size_t)nc;
+    qsort(out, (size_t)nc, 3 * sizeof(i64), cmp_cand);
+    c->top += 3 * (size_t)nc;
     f->ncand = nc; f->cand_end = c->top;
     return OK;
 }
@@ -152,7 +197,7 @@ static int make_node(Ctx *c, Set *failed, Frame *f, int lo, int hi, i64 lo_o, i6
 /* search.py: place(). The undo pairs go on the arena right after the node's candidates. */
 static int place(Ctx *c, Frame *f, i64 j, i64 o) {
     c->top = f->cand_end;
-    if (reserve(c, (size_t)(c->adj_ptr[j + 1] - c->adj_ptr[j])) != OK) return NOMEM;
+    if (reserve(c, 2 * (size_t)(c->adj_ptr[j + 1] - c->adj_ptr[j])) != OK) return NOMEM;
     f->undo_at = c->top; f->nundo = 0; f->hatless = 1;
     for (i64 a = c->adj_ptr[j]; a < c->adj_ptr[j + 1]; a++) {
         i64 nb = c->adj_j[a], t = o + c->adj_e[a];
@@ -197,7 +242,7 @@ static int child(Ctx *c, Set *failed, Frame *f, Frame *nf) {
     int nz = 0;
     for (int s = a; s < b; s++) nz += c->cuts[s] == 0;
     if (!nz) return make_node(c, failed, nf, f->lo, f->hi, f->o, lo_r) == OK ? 1 : NOMEM;
-    if (reserve(c, (size_t)nz + 1) != OK) return NOMEM;
+    if (reserve(c, 2 * ((size_t)nz + 1)) != OK) return NOMEM;
     size_t at = c->top;
     int np = 0, start = f->lo;
     for (int s = a; s <= b; s++) {
@@ -208,25 +253,22 @@ static int child(Ctx *c, Set *failed, Frame *f, Frame *nf) {
         }
         start = end;
     }
-    if (np == 1) {
-        int lo = (int)c->arena[at], hi = (int)c->arena[at + 1];
-        return make_node(c, failed, nf, lo, hi, f->o, lo_r) == OK ? 1 : NOMEM;
-    }
     memset(nf, 0, sizeof *nf);
-    nf->is_and = 1; nf->mark = at; nf->nparts = np; nf->last_o = f->o; nf->last_r = lo_r;
+    nf->is_and = 1; nf->mark = at; nf->nparts = np; nf->last_o = f->o; nf->last_r = -1;
     c->top = at + 2 * (size_t)np;
     return 2;
 }
 
-/* One depth-first search with the preorder in ``c->rank``: OK (c->sol holds the bases), FAIL or ABORT (node limit
+/* One depth-first search with the preorder ``c->heur``: OK (c->sol holds the bases), FAIL or ABORT (node limit
  * or deadline) or NOMEM. search.py: _Search.run(), the same events travelling down the same stack. */
 static int run(Ctx *c, Frame *st, const i64 *parts, int nparts, Set *failed, i64 limit, double deadline,
                i64 *nodes) {
     memset(c->placed, 0, (size_t)c->n);
     memset(c->minoff, 0, (size_t)c->n * sizeof(i64));
+    memset(c->rank, 0, (size_t)c->n * sizeof(i64));
     c->top = 0;
     *nodes = 0;
-    if (reserve(c, (size_t)nparts) != OK) return NOMEM;
+    if (reserve(c, 2 * (size_t)nparts) != OK) return NOMEM;
     memcpy(c->arena, parts, 2 * (size_t)nparts * sizeof(i64));
     int sp = 1;
     memset(st, 0, sizeof *st);
@@ -237,11 +279,15 @@ static int run(Ctx *c, Frame *st, const i64 *parts, int nparts, Set *failed, i64
         Frame *f = &st[sp - 1];
         if (f->is_and) {
             if (ev == FAIL || f->next == f->nparts) {  /* a part failed, or all are solved: the event goes down */
+                for (size_t q = c->top; q > f->mark + 2 * (size_t)f->nparts; q -= 2)  /* the parts' old ranks */
+                    c->rank[c->arena[q - 2]] = c->arena[q - 1];
                 c->top = f->mark; sp--;
                 continue;
             }
-            const i64 *p = c->arena + f->mark + 2 * f->next++;
-            if (make_node(c, failed, &st[sp], (int)p[0], (int)p[1], f->last_o, f->last_r) != OK) return NOMEM;
+            int lo = (int)c->arena[f->mark + 2 * f->next], hi = (int)c->arena[f->mark + 2 * f->next + 1];
+            f->next++;
+            if (rank_part(c, lo, hi) != OK) return NOMEM;
+            if (make_node(c, failed, &st[sp], lo, hi, f->last_o, f->last_r) != OK) return NOMEM;
             if (!st[sp].ncand) { ev = FAIL; continue; }
             sp++; ev = NEW;
             continue;
@@ -259,9 +305,10 @@ static int run(Ctx *c, Frame *st, const i64 *parts, int nparts, Set *failed, i64
         }
         int got = -1;  /* what follows the current placement: 0 done, 1 node, 2 decomposition */
         while (f->k < f->ncand) {
-            const i64 *cd = c->arena + f->cand_at + 2 * f->k++;
+            const i64 *cd = c->arena + f->cand_at + 3 * f->k++;
             if (++*nodes >= limit || ((*nodes & 127) == 0 && now() > deadline)) return ABORT;
-            if (place(c, f, c->item_of_rank[cd[1]], cd[0]) != OK) return NOMEM;
+            i64 j = cd[2], o = cd[0];
+            if (place(c, f, j, o) != OK) return NOMEM;
             got = child(c, failed, f, &st[sp]);
             if (got < 0) return NOMEM;
             if (got != 1 || st[sp].ncand) break;
@@ -286,17 +333,19 @@ static int run(Ctx *c, Frame *st, const i64 *parts, int nparts, Set *failed, i64
 /* The restart loop of search.fit: preorders in turn, the node limit doubling each round (starting from 2n),
  * until one run is complete or ``time_limit`` seconds pass. Returns OK (``sol``), FAIL (proved infeasible),
  * ABORT (undecided) or NOMEM; ``nodes_out`` counts the placements tried. Arrays as in sections.Prepared, flattened
- * by planning/native.py; ``ranks`` is H x n, ``parts`` the (lo, hi) section ranges of the partitions. */
+ * by planning/native.py, plus each item's lifetime and area; ``heur`` is H x 4 letter codes (enum Key, -1 after
+ * the last: "WAT" is KEY_W, KEY_A, KEY_T, -1), ``parts`` the (lo, hi) section ranges of the partitions. */
 int dsa_fit(int n, int S, const i64 *height, const i64 *reach, const i64 *first, const i64 *span_lo,
             const i64 *span_hi, const i64 *run_ptr, const i64 *run_lo, const i64 *run_hi, const i64 *run_h,
             const i64 *total, const i64 *cuts, const i64 *adj_ptr, const i64 *adj_j, const i64 *adj_e,
-            const i64 *members, const i64 *ptr, const i64 *byfirst, const i64 *pf, int nparts, const i64 *parts,
-            int H, const i64 *ranks, i64 capacity, double time_limit, i64 *sol, i64 *nodes_out) {
+            const i64 *members, const i64 *ptr, const i64 *byfirst, const i64 *pf, const i64 *width,
+            const i64 *area, int nparts, const i64 *parts, int H, const i64 *heur, i64 capacity, double time_limit,
+            i64 *sol, i64 *nodes_out) {
     double deadline = now() + time_limit;
     Ctx c = {.n = n, .S = S, .height = height, .first = first, .span_lo = span_lo, .span_hi = span_hi,
              .run_ptr = run_ptr, .run_lo = run_lo, .run_hi = run_hi, .run_h = run_h, .adj_ptr = adj_ptr,
              .adj_j = adj_j, .adj_e = adj_e, .members = members, .ptr = ptr, .byfirst = byfirst, .pf = pf,
-             .C = capacity};
+             .width = width, .area = area, .C = capacity};
     int rc = NOMEM;
     c.ub = malloc(sizeof(i64) * (size_t)(n + 1));
     c.minoff = malloc(sizeof(i64) * (size_t)(n + 1));
@@ -304,14 +353,13 @@ int dsa_fit(int n, int S, const i64 *height, const i64 *reach, const i64 *first,
     c.cuts = malloc(sizeof(i64) * (size_t)(S + 1));
     c.sol = sol;
     c.placed = malloc((size_t)n + 1);
-    i64 *inv = malloc(sizeof(i64) * (size_t)H * (size_t)(n + 1));
+    c.rank = malloc(sizeof(i64) * (size_t)(n + 1));
+    c.keyed = malloc(sizeof(struct Keyed) * (size_t)(n + 1));
     Frame *st = malloc(sizeof(Frame) * (size_t)(2 * n + 4));
     Set *failed = calloc((size_t)H, sizeof(Set));
     *nodes_out = 0;
-    if (!c.ub || !c.minoff || !c.total || !c.cuts || !c.placed || !inv || !st || !failed) goto out;
+    if (!c.ub || !c.minoff || !c.total || !c.cuts || !c.placed || !c.rank || !c.keyed || !st || !failed) goto out;
     for (int i = 0; i < n; i++) c.ub[i] = capacity - reach[i];
-    for (int h = 0; h < H; h++)
-        for (int i = 0; i < n; i++) inv[(size_t)h * n + ranks[(size_t)h * n + i]] = i;
     i64 limit = n;
     rc = ABORT;
     while (now() < deadline) {
@@ -319,8 +367,7 @@ int dsa_fit(int n, int S, const i64 *height, const i64 *reach, const i64 *first,
         for (int h = 0; h < H; h++) {
             memcpy(c.total, total, sizeof(i64) * (size_t)S);
             if (S > 1) memcpy(c.cuts, cuts, sizeof(i64) * (size_t)(S - 1));
-            c.rank = ranks + (size_t)h * n;
-            c.item_of_rank = inv + (size_t)h * n;
+            c.heur = heur + 4 * (size_t)h;
             i64 nodes = 0;
             int r = run(&c, st, parts, nparts, &failed[h], limit, deadline, &nodes);
             *nodes_out += nodes;
@@ -330,7 +377,7 @@ int dsa_fit(int n, int S, const i64 *height, const i64 *reach, const i64 *first,
     }
 out:
     if (failed) for (int h = 0; h < H; h++) free(failed[h].keys);
-    free(failed); free(st); free(inv); free(c.placed); free(c.cuts); free(c.total); free(c.minoff); free(c.ub);
+    free(failed); free(st); free(c.keyed); free(c.rank); free(c.placed); free(c.cuts); free(c.total); free(c.minoff); free(c.ub);
     free(c.arena);
     return rc;
 }
