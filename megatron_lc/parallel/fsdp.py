@@ -22,6 +22,7 @@ the weights before any of them touches a parameter, also when they recompute in 
 """
 from __future__ import annotations
 
+import os
 import socket
 import warnings
 from typing import Optional
@@ -34,14 +35,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 
 from ..config import ConfigError
+from .tensor_parallel import tp_partition
 from .topology import Axis, Topology
-
-PARAM_ATTRS = ("tensor_model_parallel", "partition", "sequence_parallel")
-
 
 def shard_dim(p: torch.Tensor) -> int:
     """The dim FSDP cuts: one other than the tp partition dim when there is one (0 for 1-D tensors)."""
-    part = getattr(p, "partition", None) if getattr(p, "tensor_model_parallel", False) else None
+    part = tp_partition(p)
     if p.ndim < 2 or part is None:
         return 0
     return 1 if part[0] == 0 else 0
@@ -56,23 +55,29 @@ def fsdp_mesh(topo: Topology, device: torch.device):
             if topo.world_size > 1:
                 raise ConfigError(f"parallel.use_torch_fsdp2 on {topo.world_size} ranks needs torch.distributed "
                                   f"initialised (run under torchrun / pretrain_gpt.py)")
-            dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-                                    init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            start_one_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
         group = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # every rank: all
     return DeviceMesh.from_group(group, device.type)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_one_process_group(backend: str, timeout=None) -> None:
+    """A process group of this process alone (FSDP2 needs one): through the launcher's rendezvous when there is
+    one (``MASTER_ADDR`` set), else on a free local port."""
+    if "MASTER_ADDR" in os.environ:
+        init = "env://"
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    kw = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend, init_method=init, rank=0, world_size=1, **kw)
 
 
 def check_shardable(model: nn.Module) -> None:
     """A 1-D parameter cut over tp with a stride (SwiGLU's fc1 bias) cannot also be cut over dp x cp so that a
     checkpoint names each shard as one box of the full tensor."""
     for n, p in model.named_parameters():
-        part = getattr(p, "partition", None) if getattr(p, "tensor_model_parallel", False) else None
+        part = tp_partition(p)
         if p.ndim == 1 and part is not None and part[1] > 1:
             raise ConfigError(f"parallel.use_torch_fsdp2 with model.add_bias_linear and model.swiglu: parameter {n} "
                               f"is 1-D and partitioned with stride {part[1]}; its FSDP shards would not be boxes of "
@@ -85,7 +90,7 @@ def apply_fsdp(model: nn.Module, topo: Topology, device: torch.device, *, bf16: 
     to the sharded parameters. Call after every step that needs the full weights (Memo's calibration, the memory
     plan's capture) and before the optimizer is built."""
     check_shardable(model)
-    attrs = {n: {a: getattr(p, a) for a in PARAM_ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
+    attrs = {n: dict(vars(p)) for n, p in model.named_parameters()}  # tp partition, SP, init: every attribute
     dims = {id(p): shard_dim(p) for p in model.parameters()}
     # the residual stream stays fp32 between units (cast_forward_inputs False), as without FSDP under autocast
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32,

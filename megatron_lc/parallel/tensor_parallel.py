@@ -248,10 +248,14 @@ def cut_shard(full: torch.Tensor, partition: Optional[tuple], tp: int, tp_rank: 
     return torch.cat([b.chunk(tp, dim=dim)[tp_rank] for b in blocks], dim=dim)
 
 
+def tp_partition(p: torch.Tensor) -> Optional[tuple]:
+    """``(dim, stride)`` of a parameter cut over tp (``_mark``), None for a replicated one."""
+    return p.partition if getattr(p, "tensor_model_parallel", False) else None
+
+
 def shard_full_tensor(full: torch.Tensor, p: nn.Parameter, topo: Topology) -> torch.Tensor:
     """This rank's piece of ``full`` according to ``p.partition`` (identity for replicated params)."""
-    partition = p.partition if getattr(p, "tensor_model_parallel", False) else None
-    return cut_shard(full, partition, topo.tp, topo.tp_rank)
+    return cut_shard(full, tp_partition(p), topo.tp, topo.tp_rank)
 
 
 def full_shape(p: nn.Parameter, tp: int) -> tuple:

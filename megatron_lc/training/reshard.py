@@ -17,7 +17,7 @@ import torch
 from ..config import Config, ParallelConfig, resolve_layout
 from ..model.transformer import GPTModel
 from ..parallel.parallelize import ModelParts
-from ..parallel.tensor_parallel import cut_shard, merge_shards
+from ..parallel.tensor_parallel import cut_shard, merge_shards, tp_partition
 from ..parallel.topology import Topology
 
 
@@ -30,18 +30,14 @@ def _meta_model(cfg: Config, tp: int) -> GPTModel:
         return GPTModel(plain.model, ModelParts(plain, resolve_layout(plain, tp), topo))
 
 
-def _partition(p) -> Optional[tuple]:
-    return p.partition if getattr(p, "tensor_model_parallel", False) else None
-
-
 def partitions(cfg: Config, tp: int) -> dict:
     """``{parameter name: (dim, stride) or None}`` of ``cfg``'s model at ``tp``, in ``named_parameters`` order."""
-    return {n: _partition(p) for n, p in _meta_model(cfg, tp).named_parameters()}
+    return {n: tp_partition(p) for n, p in _meta_model(cfg, tp).named_parameters()}
 
 
 def parameter_shapes(cfg: Config) -> dict:
     """``{parameter name: (full shape, partition)}`` of ``cfg``'s model."""
-    return {n: (tuple(p.shape), _partition(p)) for n, p in _meta_model(cfg, 1).named_parameters()}
+    return {n: (tuple(p.shape), tp_partition(p)) for n, p in _meta_model(cfg, 1).named_parameters()}
 
 
 def _load(path: str) -> dict:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError, Layout, resolve_layout
-from ..parallel.fsdp import free_port
+from ..parallel.fsdp import start_one_process_group
 from ..parallel.topology import Topology
 
 
@@ -55,9 +55,7 @@ def init_distributed(cfg: Config) -> tuple[Layout, Topology, torch.device]:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(process_group_backend(cfg, device), timeout=timeout)
     elif cfg.parallel.use_torch_fsdp2 and not dist.is_initialized():  # FSDP2 needs a process group, even of one
-        init = "env://" if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{free_port()}"
-        dist.init_process_group(process_group_backend(cfg, device), init_method=init, rank=0, world_size=1,
-                                timeout=timeout)
+        start_one_process_group(process_group_backend(cfg, device), timeout)
     topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, timeout=timeout)
     return layout, topo, device
 

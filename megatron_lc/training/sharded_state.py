@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..config import Config
+from ..parallel.tensor_parallel import tp_partition
 from ..parallel.topology import Axis, Topology
 from .reshard import parameter_shapes
 
@@ -70,9 +71,6 @@ class ShardedState:
         self._mesh: Optional[DeviceMesh] = None
         self._mesh2: Optional[DeviceMesh] = None
 
-    def _partition(self, p) -> Optional[tuple]:
-        return p.partition if getattr(p, "tensor_model_parallel", False) else None
-
     def _mesh_for(self, device: torch.device) -> DeviceMesh:
         if self._mesh is None:
             self._mesh = DeviceMesh.from_group(self.topo.group(Axis.TP), device.type)
@@ -91,7 +89,7 @@ class ShardedState:
     def _stored_fsdp(self, t: DTensor, p) -> torch.Tensor:
         """An FSDP shard (a DTensor on the dp x cp mesh, ``Shard(f)`` of the tp-local piece) as a DTensor of the
         stored full tensor."""
-        part = self._partition(p)
+        part = tp_partition(p)
         f = t.placements[0].dim
         view, d = stored_view(t.to_local(), part)
         if d is not None and part[1] > 1 and f >= part[0]:
@@ -109,7 +107,7 @@ class ShardedState:
         """``t`` (parameter ``p``'s local data or a state of its shape) as DCP stores it; shares ``t``'s memory."""
         if isinstance(t, DTensor):
             return self._stored_fsdp(t, p)
-        view, dim = stored_view(t, self._partition(p))
+        view, dim = stored_view(t, tp_partition(p))
         if dim is None or self.topo.tp == 1:
             return view
         return DTensor.from_local(view, self._mesh_for(t.device), [Shard(dim)], run_check=False)
