@@ -98,18 +98,32 @@ class LayerStep:
     def kept_attn(self) -> torch.Tensor:
         return self.slot.unpack(self.h_attn)
 
-    def _measure(self, fn, *args):
-        """Run ``fn`` with grad, counting the bytes it saves (the recomputed skeletal tensors) by storage."""
+    def _as_in_forward(self, grad: bool) -> contextlib.ExitStack:
+        """The forward's autocast state, with or without autograd: a recompute runs as the forward did."""
+        stack = contextlib.ExitStack()
+        for dev, dtype in self.autocast:
+            stack.enter_context(torch.autocast(dev, dtype=dtype))
+        stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
+        return stack
+
+    def rerun(self, fn, *args, outputs_kept: bool = False) -> tuple:
+        """``fn(*args)`` run again with autograd; the bytes it saves (the recomputed skeletal tensors, by storage;
+        its outputs too with ``outputs_kept``) are added to the slot's stats and acquired under ``memo.recompute``
+        -- the caller releases them after the backward. Returns (outputs, bytes)."""
         refs = set(self.slot.refs) | {self.kept_input().untyped_storage().data_ptr(),
                                       self.kept_attn().untyped_storage().data_ptr()}
         probe = SkeletalSlot(self.slot.layer, "measure", refs)
-        with contextlib.ExitStack() as stack:
-            for dev, dtype in self.autocast:
-                stack.enter_context(torch.autocast(dev, dtype=dtype))
-            stack.enter_context(torch.enable_grad())
+        with self._as_in_forward(grad=True) as stack:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack))
             out = fn(*args)
-        return out, probe
+        if outputs_kept:
+            for t in out:
+                probe.keep("other", t.detach())
+        probe.flush()
+        nbytes = probe.stats.bytes["other"]
+        self.slot.stats.bytes_recomputed += nbytes
+        self.runtime.account.acquire("memo.recompute", nbytes)
+        return out, nbytes
 
     @property
     def chunk(self) -> Optional[int]:
@@ -122,25 +136,17 @@ class LayerStep:
         graph (the pre backward recomputes them chunk by chunk); else the graph of ``recompute_pre``."""
         if self.chunk is None:
             return tuple(t.detach() for t in self.recompute_pre()[1])
-        x = self.split.local(self.kept_input())[1]
-        with contextlib.ExitStack() as stack:
-            for dev, dtype in self.autocast:
-                stack.enter_context(torch.autocast(dev, dtype=dtype))
-            stack.enter_context(torch.no_grad())
-            return tuple(self.pre_fn(x, self.rope_d))
+        with self._as_in_forward(grad=False):
+            return tuple(self.pre_fn(self.split.local(self.kept_input())[1], self.rope_d))
 
     def recompute_pre(self):
         """The pre-attention outputs (q, k, v) of the dropped tokens, with their autograd graph (once)."""
         if self.pre_d is None:
             x = self.split.local(self.kept_input())[1].detach().requires_grad_()
-            qkv, probe = self._measure(lambda *a: tuple(self.pre_fn(*a)), x, self.rope_d)
-            if self.core is not None:  # the attention backward needs them: count them like the kept q, k, v
-                for t in qkv:
-                    probe.keep("other", t.detach())
-            probe.flush()
-            self.slot.stats.bytes_recomputed += probe.stats.bytes["other"]
-            self.runtime.account.acquire("memo.recompute", probe.stats.bytes["other"])
-            self.pre_d = (x, qkv, probe.stats.bytes["other"])
+            # the attention backward needs q, k, v: counted like the kept ones
+            qkv, nbytes = self.rerun(lambda *a: tuple(self.pre_fn(*a)), x, self.rope_d,
+                                     outputs_kept=self.core is not None)
+            self.pre_d = (x, qkv, nbytes)
         return self.pre_d
 
 
@@ -176,11 +182,7 @@ def _pre_backward_chunks(st: LayerStep, grads) -> torch.Tensor:
     for a, b in sp.dropped_chunks(st.chunk):
         x = x_all[a:b].detach().requires_grad_()
         rope = None if st.rope_d is None else tuple(sp.dropped_rows(t, a, b) for t in st.rope_d)
-        qkv, probe = st._measure(lambda *args: tuple(st.pre_fn(*args)), x, rope)
-        probe.flush()
-        nbytes = probe.stats.bytes["other"]
-        st.slot.stats.bytes_recomputed += nbytes
-        st.runtime.account.acquire("memo.recompute", nbytes)
+        qkv, nbytes = st.rerun(lambda *args: tuple(st.pre_fn(*args)), x, rope)
         pairs = [(t, sp.dropped_rows(g, a, b)) for t, g in zip(qkv, grads) if g is not None]
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         st.runtime.account.release("memo.recompute", nbytes)
@@ -211,12 +213,9 @@ class _PostDropped(torch.autograd.Function):
         for a, b in sp.dropped_chunks(st.chunk):
             x = x_all[a:b].detach().requires_grad_()
             o = sp.dropped_rows(o_all, a, b).detach().requires_grad_()
-            y, probe = st._measure(st.post_fn, x, o)
-            probe.flush()
-            st.slot.stats.bytes_recomputed += probe.stats.bytes["other"]
-            st.runtime.account.acquire("memo.recompute", probe.stats.bytes["other"])
+            y, nbytes = st.rerun(st.post_fn, x, o)
             torch.autograd.backward(y, dy[a:b])
-            st.runtime.account.release("memo.recompute", probe.stats.bytes["other"])
+            st.runtime.account.release("memo.recompute", nbytes)
             dx[a:b] = x.grad
             if sp.G == 1:
                 do[a:b] = o.grad
