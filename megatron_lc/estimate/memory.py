@@ -113,7 +113,8 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     alpha: Optional[float] = None
     rounding = staging = 0.0
     ms = model_state_bytes(cfg, x, states)
-    host_rank = ms.get("host", 0.0)  # FSDP2 with CPU offload: shards, gradients, AdamW states
+    states_host = ms.get("host", 0.0)  # FSDP2 with CPU offload: shards, gradients, AdamW states
+    host_rank = states_host
     if mem.activation_offload == "memo":
         ranks_per_node = min(hw.gpus_per_node, x.world)
         host_share = hw.host_bytes_per_node / ranks_per_node - host_rank
@@ -134,7 +135,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         if recompute_style == "checkpoint":  # only the layer inputs leave; everything else is recomputed
             alpha, kept = 0.0, g["input"]
             rounding, staging = 2 * kept, kept
-            host_rank = ms.get("host", 0.0) + max(x.L - 2, 0) * kept
+            host_rank = states_host + max(x.L - 2, 0) * kept
             recompute = full - kept
             notes.append("what-if: checkpoint + CPU offload of layer inputs (recompute_style=checkpoint)")
     elif mem.activation_offload == "checkpoints":  # memory/checkpoint_offload.py

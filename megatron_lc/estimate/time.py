@@ -125,15 +125,14 @@ def estimate_time(cfg: Config, x: Dims, hw: HardwareProfile, alpha: Optional[flo
         mlp_share = (3 if x.swiglu else 2) * x.f_l / ((x.nq_l + 2 * x.nkv_l) * x.d + x.nq_l * x.d
                                                      + (3 if x.swiglu else 2) * x.f_l)
         recompute += mlp_share * lin_f  # each chunk's intermediates are recomputed in its backward
-    stall = 0.0
+    offloaded = 0.0  # bytes of one layer that cross PCIe each way, hidden under the layer's compute
     if mem.activation_offload == "memo":
         g = group_bytes(layer_skeletal(x, mlp_chunked, False, token_wise=True))
-        xfer = (g["input"] + g["attn"] + (alpha or 0.0) * g["others"]) / (hw.pcie_gbps * 1e9)
-        stall = max(0.0, xfer - fwd) + max(0.0, xfer - (bwd + recompute))
-    elif mem.activation_offload == "checkpoints":  # one input per layer each way, under the layer's compute
-        g = group_bytes(layer_skeletal(x, mlp_chunked, False, token_wise=False))
-        xfer = g["input"] / (hw.pcie_gbps * 1e9)
-        stall = max(0.0, xfer - fwd) + max(0.0, xfer - (bwd + recompute))
+        offloaded = g["input"] + g["attn"] + (alpha or 0.0) * g["others"]
+    elif mem.activation_offload == "checkpoints":  # the layer input alone
+        offloaded = group_bytes(layer_skeletal(x, mlp_chunked, False, token_wise=False))["input"]
+    xfer = offloaded / (hw.pcie_gbps * 1e9)
+    stall = max(0.0, xfer - fwd) + max(0.0, xfer - (bwd + recompute)) if offloaded else 0.0
     n_swapped = max(x.L - 2, 0)
     head_f = head_flops_fwd(x) / (peak * eff.gemm) * scale
     head = 3 * head_f  # MsT's head computes its gradient in forward: no recompute (memory/mst/head_function.py)
