@@ -1,7 +1,7 @@
-"""Long-context evaluation (megatron_lc/training/evaluate.py, tools/eval_long.py): per-token losses under ring,
-Ulysses, FPDT and tp with SP equal the single-process forward; the argmax of chosen positions equals the full
-logits'; a model made to know a passkey is scored right and another key wrong, single-process and parallel; bucket
-edges and counts; the command line end to end (one process and torchrun cp=2, same numbers) and a bad --load."""
+"""Long-context evaluation (megatron_lc/training/evaluate.py + passkey.py, tools/eval_long.py): per-token losses
+under ring, Ulysses, FPDT and tp with SP equal the single-process forward; the argmax of chosen positions equals
+the full logits'; a model made to know a passkey is scored right and another key wrong, single-process and parallel;
+bucket edges and counts; the command line end to end (one process and torchrun cp=2, same numbers) and a bad --load."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,10 +19,10 @@ from megatron_lc.config import ConfigError, resolve_layout
 from megatron_lc.data.dataset import MockDataset
 from megatron_lc.data.tokenizer import SentencePieceTokenizer
 from megatron_lc.parallel.topology import Topology
-from megatron_lc.training.evaluate import (MOCK_HELD_OUT_START, PasskeyPrompt, PositionLoss, bucket_edges,
-                                           context_positions, default_bucket_edges,
-                                           held_out_sample_ids, passkey_batch, passkey_key, predict_tokens,
+from megatron_lc.training.evaluate import (MOCK_HELD_OUT_START, PositionLoss, bucket_edges, context_positions,
+                                           default_bucket_edges, held_out_sample_ids, predict_tokens,
                                            vocab_parallel_argmax)
+from megatron_lc.training.passkey import PasskeyPrompt, passkey_batch, passkey_key
 from megatron_lc.training.loop import Trainer
 from tests import dist_cases_eval as cases
 from tests.dist import run_dist

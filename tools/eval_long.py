@@ -17,7 +17,7 @@ by length x depth, under the config's parallel layout (tp, ring / Ulysses / hybr
 
 The weights are loaded at any layout (``load_checkpoint`` with no optimizer); nothing is saved (``checkpoint.save``
 is ignored). Exit status: 0 done, 2 a config, data or checkpoint error (one line).
-Library: ``megatron_lc/training/evaluate.py``; fields of the JSON: ``docs/context_extension.md``.
+Library: ``megatron_lc/training/evaluate.py`` and ``passkey.py``; fields of the JSON: ``docs/context_extension.md``.
 """
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ from megatron_lc.data import DataError, build_dataset  # noqa: E402
 from megatron_lc.data.tokenizer import SentencePieceTokenizer  # noqa: E402
 from megatron_lc.parallel.topology import Topology  # noqa: E402
 from megatron_lc.training.checkpoint import load_checkpoint  # noqa: E402
-from megatron_lc.training.evaluate import (PasskeyPrompt, bucket_edges, check_passkey,  # noqa: E402
-                                           default_bucket_edges, evaluate_passkey, evaluate_positions,
+from megatron_lc.training.evaluate import (bucket_edges, default_bucket_edges, evaluate_positions,  # noqa: E402
                                            held_out_sample_ids)
+from megatron_lc.training.passkey import PasskeyPrompt, check_passkey, evaluate_passkey  # noqa: E402
 from megatron_lc.training.runtime import env_world, init_distributed, setup_logging, shutdown  # noqa: E402
 from megatron_lc.training.setup import build_and_calibrate, training_autocast  # noqa: E402
 
