@@ -91,3 +91,27 @@ def test_one_process_fsdp2_with_cpu_offload_is_the_plain_model():
     finally:  # the group FSDP2 started for this process: gone before the next test
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_fsdp2_refuses_a_format2_checkpoint_in_one_line(tmp_path):
+    """Checkpoints of the previous format (torch files per tp rank) are not read into FSDP2's shards: one line that
+    says how to convert, before anything loads."""
+    from megatron_lc.config import ConfigError, load_config
+    from megatron_lc.parallel.topology import Topology
+    from megatron_lc.training.loop import Trainer
+    from tests import dist_cases_train
+
+    plain = load_config(None, fsdp.TINY + ["train.micro_batch_size=4", "checkpoint.save=null"])
+    full = {n: p.detach().clone() for n, p in Trainer(plain, Topology()).model.named_parameters()}
+    dist_cases_train.write_format2(tmp_path / "iter_0000001", plain, full, tp=1)
+    import torch.distributed as dist
+
+    try:
+        with pytest.raises(ConfigError) as e:
+            Trainer(load_config(None, fsdp.TINY + FSDP + ["train.micro_batch_size=4", "checkpoint.save=null",
+                                                          f"checkpoint.load={tmp_path}"]), Topology())
+    finally:  # the group FSDP2 started for this process
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    msg = str(e.value)
+    assert "\n" not in msg and "format 2" in msg and "use_torch_fsdp2" in msg, msg

@@ -310,6 +310,10 @@ def check_compatible(meta: dict, cfg: Config, topo: Topology, path: str, zero: b
     c = cfg.checkpoint
     if meta.get("format_version", 1) >= 3:  # DCP: any layout
         return
+    if cfg.parallel.use_torch_fsdp2:
+        raise ConfigError(f"checkpoint {path} is of format {meta.get('format_version', 1)} (torch files per tp rank) "
+                          f"and parallel.use_torch_fsdp2 loads format {FORMAT_VERSION} only: resume it once without "
+                          f"FSDP2 and let it save (any layout), then go on with FSDP2")
     problem = check_tp_change(meta, topo, zero, load_optim and not (c.no_load_optim or c.finetune))
     if problem is not None:
         raise ConfigError(f"checkpoint {path} {problem}")
