@@ -33,7 +33,7 @@ def install(hook: str) -> None:
         from megatron_lc.training import checkpoint
 
         iteration, marker = int(args[0]), args[1]
-        original = checkpoint._atomic_torch_save
+        original = checkpoint.atomic_torch_save
 
         def slow_save(obj, path):
             original(obj, path)
@@ -41,7 +41,7 @@ def install(hook: str) -> None:
                 _touch(marker)
                 time.sleep(600)
 
-        checkpoint._atomic_torch_save = slow_save
+        checkpoint.atomic_torch_save = slow_save
     elif kind in ("hang_at_step", "marker_after_step"):
         from megatron_lc.training.loop import Trainer
 

@@ -106,7 +106,7 @@ def _size(text: str) -> int:
 def convert(checkpoint: str, out: str, dtype: str = "float32", keep_padded_vocab: bool = False,
             max_shard_size: str = "5GB", tokenizer: str | None = None) -> str:
     """Write the HF directory ``out`` for ``checkpoint`` (a save dir or one ``iter_N`` dir); returns the iter dir."""
-    from megatron_lc.training.checkpoint import find_latest, read_meta
+    from megatron_lc.training.checkpoint_dir import find_latest, read_meta
 
     path = find_latest(checkpoint) if os.path.isdir(checkpoint) else None
     if path is None:

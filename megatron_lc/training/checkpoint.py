@@ -26,7 +26,7 @@ A save writes into ``iter_0000006.tmp/`` and renames it when every rank has fini
 leaves the previous checkpoint intact; ``find_latest`` ignores ``*.tmp`` directories and picks the newest
 directory with a ``meta.json``. Re-saving an existing iteration moves the old one to ``iter_0000006.old/`` first;
 if the save dies between the two renames, the ``.old`` copy is found and loaded. The next save removes leftover
-``*.tmp`` directories and ``.old`` copies that have a complete twin.
+``*.tmp`` directories and ``.old`` copies that have a complete twin (these rules: ``checkpoint_dir.py``).
 """
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 from typing import Optional
 
@@ -46,12 +45,12 @@ import torch.distributed as dist
 from ..config import Config, ConfigError
 from ..parallel.topology import Axis, Topology
 from . import sharded_state
+from .checkpoint_dir import (LATEST, atomic_torch_save, atomic_write_text, checkpoints_newest_first, is_hf_model_dir,
+                             iter_dir, prune, read_meta, remove_leftovers, same_dir)
 from .reshard import check_tp_change, merged_model_state, model_state_for, optimizer_state_for
 from .sharded_state import ShardedState
 
 FORMAT_VERSION = 3  # 3: torch.distributed.checkpoint; 2: torch files per tp rank, checksums; 1: no checksums
-LATEST = "latest_checkpointed_iteration.txt"
-HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 log = logging.getLogger("megatron_lc")
 
@@ -90,25 +89,6 @@ def _barrier(topo: Topology) -> None:
         dist.barrier()
 
 
-def _atomic_torch_save(obj, path: str) -> None:
-    tmp = path + ".part"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = path + ".part"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def iter_dir(save: str, iteration: int) -> str:
-    return os.path.join(save, f"iter_{iteration:07d}")
-
-
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -136,14 +116,14 @@ def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, con
     tmp = final + ".tmp"
     if topo.rank == 0:
         os.makedirs(save, exist_ok=True)
-        _remove_leftovers(save)
+        remove_leftovers(save)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier(topo)
     state = ShardedState(model, topo)
     optim = state.optimizer_state(opt)
     sharded_state.write(tmp, {**state.model_state(), **optim})
-    _atomic_torch_save(rng_state(), os.path.join(tmp, f"rng_rank{topo.rank:05d}.pt"))
+    atomic_torch_save(rng_state(), os.path.join(tmp, f"rng_rank{topo.rank:05d}.pt"))
     _barrier(topo)
     files = {}
     for share in _gather(_digests(tmp, topo)):
@@ -154,7 +134,7 @@ def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, con
                 "world_size": topo.world_size, "tp": topo.tp, "cp": topo.cp, "dp": topo.dp,
                 "zero": _zero(opt), "optimizer": has_optim, "config": cfg.to_dict(), "files": files,
                 **(extra or {})}
-        _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+        atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         if os.path.isdir(final):  # re-saving the same iteration: move the old one aside first
             old = final + ".old"
             shutil.rmtree(old, ignore_errors=True)
@@ -163,8 +143,8 @@ def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, con
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _atomic_write_text(os.path.join(save, LATEST), str(iteration))
-        _prune(save, cfg.checkpoint.keep_last)
+        atomic_write_text(os.path.join(save, LATEST), str(iteration))
+        prune(save, cfg.checkpoint.keep_last)
     _barrier(topo)
     return final
 
@@ -184,91 +164,10 @@ def write_model_checkpoint(save: str, cfg: Config, full: dict, extra: Optional[d
     meta = {"format_version": FORMAT_VERSION, "iteration": 0, "consumed_samples": 0, "world_size": 1, "tp": 1,
             "cp": 1, "dp": 1, "zero": False, "optimizer": False, "config": cfg.to_dict(),
             "files": _digests(tmp, None), **(extra or {})}
-    _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+    atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
     os.replace(tmp, final)
-    _atomic_write_text(os.path.join(save, LATEST), "0")
+    atomic_write_text(os.path.join(save, LATEST), "0")
     return final
-
-
-def _prune(save: str, keep_last: Optional[int]) -> None:
-    if not keep_last:
-        return
-    dirs = complete_checkpoints(save)
-    for it in sorted(dirs)[:-keep_last]:
-        shutil.rmtree(dirs[it], ignore_errors=True)
-
-
-def _remove_leftovers(save: str) -> None:
-    """Remove ``iter_*.tmp`` of saves that were killed, and ``.old`` copies whose iteration is complete again."""
-    for name in os.listdir(save):
-        path = os.path.join(save, name)
-        if re.fullmatch(r"iter_\d{7}\.tmp", name):
-            shutil.rmtree(path, ignore_errors=True)
-        elif re.fullmatch(r"iter_\d{7}\.old", name) and os.path.isfile(os.path.join(path[:-4], "meta.json")):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def complete_checkpoints(save: str) -> dict[int, str]:
-    """Complete checkpoint directories by iteration: ``iter_N``, else ``iter_N.old`` (a re-save of N killed
-    between its two renames). A directory is complete when it has its ``meta.json`` (written last)."""
-    if not os.path.isdir(save):
-        return {}
-    out: dict[int, str] = {}
-    for name in sorted(os.listdir(save)):
-        m = re.fullmatch(r"iter_(\d{7})(\.old)?", name)
-        if m and os.path.isfile(os.path.join(save, name, "meta.json")):
-            it = int(m.group(1))
-            if m.group(2) is None or it not in out:
-                out[it] = os.path.join(save, name)
-    return out
-
-
-def complete_iterations(save: str) -> list[int]:
-    """Iterations with a complete checkpoint directory, ascending."""
-    return sorted(complete_checkpoints(save))
-
-
-def checkpoints_newest_first(load: str) -> list[str]:
-    """Complete checkpoint directories under ``load`` (or ``load`` itself if it is one), newest first."""
-    if os.path.isfile(os.path.join(load, "meta.json")):
-        return [load]
-    dirs = complete_checkpoints(load)
-    return [dirs[it] for it in sorted(dirs, reverse=True)]
-
-
-def find_latest(load: str) -> Optional[str]:
-    """Directory of the newest complete checkpoint under ``load`` (or ``load`` itself if it is one)."""
-    found = checkpoints_newest_first(load)
-    return found[0] if found else None
-
-
-def is_hf_model_dir(path: str) -> bool:
-    """A Hugging Face model directory (``config.json`` beside safetensors / PyTorch weights)."""
-    return os.path.isfile(os.path.join(path, "config.json")) and any(
-        os.path.isfile(os.path.join(path, f)) for f in HF_WEIGHTS)
-
-
-def _same_dir(a: Optional[str], b: Optional[str]) -> bool:
-    return bool(a and b) and os.path.abspath(a) == os.path.abspath(b)
-
-
-def check_save_dir(cfg: Config) -> None:
-    """Refuse to save into a directory that holds another run's checkpoints (resuming it is ``load == save``)."""
-    save, load = cfg.checkpoint.save, cfg.checkpoint.load
-    if not save or _same_dir(save, load):
-        return
-    done = complete_iterations(save)
-    if done:
-        raise ConfigError(f"checkpoint.save ({save}) already holds a run (checkpoints up to iteration {done[-1]}): "
-                          f"resume it with checkpoint.load={save}, or save this run to another directory")
-
-
-def read_meta(path: str) -> dict:
-    try:
-        with open(os.path.join(path, "meta.json")) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"checkpoint {path}: meta.json unreadable ({e})") from None
 
 
 def full_weights(path: str, meta: dict, cfg: Config) -> dict:
@@ -447,7 +346,7 @@ def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
     load, save = cfg.checkpoint.load, cfg.checkpoint.save
     if not load:
         return None
-    auto_resume = _same_dir(load, save)
+    auto_resume = same_dir(load, save)
     if not os.path.exists(load) and not auto_resume:
         raise ConfigError(f"checkpoint.load ({load}) does not exist")
     if os.path.isdir(load) and is_hf_model_dir(load):

@@ -27,7 +27,8 @@ from ..parallel.parallelize import ModelContext, ModelSpec, build_model
 from ..parallel.token_layout import shard_batch
 from ..parallel.topology import Topology
 from ..planning.runtime import check_plan_setting, plan_memory
-from .checkpoint import check_save_dir, load_checkpoint
+from .checkpoint import load_checkpoint
+from .checkpoint_dir import check_save_dir
 from .optimizer import build_optimizer
 
 log = logging.getLogger("megatron_lc")

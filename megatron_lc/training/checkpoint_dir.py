@@ -1,0 +1,125 @@
+"""The ``checkpoint.save`` directory: which checkpoints in it are complete, which is newest, what a killed save left
+behind, and the atomic writes a save is made of (``checkpoint.py`` writes and loads the checkpoints themselves).
+
+    runs/x/iter_0000004/           complete: its meta.json exists (written last)
+    runs/x/iter_0000006.tmp/       a save killed midway: ignored, removed by the next save
+    runs/x/iter_0000006.old/       a re-save of 6 killed between its two renames: loaded when iter_0000006/ is not
+                                   complete, removed once it is
+    runs/x/latest_checkpointed_iteration.txt   a hint (Megatron's name), re-checked against the directories
+
+``checkpoints_newest_first("runs/x")`` -> ``["runs/x/iter_0000006.old", "runs/x/iter_0000004"]`` here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Optional
+
+import torch
+
+from ..config import Config, ConfigError
+
+LATEST = "latest_checkpointed_iteration.txt"
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def atomic_torch_save(obj, path: str) -> None:
+    tmp = path + ".part"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = path + ".part"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def iter_dir(save: str, iteration: int) -> str:
+    return os.path.join(save, f"iter_{iteration:07d}")
+
+
+def prune(save: str, keep_last: Optional[int]) -> None:
+    if not keep_last:
+        return
+    dirs = complete_checkpoints(save)
+    for it in sorted(dirs)[:-keep_last]:
+        shutil.rmtree(dirs[it], ignore_errors=True)
+
+
+def remove_leftovers(save: str) -> None:
+    """Remove ``iter_*.tmp`` of saves that were killed, and ``.old`` copies whose iteration is complete again."""
+    for name in os.listdir(save):
+        path = os.path.join(save, name)
+        if re.fullmatch(r"iter_\d{7}\.tmp", name):
+            shutil.rmtree(path, ignore_errors=True)
+        elif re.fullmatch(r"iter_\d{7}\.old", name) and os.path.isfile(os.path.join(path[:-4], "meta.json")):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def complete_checkpoints(save: str) -> dict[int, str]:
+    """Complete checkpoint directories by iteration: ``iter_N``, else ``iter_N.old`` (a re-save of N killed
+    between its two renames). A directory is complete when it has its ``meta.json`` (written last)."""
+    if not os.path.isdir(save):
+        return {}
+    out: dict[int, str] = {}
+    for name in sorted(os.listdir(save)):
+        m = re.fullmatch(r"iter_(\d{7})(\.old)?", name)
+        if m and os.path.isfile(os.path.join(save, name, "meta.json")):
+            it = int(m.group(1))
+            if m.group(2) is None or it not in out:
+                out[it] = os.path.join(save, name)
+    return out
+
+
+def complete_iterations(save: str) -> list[int]:
+    """Iterations with a complete checkpoint directory, ascending."""
+    return sorted(complete_checkpoints(save))
+
+
+def checkpoints_newest_first(load: str) -> list[str]:
+    """Complete checkpoint directories under ``load`` (or ``load`` itself if it is one), newest first."""
+    if os.path.isfile(os.path.join(load, "meta.json")):
+        return [load]
+    dirs = complete_checkpoints(load)
+    return [dirs[it] for it in sorted(dirs, reverse=True)]
+
+
+def find_latest(load: str) -> Optional[str]:
+    """Directory of the newest complete checkpoint under ``load`` (or ``load`` itself if it is one)."""
+    found = checkpoints_newest_first(load)
+    return found[0] if found else None
+
+
+def is_hf_model_dir(path: str) -> bool:
+    """A Hugging Face model directory (``config.json`` beside safetensors / PyTorch weights)."""
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        os.path.isfile(os.path.join(path, f)) for f in HF_WEIGHTS)
+
+
+def same_dir(a: Optional[str], b: Optional[str]) -> bool:
+    return bool(a and b) and os.path.abspath(a) == os.path.abspath(b)
+
+
+def check_save_dir(cfg: Config) -> None:
+    """Refuse to save into a directory that holds another run's checkpoints (resuming it is ``load == save``)."""
+    save, load = cfg.checkpoint.save, cfg.checkpoint.load
+    if not save or same_dir(save, load):
+        return
+    done = complete_iterations(save)
+    if done:
+        raise ConfigError(f"checkpoint.save ({save}) already holds a run (checkpoints up to iteration {done[-1]}): "
+                          f"resume it with checkpoint.load={save}, or save this run to another directory")
+
+
+def read_meta(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"checkpoint {path}: meta.json unreadable ({e})") from None
