@@ -51,11 +51,13 @@ FEATURES = {
     "fsdp": ("parallel.use_torch_fsdp2", ["parallel.use_torch_fsdp2=true"]),
     "ckpt-offload": ("memory.activation_offload", ["memory.activation_offload=checkpoints"]),
     "chunks": ("memory.layer_chunk_size", ["memory.recompute_granularity=full", "memory.layer_chunk_size=20"]),
+    "ckpt-chunks": ("memory.layer_chunk_size", ["memory.activation_offload=checkpoints", "memory.layer_chunk_size=20"]),
     "accum": ("train.micro_batch_size", ["train.micro_batch_size=1"]),  # every rank: several micro-batches
 }
 EXCLUSIVE = [{"tp2", "tp2+sp"}, {"ring", "ulysses", "hybrid", "fpdt", "fpdt+offload"},
-             {"memo", "memo-auto", "ckpt-offload"}, {"chunks", "ckpt-offload"},
-             {"chunks", "full", "selective"}]  # chunks sets recompute full
+             {"memo", "memo-auto", "ckpt-offload", "ckpt-chunks"}, {"chunks", "ckpt-offload", "ckpt-chunks"},
+             {"chunks", "full", "selective"},  # chunks sets recompute full
+             {"ckpt-chunks", "full", "selective"}]  # checkpoints with recompute: ckpt-offload's refusals
 # what users run together beyond pairs
 TRIPLES = [("tp2+sp", "ring", "mst", "memo"), ("tp2", "ulysses", "mst", "memo-auto"),
            ("tp2+sp", "fpdt+offload", "mst", "full"), ("hybrid", "mst", "memo", "plan"),

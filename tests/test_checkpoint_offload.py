@@ -61,3 +61,59 @@ def test_refusals_and_host_budget():
         Trainer(load_config(None, cases.TINY + CKPT + tiny_host), Topology())
     msg = str(e.value)
     assert "\n" not in msg and "checkpoints" in msg and "host pool needs" in msg, msg
+
+
+CHUNKS = CKPT + ["train.micro_batch_size=4"]
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (1, CHUNKS + ["memory.layer_chunk_size=24"]),  # 64 tokens: 24 + 24 + 16
+    (2, CHUNKS + ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                  "memory.layer_chunk_size=10"]),  # 32 rows per rank, q/k/v gathered x 2
+    (2, CHUNKS + ["parallel.context_parallel_size=2", "parallel.ulysses_size=2", "parallel.cp_comm_type=a2a",
+                  "parallel.use_torch_fsdp2=true", "memory.mst=true", "memory.layer_chunk_size=8"]),
+], ids=["one-uneven", "tp2-sp", "ulysses2-fsdp2-mst"])
+def test_chunked_rerun_equals_the_plain_model(reference, world, overrides):
+    """``layer_chunk_size`` in the checkpoints mode: the forward and the re-run take pre/post a chunk at a time
+    (``memory/chunked_layer.py``). Row-wise ops, so only GEMM blocking moves the last bits (measured: loss equal,
+    grads <= 5e-9 absolute); asserted at the contract (loss 1e-5 relative, grads 1e-4)."""
+    got = (cases.first_step_grads(0, 1, overrides) if world == 1
+           else run_dist(world, cases.first_step_grads, overrides)[0])
+    assert_close_loss(got["loss"], reference["loss"])
+    assert_close_grads(got["grads"], reference["grads"])
+
+
+def test_chunked_rerun_runs_the_token_wise_parts_per_chunk():
+    """Every call of the MLP and of the QKV projection -- forward and re-run -- sees at most a chunk of rows (16 of
+    the 64 tokens), 4 chunks each time: per layer QKV 4 + MLP 4 in the forward, QKV 4 (q, k, v for the attention)
+    + MLP 4 (post backward) + QKV 4 (pre backward) in the re-run."""
+    cfg = load_config(None, cases.TINY + CKPT + ["memory.layer_chunk_size=16", "train.micro_batch_size=1",
+                                                 "train.global_batch_size=1", "train.train_iters=1",
+                                                 "checkpoint.save=null"])
+    t = Trainer(cfg, Topology())
+    rows = []
+    for layer in t.model.layers:
+        for mod in (layer.mlp, layer.self_attention.linear_qkv):
+            mod.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+    t.train()
+    assert max(rows) == 16 and len(rows) == 2 * (8 + 12), rows
+
+
+def test_rerun_under_the_forwards_autocast():
+    """With ``train.bf16`` the forward autocasts and autograd runs the backward outside that context: the re-run
+    must enter the forward's autocast again, or its bf16 tensors become fp32 ones and the gradients are not those of
+    the forward (measured with the re-run outside autocast: loss equal, grads off by 0.75% of their max). Here CPU
+    autocast to bf16 stands in for CUDA's: the checkpoints mode equals the plain model bit for bit."""
+    def grads(extra):
+        cfg = load_config(None, cases.TINY + ["train.micro_batch_size=4", "train.clip_grad=0",
+                                              "checkpoint.save=null"] + extra)
+        t = Trainer(cfg, Topology())
+        t.setup.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+        t.optimizer.zero_grad(set_to_none=True)
+        loss = t.forward_backward(t.setup.microbatches(0))
+        return loss, {n: p.grad for n, p in t.model.named_parameters()}
+
+    (l0, g0), (l1, g1) = grads([]), grads(CKPT)
+    assert l1 == l0
+    for name, g in g0.items():
+        assert torch.equal(g1[name], g), name

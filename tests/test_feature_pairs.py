@@ -1,12 +1,12 @@
 """Every pair of features (and the triples users run) either trains exactly or is refused before training.
 
 Features: tp=2 +- sequence parallel; ring, Ulysses, hybrid, FPDT +- offload; MsT; recompute selective / full; Memo with
-a fixed alpha and with alpha from its LP; activation checkpoints on the host; ``memory.plan: auto``; ZeRO-1; FSDP2;
-gradient accumulation (``tests/dist_cases_pairs.py`` has the exact overrides). A case that runs trains 2 AdamW steps
-through the real setup and loop and must give the plain single-process model's loss at each step within 1e-5 relative:
-the features only re-associate fp32 sums (~1e-7 relative per op), and the step-2 loss also carries the step-1 update, so
-a wrong gradient shows there (one AdamW step at lr 1e-3 moves every weight by ~1e-3). A refused case stops in
-``resolve_layout`` (before the model is built) with one line naming both keys.
+a fixed alpha and with alpha from its LP; activation checkpoints on the host, with and without layer chunks;
+``memory.plan: auto``; ZeRO-1; FSDP2; gradient accumulation (``tests/dist_cases_pairs.py`` has the exact overrides). A
+case that runs trains 2 AdamW steps through the real setup and loop and must give the plain single-process model's loss
+at each step within 1e-5 relative: the features only re-associate fp32 sums (~1e-7 relative per op), and the step-2 loss
+also carries the step-1 update, so a wrong gradient shows there (one AdamW step at lr 1e-3 moves every weight by ~1e-3).
+A refused case stops in ``resolve_layout`` (before the model is built) with one line naming both keys.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.dist import run_dist
 # refused pairs (config/combinations.py), each a set of feature names
 REFUSED = [{"selective", "memo"}, {"selective", "memo-auto"}, {"selective", "fpdt"}, {"selective", "fpdt+offload"},
            {"fsdp", "zero1"}, {"ckpt-offload", "selective"}, {"ckpt-offload", "full"},
-           {"chunks", "fpdt"}, {"chunks", "fpdt+offload"}]
+           {"chunks", "fpdt"}, {"chunks", "fpdt+offload"}, {"ckpt-chunks", "fpdt"}, {"ckpt-chunks", "fpdt+offload"}]
 CASES = pairs.cases()
 
 

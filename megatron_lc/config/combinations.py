@@ -21,11 +21,12 @@ def _refusals(cfg):
     yield (m.activation_offload == "checkpoints" and m.recompute_granularity != "none",
            f"memory.activation_offload=checkpoints with memory.recompute_granularity={m.recompute_granularity}: the "
            f"checkpoints mode re-runs every whole layer already; set recompute_granularity none")
-    token_wise = m.recompute_granularity == "full" or m.activation_offload == "memo"
-    yield (m.layer_chunk_size is not None and not token_wise,
+    rerun = m.recompute_granularity == "full" or m.activation_offload in ("memo", "checkpoints")
+    yield (m.layer_chunk_size is not None and not rerun,
            f"memory.layer_chunk_size with memory.recompute_granularity={m.recompute_granularity} and "
-           f"memory.activation_offload={m.activation_offload}: the mini-sequences are those of token-wise recompute; "
-           f"set recompute_granularity full or activation_offload memo")
+           f"memory.activation_offload={m.activation_offload}: the mini-sequences are those of a re-run (token-wise "
+           f"recompute or the checkpoints mode); set recompute_granularity full or activation_offload memo or "
+           f"checkpoints")
     yield (m.layer_chunk_size is not None and p.cp_comm_type == "fpdt",
            "memory.layer_chunk_size with parallel.cp_comm_type=fpdt: FPDT's block chunks its own tokens "
            "(memory.fpdt_chunk_size); unset layer_chunk_size")

@@ -15,8 +15,9 @@ class MemoryConfig:
     activation_offload: Literal["none", "memo", "checkpoints"] = "none"
     offload_fraction: Union[float, Literal["auto"]] = "auto"  # Memo's alpha
     host_memory_gb: Optional[float] = None  # host budget of one node for offload; default: what the OS reports
-    # tokens per mini-sequence of a layer's token-wise parts in token-wise recompute / Memo (memory/memo/steps.py):
-    # outside core attention a layer's recompute holds O(chunk) rows; None: all tokens at once
+    # tokens per mini-sequence of a layer's token-wise parts in token-wise recompute / Memo (memory/memo/steps.py)
+    # and in the checkpoints mode's forward and re-run (memory/chunked_layer.py): outside core attention a layer's
+    # recompute holds O(chunk) rows; None: all tokens at once
     layer_chunk_size: Optional[int] = None
     mst: bool = False
     mst_mlp_chunk_size: Optional[int] = None  # tokens per MLP mini-sequence; default hidden_size

@@ -13,8 +13,12 @@ Timeline, layers 0..3 of one micro-batch (``DeviceAdapter.copy_streams``: one of
               re-run layer i with autograd from the fetched input, backpropagate dy -> dx; host[i] back to the pool
 
 The host copies come from the model's ``HostPool`` (one allocation, reserved here: layers x one input, exact).
-Exact: the re-run is the same forward on the same input (bit for bit on CPU). Under FSDP2 the layer's weights are
-gathered by its pre-backward hook before the re-run (the executor runs inside ``TransformerLayer.forward``).
+``memory.layer_chunk_size`` = c: the forward and the re-run take the token-wise parts c tokens at a time
+(``chunked_layer.py``), so outside core attention the re-run holds O(c) rows instead of the whole layer's tensors.
+
+Exact: the re-run is the same forward (under the forward's autocast) on the same input (bit for bit on CPU). Under FSDP2
+the layer's weights are gathered by its pre-backward hook before the re-run (the executor runs inside
+``TransformerLayer.forward``).
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import torch
 
 from ..device import DeviceAdapter, HostPool
 from ..units import fmt_bytes
+from .chunked_layer import ChunkedLayer
+from .forward_state import as_in_forward, autocast_state
 from .memo.alpha import HostMemoryError
 from .memo.calibrate import host_budget, ranks_on_this_node
 
@@ -33,8 +39,9 @@ class CheckpointOffload:
 
     TAG = "checkpoints"
 
-    def __init__(self, num_layers: int, pool: HostPool):
+    def __init__(self, num_layers: int, pool: HostPool, chunk_tokens: Optional[int] = None, sp_groups: int = 1):
         self.n, self.pool = num_layers, pool
+        self.chunk_tokens, self.G = chunk_tokens, sp_groups  # memory.layer_chunk_size; tp blocks of gathered rows
         self.dev: Optional[DeviceAdapter] = None
         self.host: dict = {}  # layer -> (host tensor, its offload event)
         self.fetched: dict = {}  # layer -> (device tensor, its prefetch event)
@@ -50,6 +57,12 @@ class CheckpointOffload:
         self.dev = DeviceAdapter.for_device(device)
         self.offload_stream, self.prefetch_stream = self.dev.copy_streams()
         self.pool.bind(self.dev)
+
+    def chunked(self, layer, rope, documents, S: int, autocast: list) -> Optional[ChunkedLayer]:
+        """The layer's run in mini-sequences (``chunked_layer.py``), or None when a chunk holds all S rows."""
+        if self.chunk_tokens is None or self.chunk_tokens >= S:
+            return None
+        return ChunkedLayer(layer, rope, documents, S, self.chunk_tokens, self.G, autocast)
 
     def offload(self, layer: int, x: torch.Tensor) -> None:
         """Copy layer ``layer``'s input to the host on the offload stream (``x`` kept alive until it is done)."""
@@ -103,12 +116,14 @@ def check_host_budget(rt: CheckpointOffload, host_memory_gb, rank: int) -> None:
 
 class _OffloadedLayer(torch.autograd.Function):
     """forward: the layer without autograd, its input to the host; backward: input back, the layer again with
-    autograd, ``dy`` through it."""
+    autograd (under the forward's autocast), ``dy`` through it -- in mini-sequences with ``layer_chunk_size``."""
 
     @staticmethod
     def forward(ctx, rt: CheckpointOffload, layer, rope, documents, x: torch.Tensor, _always: torch.Tensor):
+        ctx.autocast = autocast_state()
+        chunked = rt.chunked(layer, rope, documents, x.shape[0], ctx.autocast)
         with torch.no_grad():
-            y = layer.plain_forward(x, rope, documents)
+            y = chunked.forward(x) if chunked else layer.plain_forward(x, rope, documents)
         rt.offload(layer.layer_number, x)
         ctx.rt, ctx.layer, ctx.rope, ctx.documents = rt, layer, rope, documents
         ctx.x_requires_grad = x.requires_grad
@@ -119,10 +134,15 @@ class _OffloadedLayer(torch.autograd.Function):
         rt, layer = ctx.rt, ctx.layer
         x = rt.fetch(layer.layer_number).detach().requires_grad_(ctx.x_requires_grad)
         rt.prefetch(layer.layer_number - 1)  # the next layer's input travels while this one recomputes
-        with torch.enable_grad():
-            y = layer.plain_forward(x, ctx.rope, ctx.documents)
-        torch.autograd.backward(y, dy)
-        return None, None, None, None, x.grad if ctx.x_requires_grad else None, None
+        chunked = rt.chunked(layer, ctx.rope, ctx.documents, x.shape[0], ctx.autocast)
+        if chunked:
+            dx = chunked.backward(x, dy)
+        else:
+            with as_in_forward(ctx.autocast, grad=True):
+                y = layer.plain_forward(x, ctx.rope, ctx.documents)
+            torch.autograd.backward(y, dy)
+            dx = x.grad
+        return None, None, None, None, dx if ctx.x_requires_grad else None, None
 
 
 class CheckpointOffloadExecutor:

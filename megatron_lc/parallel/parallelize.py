@@ -77,7 +77,8 @@ def model_context(cfg: Config, layout: Layout) -> ModelContext:
     if layout.cp_comm_type == "fpdt":
         ctx.fpdt = FPDTState(ctx.arena, ctx.host_pool)
     if m.activation_offload == "checkpoints":  # the fp32 residual stream between layers, [s, b, h] per rank
-        ctx.checkpoints = CheckpointOffload(cfg.model.num_layers, ctx.host_pool)
+        ctx.checkpoints = CheckpointOffload(cfg.model.num_layers, ctx.host_pool, m.layer_chunk_size,
+                                            layout.sp_degree)
         ctx.checkpoints.reserve((layout.block_seq_length, layout.micro_batch_size, cfg.model.hidden_size),
                                 torch.float32)
     return ctx

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from ..forward_state import as_in_forward, autocast_state
 from .offload import MemoRuntime
 from .slots import SkeletalSlot
 
@@ -85,9 +86,7 @@ class LayerStep:
         self.rope_d = rope_d
         self.documents = documents  # full-sequence document ids (packed documents) or None
         self.pre_fn, self.post_fn = pre_fn, post_fn  # token-wise parts: (x, rope) -> tuple, (x, attn) -> y
-        # autocast state of the forward (bf16 on GPU), re-entered for the recompute, as torch.utils.checkpoint does
-        self.autocast = [(dev, torch.get_autocast_dtype(dev)) for dev in ("cuda", "cpu")
-                         if torch.is_autocast_enabled(dev)]
+        self.autocast = autocast_state()  # bf16 on GPU, re-entered for the recompute
         self.h_input = self.h_attn = self.h_lse = None
         self.h_qkv_kept: Optional[list] = None
         self.pre_d = None  # (leaf x, (q, k, v)) of the recomputed dropped tokens
@@ -100,11 +99,7 @@ class LayerStep:
 
     def _as_in_forward(self, grad: bool) -> contextlib.ExitStack:
         """The forward's autocast state, with or without autograd: a recompute runs as the forward did."""
-        stack = contextlib.ExitStack()
-        for dev, dtype in self.autocast:
-            stack.enter_context(torch.autocast(dev, dtype=dtype))
-        stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
-        return stack
+        return as_in_forward(self.autocast, grad)
 
     def rerun(self, fn, *args, outputs_kept: bool = False) -> tuple:
         """``fn(*args)`` run again with autograd; the bytes it saves (the recomputed skeletal tensors, by storage;
