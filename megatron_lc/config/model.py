@@ -66,6 +66,11 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = True
     add_bias_linear: bool = False
     init_method_std: float = 0.02
+    # Megatron-LM's flag: the residual stream (embedding output, every layer's input and output) in fp32 under bf16
+    # autocast. Ours defaults to true (fp32 master weights, fp32 residual); false keeps it in the autocast dtype as
+    # Megatron's default, ALST and FPDT do -- half the bytes of every layer input and of the host checkpoints
+    # (memory.activation_offload: checkpoints). No effect in fp32 training (CPU).
+    fp32_residual_connection: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):

@@ -54,6 +54,16 @@ class TransformerLayer(nn.Module):
         return self.plain_forward(x, rope, documents)
 
 
+def residual_dtype(fp32_residual: bool, h: torch.Tensor) -> torch.dtype:
+    """fp32 with ``model.fp32_residual_connection`` (also when FSDP2 gathers bf16 weights, so the embedding gives
+    bf16), else the autocast dtype of ``h``'s device when autocast is on, else ``h``'s own. Every layer's
+    ``x + branch`` then stays in it (fp32 + bf16 = fp32; bf16 + bf16 = bf16)."""
+    if fp32_residual:
+        return torch.float32
+    dev = h.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+
+
 class GPTModel(nn.Module):
     """tokens/positions/labels ``[b, s_local]`` -> per-token loss ``[b, s_local]`` (or the local logits shard
     ``[b, s_local, V/tp]`` when labels is None). ``s_local`` is this rank's share of the sequence after context
@@ -77,12 +87,13 @@ class GPTModel(nn.Module):
         self.head = parts.spec.head(cfg, parts, tied)
 
     def embed(self, tokens_sb: torch.Tensor, pos_sb: torch.Tensor) -> torch.Tensor:
+        """The residual stream's first value, in its dtype (``residual_dtype``)."""
         h = self.embedding(tokens_sb)
         if self.position_embeddings is not None:
             if self.sequence_parallel:
                 pos_sb = pos_sb.chunk(self.topo.tp, dim=0)[self.topo.tp_rank]
             h = h + self.position_embeddings(pos_sb)
-        return h
+        return h.to(residual_dtype(self.cfg.fp32_residual_connection, h))
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -76,11 +76,14 @@ def model_context(cfg: Config, layout: Layout) -> ModelContext:
                                chunk_tokens=m.layer_chunk_size)
     if layout.cp_comm_type == "fpdt":
         ctx.fpdt = FPDTState(ctx.arena, ctx.host_pool)
-    if m.activation_offload == "checkpoints":  # the fp32 residual stream between layers, [s, b, h] per rank
+    if m.activation_offload == "checkpoints":  # the residual stream between layers, [s, b, h] per rank
         ctx.checkpoints = CheckpointOffload(cfg.model.num_layers, ctx.host_pool, m.layer_chunk_size,
                                             layout.sp_degree)
+        # bf16 when the step autocasts (training/setup.py: train.bf16 on CUDA) and the residual follows it
+        autocast = cfg.train.bf16 and cfg.train.device != "cpu" and torch.cuda.is_available()
+        bf16 = autocast and not cfg.model.fp32_residual_connection
         ctx.checkpoints.reserve((layout.block_seq_length, layout.micro_batch_size, cfg.model.hidden_size),
-                                torch.float32)
+                                torch.bfloat16 if bf16 else torch.float32)
     return ctx
 
 
