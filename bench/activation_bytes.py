@@ -80,6 +80,9 @@ ROWS = {
                                      note="+ the token-wise parts re-run in mini-sequences of 1024 tokens"),
     "mst+ckpt_offload": Row("framework", ["memory.mst=true", "memory.activation_offload=checkpoints"],
                             note="layer inputs on the host (in RSS on CPU), whole layer re-run in backward"),
+    "mst+ckpt_offload+chunks": Row("framework", ["memory.mst=true", "memory.activation_offload=checkpoints",
+                                                 "memory.layer_chunk_size=1024"],
+                                   note="+ forward and re-run take the token-wise parts 1024 tokens at a time"),
     "layer_checkpoint": Row("framework", [], layer_checkpoint=True,
                             note="HF's scheme on our model, for comparison: torch.utils.checkpoint around each layer "
                                  "(keeps the layer input, recomputes the whole layer incl. attention)"),

@@ -11,7 +11,10 @@ divisibility rules can hold). Option sets (filters on the searched layouts):
 * ``zero1``: what the framework had before FSDP2 -- replicated fp32 parameters and gradients, ZeRO-1 AdamW, Memo /
   recompute / MsT / FPDT, no host checkpoints;
 * ``fsdp2``: + FSDP2 (with and without CPU offload);
-* ``all``: + ``activation_offload: checkpoints``.
+* ``all``: + ``activation_offload: checkpoints`` (with or without ``memory.layer_chunk_size``);
+* ``all+bf16_residual``: the same with ``model.fp32_residual_connection: false`` -- the residual stream (so every
+  layer input and host checkpoint) in bf16, as Megatron-LM's default, ALST and FPDT keep it; the framework's default
+  keeps it fp32, so this row is a numerics choice the user makes, not one the search makes.
 
 Each row: the longest length, its layout label, predicted MFU and step seconds. These are estimates (the memory model
 is calibrated on CPU runs; the GPU side -- bandwidths, kernel efficiencies, allocator -- is the h100 profile's
@@ -28,10 +31,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 STEP = 131072
-OPTIONS = {
-    "zero1": lambda o: not o.get("parallel.use_torch_fsdp2") and o["memory.activation_offload"] != "checkpoints",
-    "fsdp2": lambda o: o["memory.activation_offload"] != "checkpoints",
-    "all": lambda o: True,
+OPTIONS = {  # name -> (filter on a searched layout's overrides, config overrides)
+    "zero1": (lambda o: not o.get("parallel.use_torch_fsdp2") and o["memory.activation_offload"] != "checkpoints",
+              {}),
+    "fsdp2": (lambda o: o["memory.activation_offload"] != "checkpoints", {}),
+    "all": (lambda o: True, {}),
+    "all+bf16_residual": (lambda o: True, {"model.fp32_residual_connection": False}),
 }
 
 
@@ -77,8 +82,10 @@ def main(argv=None) -> int:
     out = {"model": "Llama3-8B (configs/llama3_8b_1m.yaml)", "hardware": "h100 profile", "step_tokens": STEP,
            "rows": []}
     for gpus in ((1, 8) if args.quick else (1, 8, 32)):
-        for name, keep in OPTIONS.items():
-            row = {"gpus": gpus, "options": name, **longest(cfg, hw, gpus, keep, args.quick)}
+        for name, (keep, sets) in OPTIONS.items():
+            from megatron_lc.estimate.search import apply_overrides
+
+            row = {"gpus": gpus, "options": name, **longest(apply_overrides(cfg, sets), hw, gpus, keep, args.quick)}
             out["rows"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))

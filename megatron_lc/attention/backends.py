@@ -39,6 +39,12 @@ def _blind_rows(out: torch.Tensor, lse: torch.Tensor, visible: torch.Tensor):
     return out, lse
 
 
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    """The CPU flash kernels read strides (as for q, k, v, out): no copy of dout unless its last dim is not dense
+    (an expanded gradient) -- the copy was one more [s, nq, d] tensor at a recomputed layer's attention backward."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 class TorchCPUBackend:
     name = "torch"
 
@@ -60,12 +66,12 @@ class TorchCPUBackend:
         lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         if visible is None:
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale)
+                _last_dim_dense(dout), q, k, v, out, lse, 0.0, causal, scale=scale)
         visible = with_causal(visible, causal)
         # rows that saw no key: any finite lse (their probabilities are exp(-inf - lse) = 0 anyway)
         lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=self._additive(visible, q.dtype),
+            _last_dim_dense(dout), q, k, v, out, lse, 0.0, False, attn_mask=self._additive(visible, q.dtype),
             scale=scale)
 
 

@@ -25,8 +25,9 @@ VARIANTS = {  # name -> --set items (None: Hugging Face); cheap ones first, the 
     "mst-memo-auto-fsdp2-offload": ["memory.mst=true", "memory.activation_offload=memo",
                                     "memory.offload_fraction=auto", "parallel.use_torch_fsdp2=true",
                                     "parallel.fsdp_cpu_offload=true"],
-    "mst-ckpt-offload-fsdp2-offload": ["memory.mst=true", "memory.activation_offload=checkpoints",
-                                       "parallel.use_torch_fsdp2=true", "parallel.fsdp_cpu_offload=true"],
+    "mst-ckpt-chunks-fsdp2-offload": ["memory.mst=true", "memory.activation_offload=checkpoints",
+                                      "memory.layer_chunk_size=8192", "model.fp32_residual_connection=false",
+                                      "parallel.use_torch_fsdp2=true", "parallel.fsdp_cpu_offload=true"],
 }
 DRY_VARIANTS = {"hf-gc": 96, "mst-memo-auto": 160}  # dry run: name -> simulated out-of-memory above this length
 START, GRANULARITY, CAP = (64, 64, 256) if DRYRUN else (8192, 4096, 1 << 20)
