@@ -13,10 +13,10 @@ from megatron_lc.config import ConfigError, load_config, resolve_layout
 from megatron_lc.estimate import estimate, load_hardware
 from megatron_lc.estimate.flops import model_flops_per_sample
 from megatron_lc.estimate.hardware import HARDWARE_DIR
-from megatron_lc.estimate.inventory import Dims, group_bytes, layer_skeletal, param_shards
+from megatron_lc.estimate.inventory import Dims, group_bytes, layer_chunk_share, layer_skeletal, param_shards
 from megatron_lc.estimate.memory import solve_alpha
 from megatron_lc.estimate.report import activation_peak_from, load_measured
-from megatron_lc.estimate.search import pick_best, search_layouts
+from megatron_lc.estimate.search import LAYER_CHUNK, config_overrides, pick_best, search_layouts
 from megatron_lc.planning.trace import Trace, max_live_bytes
 from megatron_lc.training.metrics import flops_per_sample
 from megatron_lc.units import GIB
@@ -147,6 +147,32 @@ def test_auto_on_llama3_8b_1m_fits_on_8_h100():
     best = pick_best(cands)
     assert best.est.memory.peak <= best.est.memory.capacity
     assert best.step_seconds <= cands[0].step_seconds * 1.005
+    # memory.layer_chunk_size is searched (16K local rows of 128K) and always written, None when unchunked
+    chunked = [c for c in cands if c.overrides["memory.layer_chunk_size"] == LAYER_CHUNK]
+    assert chunked and all("chunks16K" in c.label() for c in chunked)
+    assert all(config_overrides(c)["memory.layer_chunk_size"] in (None, LAYER_CHUNK) for c in cands)
+    assert not any(c.overrides["memory.activation_offload"] == "none" and c.overrides["memory.recompute_granularity"]
+                   == "none" and c.overrides["memory.layer_chunk_size"] for c in cands)
+
+
+def test_layer_chunks_share_and_working_set():
+    """c local rows of S = s/cp/tp (SP) per mini-sequence; a chunk holding every re-run row is no chunking; the
+    chunked re-run holds less than the whole one when the MLP (not the attention backward) sets the peak."""
+    hw = load_hardware("h100")
+    base = ["data.seq_length=262144", "parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=4",
+            "parallel.cp_comm_type=p2p", "parallel.ulysses_size=1", "parallel.sequence_parallel=true",
+            "memory.mst=true"]
+    S = 262144 // 4 // 2
+    for feature in (["memory.recompute_granularity=full"], ["memory.activation_offload=checkpoints"],
+                    ["memory.activation_offload=memo", "memory.offload_fraction=0"]):
+        whole = estimate(llama(*base, *feature), hw, 8)
+        chunked = estimate(llama(*base, *feature, "memory.layer_chunk_size=2048"), hw, 8)
+        assert layer_chunk_share(chunked.cfg, chunked.dims) == 2048 / S
+        assert layer_chunk_share(llama(*base, *feature, f"memory.layer_chunk_size={S}"), whole.dims) is None
+        assert chunked.memory.peak < whole.memory.peak, feature
+        assert chunked.time.step_seconds == whole.time.step_seconds  # no FLOPs added (an assumption)
+    memo1 = llama(*base, "memory.activation_offload=memo", "memory.offload_fraction=1", "memory.layer_chunk_size=1")
+    assert layer_chunk_share(memo1, whole.dims, alpha=1.0) is None  # nothing dropped, nothing re-run
 
 
 def test_cli_auto_write_then_estimate(tmp_path, capsys):

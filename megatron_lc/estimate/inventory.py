@@ -175,13 +175,13 @@ def zero1_partition(shards: list[tuple[str, int, bool]], ranks: int) -> list[int
 
 
 # ---- MsT chunking (memory/mst/rules.py, the modules' own rules) ------------------------------------------------
-def mst_mlp_chunk(cfg: Config, x: Dims) -> Optional[int]:
-    """Tokens per MLP mini-sequence, or None when the MLP runs unchunked (MsT off, or the rank's tokens fit in one
-    chunk)."""
+def mst_mlp_chunk(cfg: Config, x: Dims, tokens: Optional[float] = None) -> Optional[int]:
+    """Tokens per MLP mini-sequence, or None when the MLP runs unchunked (MsT off, or the rank's tokens -- or the
+    ``tokens`` of a layer mini-sequence -- fit in one chunk)."""
     if not cfg.memory.mst:
         return None
     c = mlp_chunk_tokens(cfg)
-    return c if x.tokens > c else None
+    return c if (x.tokens if tokens is None else tokens) > c else None
 
 
 def mst_head_chunk(cfg: Config, x: Dims) -> Optional[int]:
@@ -193,6 +193,38 @@ def mst_head_chunk(cfg: Config, x: Dims) -> Optional[int]:
     if not explicit and c >= x.tokens:
         return None
     return c
+
+
+# ---- a layer's re-run in mini-sequences (memory.layer_chunk_size) ---------------------------------------------
+def layer_chunk_share(cfg: Config, x: Dims, alpha: float = 0.0) -> Optional[float]:
+    """The share of the rank's tokens in one mini-sequence of a layer's re-run, or None when the re-run takes its
+    rows at once.
+
+    ``memory.layer_chunk_size`` = c counts local rows of the residual stream (S = s/cp/tp with SP, else s/cp; each
+    row holds the micro-batch's b tokens), so a chunk is c/S of the rank's tokens and c * tokens / S of them go
+    through the linears (SP all-gathers G = tp blocks of c rows). The re-run covers the dropped S - floor(alpha * S)
+    rows under token-wise recompute / Memo (``memory/memo/steps.py``), all S under ``activation_offload:
+    checkpoints`` (``memory/chunked_layer.py``, alpha = 0); a chunk that covers them all is no chunking (the
+    framework then runs unchunked), as is FPDT (refused with a chunk size by the config)."""
+    c = cfg.memory.layer_chunk_size
+    if c is None or x.fpdt:
+        return None
+    S = x.tokens_res // x.b
+    rerun = S - int(alpha * S + 1e-9)
+    return c / S if c < rerun else None
+
+
+def qkv_local_bytes(x: Dims) -> float:
+    """q, k (after RoPE) and v of the rank's tokens, local heads, before any all-to-all: what token-wise recompute,
+    Memo and the chunked checkpoints mode hold whole for the attention backward."""
+    return x.tokens * (x.nq_l + 2 * x.nkv_l) * x.d * x.act
+
+
+def qkv_rerun_bytes(x: Dims) -> float:
+    """q, k, v of the rank's tokens as ``pre`` returns them: v a view of the QKV projection's output (which stays
+    whole), q and k rotated copies -- what token-wise recompute's chunked attention backward recomputes without a
+    graph (``memo/steps.py`` ``dropped_qkv``)."""
+    return x.tokens * (2 * x.nq_l + 3 * x.nkv_l) * x.d * x.act
 
 
 # ---- activations of one layer ---------------------------------------------------------------------------------
@@ -238,8 +270,9 @@ def layer_skeletal(x: Dims, mlp_chunked: bool, fpdt_offload: bool, token_wise: b
         items.append(Item("linear_qkv input (norm out, all-gathered with SP)", t * h * a))
     if token_wise and not x.fpdt:
         # recompute full / Memo (memory/memo/steps.py): the layer's slot keeps the local q, k (after RoPE) and v
-        # (before any all-to-all), the local attention output and lse -- whatever the cp flavour
-        items += [Item("q, k (after RoPE), v (local)", t * (x.nq_l + 2 * x.nkv_l) * d * a),
+        # (before any all-to-all), the local attention output and lse -- whatever the cp flavour; the checkpoints
+        # mode in mini-sequences (memory/chunked_layer.py) assembles and holds the same whole tensors
+        items += [Item("q, k (after RoPE), v (local)", qkv_local_bytes(x)),
                   Item("attention output (local)", t * x.nq_l * d * a, "attn"),
                   Item("lse", t * x.nq_l * 4, "attn")]
     else:

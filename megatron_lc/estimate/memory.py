@@ -4,7 +4,8 @@ The peak is the largest of four moments of a steady-state step (step >= 2, optim
 
 * ``head forward``: every layer's kept tensors + final norm + logits being turned into the loss;
 * ``head backward``: the same with the saved softmax turned into its gradient;
-* ``layer backward``: the last layer's backward (all layers' kept tensors still alive, its recompute and grads);
+* ``layer backward``: the last layer's backward (all layers' kept tensors still alive, its recompute and grads) or the
+  first layer's (every layer's grads), whichever is larger;
 * ``optimizer``: parameters + full gradients + states + sync/clip/AdamW temporaries (no activations).
 
 The static part: fp32 parameters (the framework keeps fp32 master weights; ``train.bf16`` autocasts on GPU),
@@ -20,7 +21,8 @@ keeps nothing per layer on the device: two rounding buffers hold the kept skelet
 output + α·others) of the layers in flight, the dropped (1-α)·others are rematerialised during one layer's
 backward (memory/offload.py; the paper's buffers hold 2·(input + attention + others)), and host memory gets the
 kept bytes of n-2 layers; ``activation_offload: checkpoints`` keeps each layer's input on the host and re-runs the
-whole layer in its backward.
+whole layer in its backward. ``memory.layer_chunk_size`` runs those re-runs in mini-sequences: what stays whole and
+what one chunk holds is in docs/estimator.md ("Layer re-run in mini-sequences").
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ from ..memory.memo.alpha import AlphaInputs
 from ..memory.memo.alpha import bounds as alpha_bounds
 from . import transient as T
 from .hardware import HardwareProfile
-from .inventory import Dims, final_skeletal, group_bytes, layer_skeletal, mst_head_chunk, mst_mlp_chunk, \
-    shared_skeletal
+from .inventory import Dims, final_skeletal, group_bytes, layer_chunk_share, layer_skeletal, mst_head_chunk, \
+    mst_mlp_chunk, qkv_local_bytes, qkv_rerun_bytes, shared_skeletal
 from .states import model_state_bytes
 
 
@@ -104,7 +106,10 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     mlp_chunked = mst_mlp_chunk(cfg, x) is not None
     head_chunked = mst_head_chunk(cfg, x) is not None
     token_wise = mem.activation_offload == "memo" or mem.recompute_granularity == "full"
-    items = layer_skeletal(x, mlp_chunked, mem.fpdt_offload and fpdt, token_wise)
+    ckpt_chunks = (mem.activation_offload == "checkpoints" and recompute_style == "token_wise"
+                   and layer_chunk_share(cfg, x) is not None)
+    # the chunked checkpoints mode assembles q, k, v whole, like the token-wise slot (memory/chunked_layer.py)
+    items = layer_skeletal(x, mlp_chunked, mem.fpdt_offload and fpdt, token_wise or ckpt_chunks)
     g = group_bytes(items)
     full = sum(g.values())
     notes: list[str] = []
@@ -112,6 +117,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     # ---- what each layer keeps on the device, and the rounding buffers -------------------------------------
     alpha: Optional[float] = None
     rounding = staging = 0.0
+    no_graph = 0.0  # the share of the tokens re-run in backward (their post runs without autograd in the forward)
     ms = model_state_bytes(cfg, x, states)
     states_host = ms.get("host", 0.0)  # FSDP2 with CPU offload: shards, gradients, AdamW states
     host_rank = states_host
@@ -131,22 +137,22 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         # buffer as autograd saves them (memory/slots.py), so no whole-layer staging copy exists (staging = 0).
         rounding = 2 * (kept + 32 * 256)
         host_rank += max(x.L - 2, 0) * kept
-        recompute = (1.0 - alpha) * g["others"]
+        recompute, no_graph = (1.0 - alpha) * g["others"], 1.0 - alpha
         if recompute_style == "checkpoint":  # only the layer inputs leave; everything else is recomputed
             alpha, kept = 0.0, g["input"]
             rounding, staging = 2 * kept, kept
             host_rank = states_host + max(x.L - 2, 0) * kept
-            recompute = full - kept
+            recompute, no_graph = full - kept, 1.0
             notes.append("what-if: checkpoint + CPU offload of layer inputs (recompute_style=checkpoint)")
     elif mem.activation_offload == "checkpoints":  # memory/checkpoint_offload.py
         # nothing per layer on the device; the input leaves while the next layer computes (staging); a layer's
         # backward re-runs it whole (its skeletal tensors) with the next layer's input already prefetched
         keep, staging = 0.0, g["input"]
-        recompute = full + g["input"]
+        recompute, no_graph = full + g["input"], 1.0
         host_rank += x.L * g["input"]
     elif mem.recompute_granularity == "full":
         keep = g["input"] + (g["attn"] if recompute_style == "token_wise" else 0.0)
-        recompute = full - keep
+        recompute, no_graph = full - keep, 1.0
     else:
         keep = full
         recompute = 0.0
@@ -163,16 +169,46 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         host_rank += x.tokens * x.nq_l * x.d * (x.act + 4) + (6 * layers + 2) * x.fpdt_chunks * HostPool.ALIGN
     on_host = host_rank if hw.device == "cpu" else 0.0  # on CPU "host" copies live in the same memory
 
+    # ---- the re-run in mini-sequences (memory.layer_chunk_size) --------------------------------------------
+    # share: one mini-sequence's share of the rank's tokens; chunk_saved: what its re-run saves for its backward
+    share = layer_chunk_share(cfg, x, alpha or 0.0) if no_graph and recompute_style == "token_wise" else None
+    chunk_saved = attn_saved = 0.0
+    pre_tokens = no_graph * x.tokens  # pre without autograd in the forward: the dropped tokens at once
+    if share is not None:
+        qkv = qkv_local_bytes(x)
+        # MsT chunks the MLP inside a mini-sequence only when the mini-sequence is longer than its chunk
+        rerun_items = layer_skeletal(x, mst_mlp_chunk(cfg, x, share * x.tokens) is not None, False, True)
+        chunk_saved = share * (group_bytes(rerun_items)["others"] - qkv)
+        if mem.activation_offload == "checkpoints":  # memory/chunked_layer.py
+            # the fetched and the prefetched input, q, k, v (assembled chunk by chunk), out and lse stay whole
+            recompute = 2 * g["input"] + qkv + g["attn"]
+            pre_tokens = share * x.tokens
+        else:  # memory/memo/steps.py: the dropped tokens' q, k, v, recomputed whole without a graph after their post
+            recompute, attn_saved = 0.0, no_graph * qkv_rerun_bytes(x)
+
     # ---- the four moments ----------------------------------------------------------------------------------
     final = sum(i.bytes for i in final_skeletal(x, head_chunked))
     softmax = 0.0 if head_chunked else x.tokens * x.V_l * 4.0
     shared = sum(i.bytes for i in shared_skeletal(x)) + x.n_micro * x.tokens * 28.0  # + the micro-batches
     layers_kept = x.L * keep + rounding
+    chunk = None if share is None else share * x.tokens  # tokens through the linears per mini-sequence
+    # the re-run through the core attention's (out, lse) pair: token-wise recompute, Memo, the chunked checkpoints
+    rerun = no_graph if recompute_style == "token_wise" and (token_wise or share is not None) else None
+    bwd = recompute + T.layer_backward(cfg, x, rerun, chunk, chunk_saved, attn_saved) + shared + on_host
+    # the first layer's backward (the last to run) has every layer's gradients; the layers after it have freed
+    # their kept tensors -- except under token-wise recompute, whose slots hold them (``memo/steps.py``'s
+    # LayerStep on the autograd ctx) until the whole backward is over -- and it prefetches no next input
+    # (checkpoints); the second layer's backward has the prefetch and all gradients but the first layer's
+    kept_first = layers_kept if mem.recompute_granularity == "full" else keep + rounding
+    prefetch = g["input"] if mem.activation_offload == "checkpoints" and x.L > 1 else 0.0
     acts = {
-        "layer forward": layers_kept + staging + T.layer_forward(cfg, x) + shared + on_host,
+        "layer forward": layers_kept + staging + T.layer_forward(cfg, x, chunk, no_graph, pre_tokens) + shared
+        + on_host,
         "head forward": layers_kept + (final - softmax) + T.head_forward(cfg, x) + shared + on_host,
         "head backward": layers_kept + final + T.head_backward(cfg, x) + shared + on_host,
-        "layer backward": layers_kept + recompute + T.layer_backward(cfg, x) + shared + on_host,
+        "layer backward": layers_kept + bwd,
+        "first layer backward": kept_first + bwd - prefetch,
+        "second layer backward": kept_first + bwd,
     }
     act_peak_formula = max(acts.values())
     act_peak = activation_peak_override if activation_peak_override is not None else act_peak_formula
@@ -185,12 +221,21 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     static = ms["params"] + ms["optimizer"]
     head_units = ms.get("head_gathered", 0.0)  # FSDP2: the gathered embedding / head weights
     bwd_grads = accum or (ms["head_grad"] + ms["layer_grad"])
+    # every layer's gradients (FSDP2: the shards + one layer unsharded)
+    all_grads = accum or min(ms["grads"] + ms["layer_grad"], ms["head_grad"] + x.L * ms["layer_grad"])
+    all_but_one = accum or all_grads - ms["layer_grad"]
+    # autocast's cache ends with the forward (training/loop.py); the bf16 weights autograd saved are freed with each
+    # layer's backward: by the first layer's, one layer's copies are left
+    copies_first = min(ms["autocast_copies"], ms["layer_grad"] / 2)
     phases = {
         "layer forward": static + ms["autocast_copies"] + accum + acts["layer forward"] * scale + frag,
         "head forward": static + head_units + ms["autocast_copies"] + accum + acts["head forward"] * scale + frag,
         "head backward": static + head_units + ms["autocast_copies"] + max(accum, ms["head_grad"])
         + acts["head backward"] * scale + frag,
-        "layer backward": static + ms["autocast_copies"] + bwd_grads + acts["layer backward"] * scale + frag,
+        "layer backward": static + frag + max(
+            ms["autocast_copies"] + bwd_grads + acts["layer backward"] * scale,
+            copies_first + all_grads + acts["first layer backward"] * scale,
+            copies_first + all_but_one + acts["second layer backward"] * scale),
         "optimizer": static + ms["grads"] + rounding + on_host + T.optimizer_step(x, ms["numels"], ms["state_numel"]),
     }
     peak_phase = max(phases, key=phases.get)

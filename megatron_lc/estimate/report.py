@@ -25,6 +25,8 @@ def layout_line(est: Estimate) -> str:
     mem = [f"recompute={m.recompute_granularity}", f"offload={m.activation_offload}"]
     if m.activation_offload == "memo":
         mem.append(f"alpha={est.memory.alpha:.3f}" + (" (auto)" if m.offload_fraction == "auto" else ""))
+    if m.layer_chunk_size is not None:
+        mem.append(f"layer_chunk={m.layer_chunk_size}")
     mem.append(f"mst={m.mst}")
     if p.cp_comm_type == "fpdt":
         mem.append(f"fpdt_chunk={m.fpdt_chunk_size} offload={m.fpdt_offload}")
@@ -64,7 +66,7 @@ def estimate_table(est: Estimate) -> str:
 def search_table(cands: list[Candidate], top: int, best: Optional[Candidate] = None) -> str:
     """The ``top`` layouts, fastest first, numbered by rank; ``*`` marks ``best``, shown after a ``...`` row with its
     own rank when it is not among them. TGS: tokens per GPU per second."""
-    rows = [f"{'#':>3} {'layout':52s} {'peak/GPU':>9} {'host/node':>10} {'step s':>9} {'TGS':>8} {'MFU':>6}"]
+    rows = [f"{'#':>3} {'layout':60s} {'peak/GPU':>9} {'host/node':>10} {'step s':>9} {'TGS':>8} {'MFU':>6}"]
     shown = list(enumerate(cands[:top], 1))
     if best is not None and best not in cands[:top]:
         shown.append((None, None))
@@ -75,7 +77,7 @@ def search_table(cands: list[Candidate], top: int, best: Optional[Candidate] = N
             continue
         e = c.est
         mark = "*" if c is best else " "
-        rows.append(f"{mark}{i:>2} {c.label():52s} {e.memory.peak / GIB:7.1f}Gi {e.memory.host_per_node / GIB:8.1f}Gi "
+        rows.append(f"{mark}{i:>2} {c.label():60s} {e.memory.peak / GIB:7.1f}Gi {e.memory.host_per_node / GIB:8.1f}Gi "
                     f"{e.time.step_seconds:9.2f} {e.time.tokens_per_gpu_per_s:8.1f} {e.time.mfu:6.1%}")
     rows.append("TGS: tokens per GPU per second; MFU: model FLOPs (6sP + 6nhs^2 per sample) over the peak")
     return "\n".join(rows)

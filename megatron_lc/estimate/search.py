@@ -12,7 +12,9 @@ What is searched (model, data and batch sizes stay as configured):
 * cp flavour: ring (p2p), Ulysses (a2a), hybrid (a2a+p2p, every ulysses size between), FPDT (fpdt, chunk sizes
   seq / u for u = 1, 2, 4, ... with chunks of at least 8K tokens, offload on and off);
 * memory: recompute none / full, Memo offload with α from the LP (``auto``) or α in {0, 1/8, 1/4, 1/2, 1},
-  activation checkpoints on the host (``activation_offload: checkpoints``), MsT on / off;
+  activation checkpoints on the host (``activation_offload: checkpoints``), MsT on / off; recompute full, Memo with
+  α in {auto, 0} and the checkpoints mode also with their re-run in mini-sequences of ``LAYER_CHUNK`` local rows
+  (``memory.layer_chunk_size``; skipped where a chunk holds every re-run row: the same run as without);
 * model states: ZeRO-1 (``use_distributed_optimizer``) whenever dp x cp > 1, FSDP2 (``use_torch_fsdp2``), FSDP2
   with ``fsdp_cpu_offload``.
 
@@ -31,9 +33,12 @@ from typing import Iterator, Optional
 from ..config import Config, ConfigError
 from . import Estimate, estimate
 from .hardware import HardwareProfile
+from .inventory import layer_chunk_share
 
 ALPHAS = ("auto", 0.0, 0.125, 0.25, 0.5, 1.0)
 MIN_FPDT_CHUNK = 8192
+LAYER_CHUNK = 16384  # memory.layer_chunk_size tried (local rows per mini-sequence of a layer's re-run)
+CHUNKED_ALPHAS = ("auto", 0.0)  # the Memo α tried with LAYER_CHUNK
 
 
 @dataclass
@@ -63,6 +68,9 @@ class Candidate:
             parts.append(f"memo(a={a:.3g}{',auto' if o['memory.offload_fraction'] == 'auto' else ''})")
         elif o["memory.recompute_granularity"] != "none":
             parts.append(f"recompute-{o['memory.recompute_granularity']}")
+        c = o.get("memory.layer_chunk_size")
+        if c:
+            parts.append(f"chunks{c // 1024}K" if c % 1024 == 0 else f"chunks{c}")
         if o["memory.mst"]:
             parts.append("mst")
         if o.get("parallel.use_torch_fsdp2"):
@@ -130,18 +138,20 @@ def _flavoured(base: dict, flavours: list, s: int) -> Iterator[dict]:
 
 
 def memory_options(fpdt: bool) -> Iterator[dict]:
+    """The ``memory.*`` switches tried for one layout (FPDT: no re-run; the config refuses its layer chunks)."""
+    def opt(recompute: str, offload: str, alpha, mst: bool, chunk: Optional[int] = None) -> dict:
+        return {"memory.recompute_granularity": recompute, "memory.activation_offload": offload,
+                "memory.offload_fraction": alpha, "memory.mst": mst, "memory.layer_chunk_size": chunk}
+
     for mst in (False, True):
-        yield {"memory.recompute_granularity": "none", "memory.activation_offload": "none",
-               "memory.offload_fraction": "auto", "memory.mst": mst}
+        yield opt("none", "none", "auto", mst)
         if fpdt:  # FPDT + recompute / Memo (block mode) runs, but its estimate is not calibrated: opt-in
             continue
-        yield {"memory.recompute_granularity": "full", "memory.activation_offload": "none",
-               "memory.offload_fraction": "auto", "memory.mst": mst}
-        for a in ALPHAS:
-            yield {"memory.recompute_granularity": "none", "memory.activation_offload": "memo",
-                   "memory.offload_fraction": a, "memory.mst": mst}
-        yield {"memory.recompute_granularity": "none", "memory.activation_offload": "checkpoints",
-               "memory.offload_fraction": "auto", "memory.mst": mst}
+        for chunk in (None, LAYER_CHUNK):
+            yield opt("full", "none", "auto", mst, chunk)
+            for a in (ALPHAS if chunk is None else CHUNKED_ALPHAS):
+                yield opt("none", "memo", a, mst, chunk)
+            yield opt("none", "checkpoints", "auto", mst, chunk)
 
 
 def apply_overrides(cfg: Config, overrides: dict) -> Config:
@@ -170,9 +180,12 @@ def search_layouts(cfg: Config, hw: HardwareProfile, world_size: int, top: Optio
                 continue
             ov = dict(par, **memo)
             try:
-                est = estimate(apply_overrides(cfg, ov), hw, world_size, states=states)
+                trial = apply_overrides(cfg, ov)
+                est = estimate(trial, hw, world_size, states=states)
             except ConfigError:
                 continue
+            if ov["memory.layer_chunk_size"] and layer_chunk_share(trial, est.dims, est.memory.alpha or 0.0) is None:
+                continue  # a chunk holds every re-run row: the unchunked option, already estimated
             if est.status == "fits" or include_unfit:
                 if ov["memory.offload_fraction"] == "auto" and est.memory.alpha is not None:
                     ov["memory.offload_fraction"] = round(est.memory.alpha, 4)
@@ -193,7 +206,8 @@ def pick_best(cands: list[Candidate], tolerance: float = 0.005) -> Candidate:
 
 
 def config_overrides(c: Candidate) -> dict:
-    """The overrides to write into a config: the parallel keys, the memory switches, FPDT's keys only for FPDT
+    """The overrides to write into a config: the parallel keys, the memory switches (``memory.layer_chunk_size``
+    None for a candidate without mini-sequences, so ``--write`` clears an old value), FPDT's keys only for FPDT
     (drops the bookkeeping keys)."""
     fpdt = c.overrides["parallel.cp_comm_type"] == "fpdt"
     return {k: v for k, v in c.overrides.items()

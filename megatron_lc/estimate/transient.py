@@ -12,6 +12,8 @@ tracker of live storages on the tiny model (``tests/test_estimate_calibration.py
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from ..config import Config
 from .inventory import Dims, mst_head_chunk, mst_mlp_chunk
 
@@ -25,8 +27,30 @@ def fpdt_chunk_bytes(cfg: Config, x: Dims) -> dict:
             "Kf": c * kv * x.d * 4, "L": c * x.nq_l * 4}
 
 
-def layer_forward(cfg: Config, x: Dims) -> float:
-    """Peak transient bytes of one layer's forward."""
+def _mlp_rows(cfg: Config, x: Dims, chunk: Optional[float]) -> tuple[float, Optional[float]]:
+    """(tokens through the MLP at once, MsT's chunk within them or None): a layer mini-sequence of ``chunk`` tokens
+    (None: all the rank's tokens) and MsT's chunk, the smaller governing."""
+    rows = x.tokens if chunk is None else min(chunk, x.tokens)
+    return rows, mst_mlp_chunk(cfg, x, rows)
+
+
+def pre_no_graph(x: Dims, n: float) -> float:
+    """Peak bytes of ``pre`` (norm, QKV, RoPE) run without autograd on ``n`` tokens (through the linears), while q
+    is rotated: the norm output (local rows; its SP all-gather is freed after the projection), the QKV projection's
+    output, q copied out of it (when a rank has several kv groups), and RoPE's three fp32 q-sized temporaries
+    (``model/rope.py``: x * cos, rotate_half(x), its product with sin)."""
+    q_copy = x.nq_l if x.nkv_l > 1 else 0
+    return n * (x.h * x.act * x.tokens_res / x.tokens + (x.nq_l + 2 * x.nkv_l + q_copy) * x.d * x.act
+                + 3 * x.nq_l * x.d * 4)
+
+
+def layer_forward(cfg: Config, x: Dims, chunk: Optional[float] = None, no_graph: float = 0.0,
+                  pre_tokens: float = 0.0) -> float:
+    """Peak transient bytes of one layer's forward. ``chunk``: tokens (through the linears) of a mini-sequence of
+    ``memory.layer_chunk_size``; ``no_graph``: the share of the rank's tokens whose ``post`` runs without autograd
+    (the dropped tokens of token-wise recompute / Memo, all of them in the checkpoints mode): their MLP
+    intermediates are transient, one chunk at a time when chunked; ``pre_tokens``: tokens whose ``pre`` runs
+    without autograd at once (token-wise: all dropped ones; checkpoints: a chunk)."""
     t, h, a, d = x.tokens, x.h, x.act, x.d
     out = t * h * a if x.tp == 1 else 2 * t * h * a  # row linear: output + the all-reduce / reduce-scatter copy
     if x.cp > 1 and x.cp_type in ("p2p", "a2a+p2p"):
@@ -40,21 +64,84 @@ def layer_forward(cfg: Config, x: Dims) -> float:
         # one chunk's projection out + all-to-all send/receive + contiguous copies, the fp32 output accumulator and
         # its merge temporaries, lse, two kv chunks fetched (double buffer)
         out = max(out, 3 * (b["Q"] + 2 * b["K"]) + 3 * b["Qf"] + 2 * b["L"] + 4 * b["K"])
-    c = mst_mlp_chunk(cfg, x)
+    rows, c = _mlp_rows(cfg, x, chunk)
     if c:  # one chunk's fc1 output, activation (SwiGLU: silu and product) into the preallocated output
         out = max(out, c * (4 if x.swiglu else 2) * x.f_l * a)
-    return out
+    elif no_graph:  # fc1 output, activation (SwiGLU: silu and product) of the tokens run without autograd
+        out = max(out, min(rows, no_graph * x.tokens) * (4 if x.swiglu else 2) * x.f_l * a)
+    return out if x.fpdt else max(out, pre_no_graph(x, pre_tokens))  # FPDT's block projects chunk by chunk
 
 
-def layer_backward(cfg: Config, x: Dims) -> float:
-    """Peak transient bytes of one layer's backward (its skeletal tensors are counted elsewhere)."""
-    t, h, a, d = x.tokens, x.h, x.act, x.d
-    c = mst_mlp_chunk(cfg, x)
+def _mlp_backward(cfg: Config, x: Dims, chunk: Optional[float], held: bool = False) -> float:
+    """The MLP's backward transient on ``chunk`` tokens at once (None: all the rank's tokens). ``held``: its saved
+    tensors live on in a rounding buffer (Memo's kept tokens), so the grads are not offset by their frees."""
+    rows, c = _mlp_rows(cfg, x, chunk)
     if c:  # input grad + the MLP's weight grads + one chunk recomputed and its grads
-        mlp = t * h * a + c * (8 if x.swiglu else 5) * x.f_l * a
-    else:
-        mlp = t * (2 * x.f_l if x.swiglu else x.f_l + h) * a
+        return rows * x.h * x.act + c * (8 if x.swiglu else 5) * x.f_l * x.act
+    if held:  # SwiGLU: d(gate), d(up) and their concatenation; GeLU: d of both activations and the input grad
+        return rows * (4 * x.f_l if x.swiglu else 2 * x.f_l + x.h) * x.act
+    return rows * (2 * x.f_l if x.swiglu else x.f_l + x.h) * x.act
+
+
+def _ring_backward(Q: float, KV: float, R: int, a: int) -> float:
+    """``ring.ring_backward`` above its inputs (Q = q-sized, KV = k + v in the compute dtype ``a``): the diagonal
+    block's dq, dk, dv; the back halves of dout, q and out copied; one off-diagonal block's grads (and the front
+    halves of k, v copied); fp32 dk/dv four times (this rank's, the block's, the one received, their sum); k, v
+    stacked and received (two in flight when R > 2); the fp32 dq accumulator, a copy only under bf16."""
+    f = 4 / a
+    return (Q + KV) + 1.5 * Q + (Q + KV) + 4 * f * KV + (3 if R > 2 else 2) * KV + (f * Q if a < 4 else 0.0)
+
+
+def attention_backward_lse(x: Dims) -> float:
+    """The core attention's backward from its merged out and lse (``attention/core.py``'s protocol, which token-wise
+    recompute, Memo and the chunked checkpoints mode call), above q, k, v, out, lse and dout: local, dq, dk, dv;
+    ring, ``_ring_backward``; Ulysses (``ulysses.backward_with_lse``), q, k, v received and copied contiguous, out
+    and dout gathered, then the inner core's backward (local or ring) and after it dq, dk, dv, their concatenation
+    and the one received back."""
+    t, d, a = x.tokens, x.d, x.act
+    Q = t * x.nq_l * d * a
+    KV = t * 2 * x.kv_heads_after_a2a * d * a  # (kv heads replicated for the all-to-all)
+    if not x.uses_a2a:
+        return Q + KV if x.cp == 1 else _ring_backward(Q, KV, x.cp, a)
+    R = x.cp // x.ulysses
+    inner = Q + KV if R == 1 else _ring_backward(Q, KV, R, a)
+    return 2 * (Q + KV) + 2 * Q + max(inner, 3 * (Q + KV))
+
+
+def layer_backward(cfg: Config, x: Dims, rerun: Optional[float] = None, chunk: Optional[float] = None,
+                   chunk_saved: float = 0.0, attn_saved: float = 0.0) -> float:
+    """Peak transient bytes of one layer's backward (its skeletal tensors are counted elsewhere).
+
+    ``rerun``: None for a layer under autograd (no recompute, or the whole-layer re-run of the checkpoints mode);
+    else the share of the rank's tokens re-run through the core attention's (out, lse) pair (1 - alpha with Memo,
+    1 for recompute full and the chunked checkpoints mode). ``chunk``: tokens (through the linears) of a re-run
+    mini-sequence of ``memory.layer_chunk_size``; ``chunk_saved``: the tensors one chunk's re-run saves;
+    ``attn_saved``: what is recomputed for the attention backward only (chunked token-wise recompute: the dropped
+    tokens' q, k, v, after their post has been backpropagated)."""
+    t, h, a, d = x.tokens, x.h, x.act, x.d
+    mlp = _mlp_backward(cfg, x, chunk)
     kv = x.kv_heads_after_a2a
+    if rerun is not None and not x.fpdt:
+        # Memo's 0 < alpha < 1: kept and dropped q, k, v merged (with SP also out and dout) for the kernel
+        merged = t * (x.nq_l + 2 * x.nkv_l + (2 * x.nq_l if x.sp else 0)) * d * a if 0 < rerun < 1 else 0.0
+        attn = merged + attention_backward_lse(x)
+        if chunk is None:
+            return max(mlp, t * (h + x.nq_l * d) * a + attn) + (t * h * a if x.sp else 0)
+        # mini-sequences: the re-run rows' dx and the whole dout live through the layer's backward, the incoming dy
+        # through post's backward (through the whole layer's in the checkpoints mode); post is backpropagated a chunk
+        # at a time (its MLP, the all-gather of its incoming grad with SP), the core attention whole into dq, dk, dv
+        whole = x.tokens_res * h * x.res * rerun + t * x.nq_l * d * a
+        dy = x.tokens_res * h * x.res
+        post = dy + chunk_saved + mlp + (chunk * h * a if x.sp else 0)
+        if _mlp_rows(cfg, x, chunk)[1]:  # MsT's fp32 weight-gradient buffers of each call, added to the grads
+            post += ((2 if x.swiglu else 1) + 1) * x.f_l * h * 4
+        kept = (1 - rerun) * t
+        if kept:  # Memo's kept tokens: post backpropagated whole, its saved tensors in the rounding buffer
+            post = max(post, _mlp_backward(cfg, x, kept, held=True) + (kept * h * a if x.sp else 0))
+        if not attn_saved:  # the checkpoints mode: q, k, v already whole (counted by the caller), dy held
+            return whole + max(post, dy + attn)
+        # token-wise: the dropped tokens' pre re-run without a graph (all at once) for the attention backward
+        return whole + max(post, attn_saved + attn, pre_no_graph(x, rerun * t))
     attn = t * (h + 2 * x.nq_l * d + 2 * kv * d) * a
     if x.cp > 1 and x.cp_type in ("p2p", "a2a+p2p"):
         # fp32 dq accumulator, dk/dv travelling around the ring in fp32 (2 buffers), k/v received (2 buffers)
