@@ -38,6 +38,8 @@ OURS = {
     "mst+full_recompute+chunks": ["memory.mst=true", "memory.recompute_granularity=full",
                                   "memory.layer_chunk_size=1024"],
     "mst+ckpt_offload": ["memory.mst=true", "memory.activation_offload=checkpoints"],
+    "mst+ckpt_offload+chunks": ["memory.mst=true", "memory.activation_offload=checkpoints",
+                                "memory.layer_chunk_size=1024"],
 }
 # the child: run a script or an inline program, then print its own peak RSS (bytes) as the last line
 WRAP = ("import atexit, resource, runpy, sys\n"
@@ -96,19 +98,26 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seqs", default="4096,16384")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rows", default=",".join(["hf_gc", *OURS]),
+                   help="comma-separated rows (hf_gc and those of OURS); without hf_gc no ratio is computed")
     args = p.parse_args(argv)
+    names = args.rows.split(",")
+    unknown = [n for n in names if n != "hf_gc" and n not in OURS]
+    if unknown:
+        p.error(f"unknown row {unknown[0]!r}; rows: hf_gc, {', '.join(OURS)}")
     lo, hi = (int(s) for s in args.seqs.split(","))
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ["hf_gc", *OURS]:
+        for name in names:
             peaks = {}
             for seq in (lo, hi):
                 peaks[seq] = hf(seq, args.threads, tmp) if name == "hf_gc" else ours(OURS[name], seq, args.threads)
                 print(f"{name} @ {seq}: peak RSS {peaks[seq] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
             rows[name] = {"peak_rss_bytes": peaks, "bytes_per_token": (peaks[hi] - peaks[lo]) / (hi - lo)}
-    ref = rows["hf_gc"]["bytes_per_token"]
+    ref = rows["hf_gc"]["bytes_per_token"] if "hf_gc" in rows else None
     for name, r in rows.items():
-        r["hf_over_ours"] = round(ref / r["bytes_per_token"], 2) if r["bytes_per_token"] > 0 else None
+        if ref is not None:
+            r["hf_over_ours"] = round(ref / r["bytes_per_token"], 2) if r["bytes_per_token"] > 0 else None
     print(json.dumps({"model": MODEL, "seqs": [lo, hi], "threads": args.threads, "rows": rows}, indent=1))
     return 0
 

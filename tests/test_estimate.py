@@ -16,7 +16,7 @@ from megatron_lc.estimate.hardware import HARDWARE_DIR
 from megatron_lc.estimate.inventory import Dims, group_bytes, layer_chunk_share, layer_skeletal, param_shards
 from megatron_lc.estimate.memory import solve_alpha
 from megatron_lc.estimate.report import activation_peak_from, load_measured
-from megatron_lc.estimate.search import LAYER_CHUNK, config_overrides, pick_best, search_layouts
+from megatron_lc.estimate.search import LAYER_CHUNK, apply_overrides, config_overrides, pick_best, search_layouts
 from megatron_lc.planning.trace import Trace, max_live_bytes
 from megatron_lc.training.metrics import flops_per_sample
 from megatron_lc.units import GIB
@@ -230,3 +230,20 @@ def test_plan_and_trace_replace_the_activation_formulas(tmp_path):
     a = estimate(cfg, load_hardware("cpu"), 2)
     b = estimate(cfg, load_hardware("cpu"), 2, activation_peak_override=GIB)
     assert b.memory.parts["activation peak (at its moment)"] == GIB and b.memory.peak > a.memory.peak
+
+
+@pytest.mark.parametrize("gpus,seq", [(8, 4194304), (32, 16777216)], ids=["4M-on-8", "16M-on-32"])
+def test_issue_17_lengths_fit_with_a_bf16_residual_stream(gpus, seq):
+    """Llama3-8B at 4M tokens on 8 H100s and 16M on 32 (the h100 profile's host memory): a layout fits once the
+    residual stream -- every host checkpoint -- is bf16 (``model.fp32_residual_connection: false``, Megatron's
+    default). With the framework's fp32 default the host checkpoints alone are 2 TiB per node, over 1,638 GiB usable."""
+    hw = load_hardware("h100")
+    bf16 = search_layouts(llama(f"data.seq_length={seq}", "model.fp32_residual_connection=false"), hw, gpus,
+                          features={"memory.activation_offload": "checkpoints"})
+    assert bf16 and bf16[0].est.status == "fits"
+    best = bf16[0]
+    assert best.overrides["memory.layer_chunk_size"] is not None, best.label()  # the chunked re-run is what fits
+    host_ckpt = 32 * seq * 4096 * 2 / (gpus // 8)  # 32 layers x tokens x hidden, bf16, per node
+    assert best.est.memory.host_per_node >= host_ckpt
+    fp32 = estimate(apply_overrides(llama(f"data.seq_length={seq}"), config_overrides(best)), hw, gpus)
+    assert fp32.memory.host_per_node >= 2 * host_ckpt and fp32.status != "fits"

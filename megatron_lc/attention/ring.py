@@ -142,6 +142,7 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm, backend, scale: Optio
         return dq0, dk0, dv0
     dq = dq0.float()
     own = torch.stack([dk0, dv0]).float()
+    del dq0, dk0, dv0  # (under bf16 their fp32 copies above are what stays)
     back = (dout[:, :, c:].contiguous(), q[:, :, c:].contiguous(), out[:, :, c:].contiguous(),
             lse[:, :, c:].contiguous())
     kv = torch.stack([k, v])

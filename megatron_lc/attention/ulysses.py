@@ -152,13 +152,18 @@ class UlyssesAttention(CoreAttention):
     def backward_with_lse(self, dout, q, k, v, out, lse, documents=None):
         s, b, nq, d = q.shape
         with self.topo.comm.tag(self.tag):
+            # each tensor dropped as soon as nothing needs it (these run at a re-run layer's peak)
             full = gather_seq(self._packed(q, k, v), self.topo, Axis.ULYSSES, "a2a_bwd")
             ql, kl, vl = (t.contiguous() for t in self._split(full))
+            del full
             out_l = self._gather_heads(out, "a2a_bwd")
             dout_l = self._gather_heads(dout.contiguous(), "a2a_bwd")
-            dql, dkl, dvl = self.inner.backward_with_lse(dout_l, ql, kl, vl, out_l, lse, documents)
-            back = scatter_seq(torch.cat([dql, dkl, dvl], dim=2).contiguous(), self.topo, Axis.ULYSSES,
-                               "a2a_bwd")  # [s, b, U, m, d]
+            grads = self.inner.backward_with_lse(dout_l, ql, kl, vl, out_l, lse, documents)
+            del ql, kl, vl, out_l, dout_l
+            packed = torch.cat(grads, dim=2).contiguous()
+            del grads
+            back = scatter_seq(packed, self.topo, Axis.ULYSSES, "a2a_bwd")  # [s, b, U, m, d]
+            del packed
         nkv_rep = self.nkv * self.rep
         dq, dk, dv = torch.split(back, [nq // self.U, nkv_rep // self.U, nkv_rep // self.U], dim=3)
         dk, dv = (sum_kv_replicas(t.reshape(s, b, nkv_rep, d), self.rep) for t in (dk, dv))

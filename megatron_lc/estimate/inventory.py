@@ -9,7 +9,7 @@ Per-layer *skeletal* tensors (kept from a layer's forward to its backward; Memo 
 ``layer_skeletal`` with the tensor that holds them in ``model/`` and Memo's group (``input`` / ``attn`` /
 ``others``, §4.1). Dtypes: on CPU everything is fp32; on GPU with ``train.bf16`` the linears, attention and MLP
 produce bf16 (``act``), while the residual stream stays fp32 (``res``: fp32 embedding + bf16 branch = fp32 under
-autocast) and lse/softmax/statistics are fp32.
+autocast; bf16 with ``model.fp32_residual_connection: false``) and lse/softmax/statistics are fp32.
 """
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ class Dims:
                    bias=m.add_bias_linear, b=layout.micro_batch_size, s=layout.seq_length, tp=layout.tp,
                    cp=layout.cp, ulysses=layout.ulysses, dp=layout.dp, sp=layout.sequence_parallel,
                    cp_type=layout.cp_comm_type, device=device, act=2 if bf16 else 4,
+                   res=2 if bf16 and not m.fp32_residual_connection else 4,
                    n_micro=layout.num_micro_batches, fpdt_chunks=layout.fpdt_chunks,
                    doc_len=(cfg.data.mean_document_length or 0) if cfg.data.reset_attention_mask else 0)
 

@@ -85,19 +85,21 @@ def _mlp_backward(cfg: Config, x: Dims, chunk: Optional[float], held: bool = Fal
 
 def _ring_backward(Q: float, KV: float, R: int, a: int) -> float:
     """``ring.ring_backward`` above its inputs (Q = q-sized, KV = k + v in the compute dtype ``a``): the diagonal
-    block's dq, dk, dv; the back halves of dout, q and out copied; one off-diagonal block's grads (and the front
+    block's dq (the accumulator itself in fp32; its dk, dv and, under bf16, dq are dropped once copied to fp32); the
+    back halves of dout, q and out copied; one off-diagonal block's grads (and the front
     halves of k, v copied); fp32 dk/dv four times (this rank's, the block's, the one received, their sum); k, v
     stacked and received (two in flight when R > 2); the fp32 dq accumulator, a copy only under bf16."""
     f = 4 / a
-    return (Q + KV) + 1.5 * Q + (Q + KV) + 4 * f * KV + (3 if R > 2 else 2) * KV + (f * Q if a < 4 else 0.0)
+    return (Q if a == 4 else 0.0) + 1.5 * Q + (Q + KV) + 4 * f * KV + (3 if R > 2 else 2) * KV \
+        + (f * Q if a < 4 else 0.0)
 
 
 def attention_backward_lse(x: Dims) -> float:
     """The core attention's backward from its merged out and lse (``attention/core.py``'s protocol, which token-wise
     recompute, Memo and the chunked checkpoints mode call), above q, k, v, out, lse and dout: local, dq, dk, dv;
-    ring, ``_ring_backward``; Ulysses (``ulysses.backward_with_lse``), q, k, v received and copied contiguous, out
-    and dout gathered, then the inner core's backward (local or ring) and after it dq, dk, dv, their concatenation
-    and the one received back."""
+    ring, ``_ring_backward``; Ulysses (``ulysses.backward_with_lse``), q, k, v received and copied contiguous (the
+    received ones dropped), out and dout gathered, then the inner core's backward (local or ring); after it only dq,
+    dk, dv, their concatenation and the one received back (each dropped when the next exists)."""
     t, d, a = x.tokens, x.d, x.act
     Q = t * x.nq_l * d * a
     KV = t * 2 * x.kv_heads_after_a2a * d * a  # (kv heads replicated for the all-to-all)
@@ -105,7 +107,7 @@ def attention_backward_lse(x: Dims) -> float:
         return Q + KV if x.cp == 1 else _ring_backward(Q, KV, x.cp, a)
     R = x.cp // x.ulysses
     inner = Q + KV if R == 1 else _ring_backward(Q, KV, R, a)
-    return 2 * (Q + KV) + 2 * Q + max(inner, 3 * (Q + KV))
+    return max(2 * (Q + KV), (Q + KV) + 2 * Q + inner)
 
 
 def layer_backward(cfg: Config, x: Dims, rerun: Optional[float] = None, chunk: Optional[float] = None,
