@@ -12,6 +12,9 @@ BENCH = {"bench_only": True}  # measured by bench/estimate_calibration.py, not b
 
 # (id, ranks, overrides on top of base_overrides[, options]): one line per feature combination; options:
 # "bench_only" (bench/estimate_calibration.py only), "xfail" (a known difference, the reason)
+# vocab 256 (the layer backward sets the peak), 4K tokens, tp2 with sequence parallelism
+TP2_SP_4K = ["model.vocab_size=256", "data.seq_length=4096", "parallel.tensor_model_parallel_size=2",
+             "parallel.sequence_parallel=true"]
 CASES = [
     ("plain", 1, []),
     ("plain-2-microbatches", 1, ["train.global_batch_size=2"], BENCH),
@@ -59,12 +62,10 @@ CASES = [
                                "memory.offload_fraction=0", "memory.layer_chunk_size=256"]),
     ("memo-alpha0.5-chunks", 1, ["model.vocab_size=256", "data.seq_length=2048", "memory.activation_offload=memo",
                                  "memory.offload_fraction=0.5", "memory.layer_chunk_size=256"], BENCH),
-    ("tp2-sp-ckpt-offload-chunks", 2, ["model.vocab_size=256", "data.seq_length=4096",
-                                       "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-                                       "memory.activation_offload=checkpoints", "memory.layer_chunk_size=256"]),
-    ("tp2-sp-recompute-full-chunks", 2, ["model.vocab_size=256", "data.seq_length=4096",
-                                         "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-                                         "memory.recompute_granularity=full", "memory.layer_chunk_size=256"], BENCH),
+    ("tp2-sp-ckpt-offload-chunks", 2, TP2_SP_4K + ["memory.activation_offload=checkpoints",
+                                                   "memory.layer_chunk_size=256"]),
+    ("tp2-sp-recompute-full-chunks", 2, TP2_SP_4K + ["memory.recompute_granularity=full",
+                                                     "memory.layer_chunk_size=256"], BENCH),
     ("ulysses-cp2-ckpt-offload-chunks", 2, ["model.vocab_size=256", "data.seq_length=4096",
                                             "parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a",
                                             "memory.activation_offload=checkpoints", "memory.layer_chunk_size=256"]),
