@@ -180,8 +180,9 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         rerun_items = layer_skeletal(x, mst_mlp_chunk(cfg, x, share * x.tokens) is not None, False, True)
         chunk_saved = share * (group_bytes(rerun_items)["others"] - qkv)
         if mem.activation_offload == "checkpoints":  # memory/chunked_layer.py
-            # the fetched and the prefetched input, q, k, v (assembled chunk by chunk), out and lse stay whole
-            recompute = 2 * g["input"] + qkv + g["attn"]
+            # the fetched input, q, k, v (assembled chunk by chunk), out and lse stay whole; the next layer's input
+            # is prefetched once the attention backward is done (``T.layer_backward``'s pre phase)
+            recompute = g["input"] + qkv + g["attn"]
             pre_tokens = share * x.tokens
         else:  # memory/memo/steps.py: the dropped tokens' q, k, v, recomputed whole without a graph after their post
             recompute, attn_saved = 0.0, no_graph * qkv_rerun_bytes(x)
@@ -194,13 +195,18 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     chunk = None if share is None else share * x.tokens  # tokens through the linears per mini-sequence
     # the re-run through the core attention's (out, lse) pair: token-wise recompute, Memo, the chunked checkpoints
     rerun = no_graph if recompute_style == "token_wise" and (token_wise or share is not None) else None
-    bwd = recompute + T.layer_backward(cfg, x, rerun, chunk, chunk_saved, attn_saved) + shared + on_host
+    ckpt_prefetch = g["input"] if ckpt_chunks and share is not None and x.L > 1 else 0.0  # in pre's phase only
+    bwd = recompute + T.layer_backward(cfg, x, rerun, chunk, chunk_saved, attn_saved, ckpt_prefetch) + shared \
+        + on_host
     # the first layer's backward (the last to run) has every layer's gradients; the layers after it have freed
     # their kept tensors -- except under token-wise recompute, whose slots hold them (``memo/steps.py``'s
     # LayerStep on the autograd ctx) until the whole backward is over -- and it prefetches no next input
     # (checkpoints); the second layer's backward has the prefetch and all gradients but the first layer's
     kept_first = layers_kept if mem.recompute_granularity == "full" else keep + rounding
     prefetch = g["input"] if mem.activation_offload == "checkpoints" and x.L > 1 else 0.0
+    if ckpt_prefetch:  # the first layer prefetches nothing: its backward without the pre phase's next input
+        prefetch = bwd - (recompute + T.layer_backward(cfg, x, rerun, chunk, chunk_saved, attn_saved) + shared
+                          + on_host)
     acts = {
         "layer forward": layers_kept + staging + T.layer_forward(cfg, x, chunk, no_graph, pre_tokens) + shared
         + on_host,

@@ -111,7 +111,7 @@ def attention_backward_lse(x: Dims) -> float:
 
 
 def layer_backward(cfg: Config, x: Dims, rerun: Optional[float] = None, chunk: Optional[float] = None,
-                   chunk_saved: float = 0.0, attn_saved: float = 0.0) -> float:
+                   chunk_saved: float = 0.0, attn_saved: float = 0.0, prefetch: float = 0.0) -> float:
     """Peak transient bytes of one layer's backward (its skeletal tensors are counted elsewhere).
 
     ``rerun``: None for a layer under autograd (no recompute, or the whole-layer re-run of the checkpoints mode);
@@ -119,7 +119,9 @@ def layer_backward(cfg: Config, x: Dims, rerun: Optional[float] = None, chunk: O
     1 for recompute full and the chunked checkpoints mode). ``chunk``: tokens (through the linears) of a re-run
     mini-sequence of ``memory.layer_chunk_size``; ``chunk_saved``: the tensors one chunk's re-run saves;
     ``attn_saved``: what is recomputed for the attention backward only (chunked token-wise recompute: the dropped
-    tokens' q, k, v, after their post has been backpropagated)."""
+    tokens' q, k, v, after their post has been backpropagated); ``prefetch``: the next layer's input, prefetched by
+    the chunked checkpoints mode after the attention backward, while pre is backpropagated a chunk at a time next to
+    dq, dk, dv."""
     t, h, a, d = x.tokens, x.h, x.act, x.d
     mlp = _mlp_backward(cfg, x, chunk)
     kv = x.kv_heads_after_a2a
@@ -141,7 +143,10 @@ def layer_backward(cfg: Config, x: Dims, rerun: Optional[float] = None, chunk: O
         if kept:  # Memo's kept tokens: post backpropagated whole, its saved tensors in the rounding buffer
             post = max(post, _mlp_backward(cfg, x, kept, held=True) + (kept * h * a if x.sp else 0))
         if not attn_saved:  # the checkpoints mode: q, k, v already whole (counted by the caller), dy held
-            return whole + max(post, dy + attn)
+            # pre's phase: q, k, v, out, lse, dout freed (the caller's q, k, v, out, lse are counted whole, so this
+            # phase adds only what exceeds them: the prefetched input and pre's chunk next to dq, dk, dv)
+            pre = dy + prefetch + chunk_saved - t * x.nq_l * d * a
+            return whole + max(post, dy + attn, pre)
         # token-wise: the dropped tokens' pre re-run without a graph (all at once) for the attention backward
         return whole + max(post, attn_saved + attn, pre_no_graph(x, rerun * t))
     attn = t * (h + 2 * x.nq_l * d + 2 * kv * d) * a

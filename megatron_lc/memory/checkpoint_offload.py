@@ -9,8 +9,9 @@ Timeline, layers 0..3 of one micro-batch (``DeviceAdapter.copy_streams``: one of
 
     forward   layer i runs without autograd; its input -> host[i] on the offload stream while layer i+1 computes
               (the device input is released when its copy is done)
-    backward  layer i: wait for host[i]'s prefetch (issued when layer i+1's backward began), issue host[i-1]'s,
+    backward  layer i: wait for host[i]'s prefetch (issued during layer i+1's backward), issue host[i-1]'s,
               re-run layer i with autograd from the fetched input, backpropagate dy -> dx; host[i] back to the pool
+              (with layer_chunk_size, host[i-1]'s prefetch waits for layer i's attention backward, its peak)
 
 The host copies come from the model's ``HostPool`` (one allocation, reserved here: layers x one input, exact).
 ``memory.layer_chunk_size`` = c: the forward and the re-run take the token-wise parts c tokens at a time
@@ -22,6 +23,7 @@ the layer's weights are gathered by its pre-backward hook before the re-run (the
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -133,11 +135,14 @@ class _OffloadedLayer(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         rt, layer = ctx.rt, ctx.layer
         x = rt.fetch(layer.layer_number).detach().requires_grad_(ctx.x_requires_grad)
-        rt.prefetch(layer.layer_number - 1)  # the next layer's input travels while this one recomputes
         chunked = rt.chunked(layer, ctx.rope, ctx.documents, x.shape[0], ctx.autocast)
+        # the next layer's input travels while this one recomputes: in mini-sequences from the end of the attention
+        # backward (the re-run's peak) on, during pre's chunks
+        prefetch = partial(rt.prefetch, layer.layer_number - 1)
         if chunked:
-            dx = chunked.backward(x, dy)
+            dx = chunked.backward(x, dy, after_attention=prefetch)
         else:
+            prefetch()
             with as_in_forward(ctx.autocast, grad=True):
                 y = layer.plain_forward(x, ctx.rope, ctx.documents)
             torch.autograd.backward(y, dy)

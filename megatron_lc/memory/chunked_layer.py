@@ -10,6 +10,7 @@ A layer is ``pre`` (norm 1, QKV, RoPE) -> core attention -> ``post`` (out-proj, 
     backward (from x, dy)  q, k, v, out, lse again as in the forward, no graph
                            post re-run with autograd and backpropagated chunk by chunk -> dx (residual), dout
                            core attention backward, whole (``backward_with_lse``) -> dq, dk, dv
+                           (here the checkpoints mode starts prefetching the next layer's input)
                            pre re-run with autograd and backpropagated chunk by chunk -> dx += (through norm 1)
 
 so outside core attention the layer's working set is O(c) rows (the MLP's and QKV's intermediates of one chunk),
@@ -72,8 +73,10 @@ class ChunkedLayer:
                 y[a:b] = self.layer.post_attention(x[a:b], self._rows(out, a, b))
         return y
 
-    def backward(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-        """Re-run from the input ``x`` and backpropagate ``dy``: parameter gradients accumulate; returns dx."""
+    def backward(self, x: torch.Tensor, dy: torch.Tensor, after_attention=None) -> torch.Tensor:
+        """Re-run from the input ``x`` and backpropagate ``dy``: parameter gradients accumulate; returns dx.
+        ``after_attention()`` runs once q, k, v, out and dout are freed (the checkpoints mode prefetches the next
+        layer's input there, so it is not alive at the attention backward, the re-run's peak)."""
         qkv, out, lse = self.attention(x)
         dx, dout = torch.empty_like(x), torch.empty_like(out)
         for a, b in self.chunks:
@@ -86,6 +89,8 @@ class ChunkedLayer:
             self._put(dout, a, b, oc.grad)
         dqkv = self.core.backward_with_lse(dout, *qkv, out, lse, self.documents)
         del qkv, out, lse, dout
+        if after_attention is not None:
+            after_attention()
         for a, b in self.chunks:
             xc = x[a:b].detach().requires_grad_()
             with as_in_forward(self.autocast, grad=True):
