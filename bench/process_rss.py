@@ -16,7 +16,10 @@ Caveat (measured 2026-11-23, ``bench/results/process_rss_2026-11-23.json``): one
 the first optimizer step (AdamW states + gradients: ~815-820 MiB for this model). Where our peak sits on that floor
 (4K for every row, 8K for the chunked one) the slope understates our activation bytes and the ratio to HF is an
 upper bound: compare the raw peaks at the high length (16K: HF + gradient checkpointing 6,777-6,881 MiB, MsT + full
-recompute 1,349-1,409, + 1024-token mini-sequences 904-916, host checkpoints 1,110-1,307).
+recompute 1,349-1,409, + 1024-token mini-sequences 904-916, host checkpoints 1,110-1,307). Above the floor,
+``--seqs 16384,32768`` (``bench/results/process_rss_16k32k_2026-11-23.json``, ours twice): HF + gradient
+checkpointing 380 KB per token; host checkpoints in 1024-token mini-sequences 5.1-5.7 KB (67-75x less), MsT + full
+recompute in mini-sequences 7.0-11.4 KB (33-55x); single points move by tens of MiB with the default allocator.
 
 Output: one JSON object on stdout (progress on stderr).
 """
