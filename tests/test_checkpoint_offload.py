@@ -76,7 +76,7 @@ CHUNKS = CKPT + ["train.micro_batch_size=4"]
 def test_chunked_rerun_equals_the_plain_model(reference, world, overrides):
     """``layer_chunk_size`` in the checkpoints mode: the forward and the re-run take pre/post a chunk at a time
     (``memory/chunked_layer.py``). Row-wise ops, so only GEMM blocking moves the last bits (measured: loss equal,
-    grads <= 5e-9 absolute); asserted at the contract (loss 1e-5 relative, grads 1e-4)."""
+    grads <= 9.4e-9 absolute); asserted at the contract (loss 1e-5 relative, grads 1e-4)."""
     got = (cases.first_step_grads(0, 1, overrides) if world == 1
            else run_dist(world, cases.first_step_grads, overrides)[0])
     assert_close_loss(got["loss"], reference["loss"])
