@@ -199,10 +199,10 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     bwd = recompute + T.layer_backward(cfg, x, rerun, chunk, chunk_saved, attn_saved, ckpt_prefetch) + shared \
         + on_host
     # the first layer's backward (the last to run) has every layer's gradients; the layers after it have freed
-    # their kept tensors -- except under token-wise recompute, whose slots hold them (``memo/steps.py``'s
-    # LayerStep on the autograd ctx) until the whole backward is over -- and it prefetches no next input
-    # (checkpoints); the second layer's backward has the prefetch and all gradients but the first layer's
-    kept_first = layers_kept if mem.recompute_granularity == "full" else keep + rounding
+    # their kept tensors (token-wise recompute drops its steps' handles when a layer's backward is done,
+    # ``LayerStep.backward_done``) -- and it prefetches no next input (checkpoints); the second layer's backward has
+    # the prefetch and all gradients but the first layer's
+    kept_first = keep + rounding
     prefetch = g["input"] if mem.activation_offload == "checkpoints" and x.L > 1 else 0.0
     if ckpt_prefetch:  # the first layer prefetches nothing: its backward without the pre phase's next input
         prefetch = bwd - (recompute + T.layer_backward(cfg, x, rerun, chunk, chunk_saved, attn_saved) + shared

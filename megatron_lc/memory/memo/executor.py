@@ -133,5 +133,5 @@ class MemoBlockExecutor(MemoExecutor):
         st.runtime.attn_forward_calls += 1
         st.h_attn = slot.keep("attn", out)  # the dropped tokens' post part is recomputed from it
         if not st.split.sD:
-            out.register_hook(lambda g: (st.runtime.layer_backward_done(slot), g)[1])
+            out.register_hook(lambda g: (st.backward_done(), g)[1])
         return out

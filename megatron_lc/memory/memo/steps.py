@@ -120,6 +120,13 @@ class LayerStep:
         self.runtime.account.acquire("memo.recompute", nbytes)
         return out, nbytes
 
+    def backward_done(self) -> None:
+        """The layer's backward is over: drop its kept tensors now (this step sits on autograd's ctx, which lives
+        until the whole graph goes, so without this every layer's input and attention output stayed alive until
+        the end of the step's backward) and tell the runtime."""
+        self.h_input = self.h_attn = self.h_lse = self.h_qkv_kept = self.pre_d = None
+        self.runtime.layer_backward_done(self.slot)
+
     @property
     def chunk(self) -> Optional[int]:
         """Tokens per mini-sequence of the dropped tokens' recompute (None: all at once)."""
@@ -165,7 +172,7 @@ class _PreDropped(torch.autograd.Function):
             st.pre_d = None
             st.runtime.account.release("memo.recompute", nbytes)
             dx = x.grad
-        st.runtime.layer_backward_done(st.slot)
+        st.backward_done()
         return None, dx, None
 
 
@@ -256,5 +263,5 @@ class _Attention(torch.autograd.Function):
         for g in (dq, dk, dv):
             grads.append(sp.gathered(g) if (sp.sA and sp.sD) else ((g, None) if sp.sA else (None, g)))
         if not sp.sD:
-            st.runtime.layer_backward_done(slot)
+            st.backward_done()
         return (None, grads[0][0], grads[1][0], grads[2][0], grads[0][1], grads[1][1], grads[2][1])
