@@ -195,25 +195,29 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     chunk = None if share is None else share * x.tokens  # tokens through the linears per mini-sequence
     # the re-run through the core attention's (out, lse) pair: token-wise recompute, Memo, the chunked checkpoints
     rerun = no_graph if recompute_style == "token_wise" and (token_wise or share is not None) else None
-    ckpt_prefetch = g["input"] if ckpt_chunks and share is not None and x.L > 1 else 0.0  # in pre's phase only
-    bwd = recompute + T.layer_backward(cfg, x, rerun, chunk, chunk_saved, attn_saved, ckpt_prefetch) + shared \
-        + on_host
+    # the next layer's input, prefetched during a layer's backward (checkpoints): at its start unchunked (in
+    # ``recompute``), after the attention backward in mini-sequences (``T.layer_backward``'s pre phase)
+    prefetch = g["input"] if mem.activation_offload == "checkpoints" and x.L > 1 else 0.0
+    pre_phase = prefetch if share is not None else 0.0
+
+    def layer_bwd(pre_prefetch: float) -> float:
+        return (recompute + T.layer_backward(cfg, x, rerun, chunk, chunk_saved, attn_saved, pre_prefetch) + shared
+                + on_host)
+
+    bwd = layer_bwd(pre_phase)
     # the first layer's backward (the last to run) has every layer's gradients; the layers after it have freed
     # their kept tensors (token-wise recompute drops its steps' handles when a layer's backward is done,
-    # ``LayerStep.backward_done``) -- and it prefetches no next input (checkpoints); the second layer's backward has
-    # the prefetch and all gradients but the first layer's
+    # ``LayerStep.backward_done``) -- and it prefetches no next input; the second layer's backward has the prefetch
+    # and all gradients but the first layer's
     kept_first = keep + rounding
-    prefetch = g["input"] if mem.activation_offload == "checkpoints" and x.L > 1 else 0.0
-    if ckpt_prefetch:  # the first layer prefetches nothing: its backward without the pre phase's next input
-        prefetch = bwd - (recompute + T.layer_backward(cfg, x, rerun, chunk, chunk_saved, attn_saved) + shared
-                          + on_host)
+    bwd_first = layer_bwd(0.0) - (prefetch - pre_phase)
     acts = {
         "layer forward": layers_kept + staging + T.layer_forward(cfg, x, chunk, no_graph, pre_tokens) + shared
         + on_host,
         "head forward": layers_kept + (final - softmax) + T.head_forward(cfg, x) + shared + on_host,
         "head backward": layers_kept + final + T.head_backward(cfg, x) + shared + on_host,
         "layer backward": layers_kept + bwd,
-        "first layer backward": kept_first + bwd - prefetch,
+        "first layer backward": kept_first + bwd_first,
         "second layer backward": kept_first + bwd,
     }
     act_peak_formula = max(acts.values())

@@ -25,7 +25,6 @@ local ``[r1 r2]`` / gathered ``[01 02 11 12]`` and chunk 2 local ``[r3]`` / gath
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -97,10 +96,6 @@ class LayerStep:
     def kept_attn(self) -> torch.Tensor:
         return self.slot.unpack(self.h_attn)
 
-    def _as_in_forward(self, grad: bool) -> contextlib.ExitStack:
-        """The forward's autocast state, with or without autograd: a recompute runs as the forward did."""
-        return as_in_forward(self.autocast, grad)
-
     def rerun(self, fn, *args, outputs_kept: bool = False) -> tuple:
         """``fn(*args)`` run again with autograd; the bytes it saves (the recomputed skeletal tensors, by storage;
         its outputs too with ``outputs_kept``) are added to the slot's stats and acquired under ``memo.recompute``
@@ -108,7 +103,7 @@ class LayerStep:
         refs = set(self.slot.refs) | {self.kept_input().untyped_storage().data_ptr(),
                                       self.kept_attn().untyped_storage().data_ptr()}
         probe = SkeletalSlot(self.slot.layer, "measure", refs)
-        with self._as_in_forward(grad=True) as stack:
+        with as_in_forward(self.autocast, grad=True) as stack:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack))
             out = fn(*args)
         if outputs_kept:
@@ -138,7 +133,7 @@ class LayerStep:
         graph (the pre backward recomputes them chunk by chunk); else the graph of ``recompute_pre``."""
         if self.chunk is None:
             return tuple(t.detach() for t in self.recompute_pre()[1])
-        with self._as_in_forward(grad=False):
+        with as_in_forward(self.autocast, grad=False):
             return tuple(self.pre_fn(self.split.local(self.kept_input())[1], self.rope_d))
 
     def recompute_pre(self):
