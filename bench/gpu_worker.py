@@ -66,19 +66,14 @@ def _framework(spec: dict, device: torch.device, res: dict) -> None:
     from megatron_lc.planning import runtime as plan_runtime
     from megatron_lc.training.loop import Trainer
 
-    plans = []
-    plan_trace, simulate = plan_runtime.plan_trace, plan_runtime.simulate
+    simulate = plan_runtime.simulate
 
-    def keep_plan(*a, **k):  # the plan's peak and lower bound are only logged by plan_memory: keep them here
-        plans.append(plan_trace(*a, **k))
-        return plans[-1]
-
-    def keep_sim(trace):
+    def keep_sim(trace):  # the caching allocator's simulated reserve is only logged by the plan runtime: keep it
         sim = simulate(trace)
         res["plan_sim_reserved_bytes"] = sim.peak_reserved_bytes
         return sim
 
-    plan_runtime.plan_trace, plan_runtime.simulate = keep_plan, keep_sim
+    plan_runtime.simulate = keep_sim
     with tempfile.TemporaryDirectory() as d:
         cfg = load_config(None, framework_sets(spec) + [f"logging.metrics_file={os.path.join(d, 'm.jsonl')}"])
         trainer = Trainer(cfg, Topology(), device)
@@ -86,9 +81,10 @@ def _framework(spec: dict, device: torch.device, res: dict) -> None:
             rec = _profiled(spec, device, trainer.train_step, i)
             res["step_s"].append(rec["step_seconds"])
             res["loss"].append(rec["loss"])
-    if plans:
-        res["plan"] = {"peak_bytes": plans[-1].peak_bytes, "lower_bound_bytes": plans[-1].lower_bound_bytes,
-                       "status": plans[-1].status, "solver": plans[-1].solver}
+    plan = trainer.ctx.plan.plan if trainer.ctx.plan is not None else None
+    if plan is not None:
+        res["plan"] = {"peak_bytes": plan.peak_bytes, "lower_bound_bytes": plan.lower_bound_bytes,
+                       "status": plan.status, "solver": plan.solver}
     res["arena"] = trainer.ctx.arena.current.stats.summary()
     memo = trainer.ctx.memo
     if memo is not None and memo.offload:

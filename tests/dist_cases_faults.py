@@ -50,17 +50,17 @@ def nonfinite_on_one_rank(rank, world, overrides, bad_steps, bad_rank):
 
 
 def record_sample_ids(rank, world, overrides):
-    """Train; return the global sample ids every step read on this rank (test hook on the setup's
+    """Train; return the global sample ids every step read on this rank (test hook on the trainer's
     ``microbatches``, which the loop calls once per step)."""
     trainer = _trainer(overrides)
     seen = []
-    original = trainer.setup.microbatches
+    original = trainer.microbatches
 
     def microbatches(consumed):
         batches = original(consumed)
         seen.append(sorted(int(i) for b in batches for i in b["sample_ids"]))
         return batches
 
-    trainer.setup.microbatches = microbatches
+    trainer.microbatches = microbatches
     state = trainer.train()
     return seen, state.consumed_samples, state.losses

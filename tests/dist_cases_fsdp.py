@@ -37,7 +37,7 @@ def first_step_grads(rank: int, world: int, overrides: list) -> dict:
     topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses) if world > 1 else Topology()
     t = Trainer(cfg, topo, layout=layout)
     t.optimizer.zero_grad(set_to_none=True)
-    loss = t.forward_backward(t.setup.microbatches(0))
+    loss = t.forward_backward(t.microbatches(0))
     sync_gradients(t.model, topo)
     norm = clip_grad_norm(t.model, 0.0, topo)
     grads = {n: full_grad(p, topo) for n, p in t.model.named_parameters()}

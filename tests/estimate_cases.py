@@ -130,7 +130,7 @@ def missing_feature(cfg, world: int) -> Optional[str]:
     raises ``ConfigError('... not implemented yet')`` or ``NotImplementedError``; a feature that exists but needs
     real process groups raises the topology's RuntimeError, which means it can be measured."""
     from megatron_lc.config import ConfigError, resolve_layout
-    from megatron_lc.parallel.parallelize import build_model
+    from megatron_lc.compose import build_model
     from megatron_lc.parallel.token_layout import local_token_index
     from megatron_lc.parallel.topology import Topology
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lc.config import Config, load_config, resolve_layout
-from megatron_lc.parallel.parallelize import ModelParts, model_context
+from megatron_lc.compose import ModelParts, model_context
+from megatron_lc.config import Config, load_config, resolve_execution, resolve_layout
 from megatron_lc.parallel.tensor_parallel import merge_shards
 from megatron_lc.parallel.topology import Axis, Topology
 from megatron_lc.training.setup import build_and_calibrate
@@ -30,7 +30,8 @@ def build(cfg: Config, topo: Topology = None, adjust_spec=None):
     """(model, context) of ``cfg`` for ``topo`` (default: one process) on the CPU, Memo calibrated: the layout and
     steps 3-5 of ``training/setup.py``."""
     topo = topo if topo is not None else Topology()
-    return build_and_calibrate(cfg, resolve_layout(cfg, topo.world_size), topo, CPU, adjust_spec)
+    return build_and_calibrate(cfg, resolve_layout(cfg, topo.world_size), topo, resolve_execution(cfg, CPU),
+                               adjust_spec)
 
 
 def block_parts(cfg: Config, topo: Topology = None) -> ModelParts:

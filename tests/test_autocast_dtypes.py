@@ -5,8 +5,8 @@ linears do), FPDT's attention output (and so its gradient) is bf16, Memo calibra
 FPDT and Memo share the device's two copy streams; a CUDA trace leaves host storages out."""
 import torch
 
-from megatron_lc.config import resolve_layout
-from megatron_lc.memory.memo.calibrate import calibrate_memo
+from megatron_lc.compose import Calibration
+from megatron_lc.config import Execution, resolve_layout
 from megatron_lc.parallel.topology import Topology
 from megatron_lc.memory.mst.mlp_function import mini_sequence_mlp
 from tests.parity import batch_for, build, small_config
@@ -60,7 +60,9 @@ def test_memo_calibrates_under_the_training_autocast():
     cfg = small_config(["memory.activation_offload=memo", "memory.offload_fraction=0.25", "data.seq_length=64"])
     model, ctx = build(cfg)  # calibrated without autocast (fp32 training)
     fp32 = ctx.memo.buffers[0].capacity
-    calibrate_memo(model, ctx.memo, cfg.memory, resolve_layout(cfg, 1), Topology(), torch.device("cpu"), bf16)
+    cpu_bf16 = Execution(torch.device("cpu"), torch.bfloat16)  # CPU autocast stands for the GPU's
+    ctx.memo.calibrate(model, Calibration(cfg, resolve_layout(cfg, 1), Topology(), cpu_bf16, batch=None))
+    ctx.memo.allocate()
     assert ctx.memo.buffers[0].capacity < 0.8 * fp32, (ctx.memo.buffers[0].capacity, fp32)
 
 

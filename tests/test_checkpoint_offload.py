@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lc.config import ConfigError, load_config, resolve_layout
+from megatron_lc.config import ConfigError, Execution, load_config, resolve_layout
 from megatron_lc.memory.checkpoint_offload import CheckpointOffload
 from megatron_lc.parallel.topology import Topology
 from megatron_lc.training.loop import Trainer
@@ -108,9 +108,9 @@ def test_rerun_under_the_forwards_autocast():
         cfg = load_config(None, cases.TINY + ["train.micro_batch_size=4", "train.clip_grad=0",
                                               "checkpoint.save=null"] + extra)
         t = Trainer(cfg, Topology())
-        t.setup.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+        t.execution = Execution(torch.device("cpu"), torch.bfloat16)  # CPU autocast stands for CUDA's
         t.optimizer.zero_grad(set_to_none=True)
-        loss = t.forward_backward(t.setup.microbatches(0))
+        loss = t.forward_backward(t.microbatches(0))
         return loss, {n: p.grad for n, p in t.model.named_parameters()}
 
     (l0, g0), (l1, g1) = grads([]), grads(CKPT)
@@ -128,12 +128,12 @@ def test_bf16_residual_stream_under_autocast():
         cfg = load_config(None, cases.TINY + ["train.micro_batch_size=4", "train.clip_grad=0",
                                               "checkpoint.save=null"] + extra)
         t = Trainer(cfg, Topology())
-        t.setup.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+        t.execution = Execution(torch.device("cpu"), torch.bfloat16)  # CPU autocast stands for CUDA's
         if record is not None:
             for layer in t.model.layers:
                 layer.register_forward_pre_hook(lambda m, args: record.append(args[0].dtype))
         t.optimizer.zero_grad(set_to_none=True)
-        loss = t.forward_backward(t.setup.microbatches(0))
+        loss = t.forward_backward(t.microbatches(0))
         return loss, {n: p.grad for n, p in t.model.named_parameters()}
 
     bf16_res = ["model.fp32_residual_connection=false"]

@@ -28,6 +28,23 @@ def offset(pool: HostPool, t: torch.Tensor) -> int:
 
 
 # ---- the allocator -------------------------------------------------------------------------------------------------
+def test_every_property_of_the_pool_and_its_first_fit_reads_in_every_state():
+    """Each read-only property of ``HostPool`` and of the first-fit placement under it answers, before allocation,
+    after it and while measuring (a property copied from one class to the other once read a field the other never
+    sets)."""
+    def read_all(obj):
+        props = [n for n, v in vars(type(obj)).items() if isinstance(v, property)]
+        return {n: getattr(obj, n) for n in props}
+
+    pool = cpu_pool(2048)
+    assert read_all(pool)["size"] == 2048
+    pool.take((4,), torch.float32)
+    assert read_all(pool)["used"] == 512 and read_all(pool.fit)["used"] == 512
+    with pool.measuring() as fit:
+        pool.take((4,), torch.float32)
+        assert read_all(pool)["measuring_now"] and read_all(fit)["used"] == 512
+
+
 def test_docstring_example_first_fit_alignment_and_exhaustion():
     pool = cpu_pool(2048)
     a = pool.take((100,), torch.float32)
@@ -184,7 +201,7 @@ def test_cuda_pool_page_locks_exactly_its_bytes(monkeypatch):
     ``pin_memory=True``, which rounds up to a power of two -- and the pages unlocked when the pool goes."""
     import gc
 
-    from megatron_lc import device as device_mod
+    from megatron_lc.device import adapter as device_mod
 
     calls = []
 

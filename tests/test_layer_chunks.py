@@ -87,5 +87,5 @@ def test_each_layer_drops_its_kept_tensors_when_its_backward_is_done(monkeypatch
         held.extend((st.layer.layer_number, st.h_input is not None or st.h_attn is not None) for st in steps)
 
     t.model.embedding.register_forward_hook(lambda m, args, out: out.register_hook(at_embedding_grad) and None)
-    t.forward_backward(t.setup.microbatches(0))
+    t.forward_backward(t.microbatches(0))
     assert len(held) == cfg.model.num_layers and not any(h for _, h in held), held

@@ -3,7 +3,7 @@ checkpointed), both exact against the plain model; the token split helper."""
 import pytest
 import torch
 
-from megatron_lc.memory.memo.steps import TokenSplit
+from megatron_lc.memory.token_split import TokenSplit
 from tests.dist_cases_offload import GPT, memo_parity, one_thread  # noqa: F401 (fixture)
 from tests.parity import batch_for, build, small_config
 

@@ -35,7 +35,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from megatron_lc.config import Config, ConfigError, Layout, load_config  # noqa: E402
+from megatron_lc.config import Config, ConfigError, Layout, load_config, resolve_execution  # noqa: E402
 from megatron_lc.data import DataError, build_dataset  # noqa: E402
 from megatron_lc.data.tokenizer import SentencePieceTokenizer  # noqa: E402
 from megatron_lc.parallel.topology import Topology  # noqa: E402
@@ -44,7 +44,7 @@ from megatron_lc.training.evaluate import (bucket_edges, default_bucket_edges, e
                                            held_out_sample_ids)
 from megatron_lc.training.passkey import PasskeyPrompt, check_passkey, evaluate_passkey  # noqa: E402
 from megatron_lc.training.runtime import env_world, init_distributed, setup_logging, shutdown  # noqa: E402
-from megatron_lc.training.setup import build_and_calibrate, training_autocast  # noqa: E402
+from megatron_lc.training.setup import build_and_calibrate  # noqa: E402
 
 log = logging.getLogger("megatron_lc")
 DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -131,7 +131,8 @@ def _evaluate(cfg: Config, args: argparse.Namespace, layout: Layout, topo: Topol
     if prompt is not None:
         check_passkey(prompt, lengths, args.depths, args.trials, args.key_digits, seed, s)
     torch.manual_seed(cfg.train.seed)
-    model, _ = build_and_calibrate(cfg, layout, topo, device)
+    execution = resolve_execution(cfg, device)
+    model, _ = build_and_calibrate(cfg, layout, topo, execution)
     meta = load_checkpoint(cfg, topo, model, None)  # the weights only, resharded to this layout's tp
     model.eval()
     log.info("evaluating %s (iteration %d) at tp=%d cp=%d (%s) dp=%d, %d tokens per sample", meta["path"],
@@ -139,7 +140,7 @@ def _evaluate(cfg: Config, args: argparse.Namespace, layout: Layout, topo: Topol
     out = {"checkpoint": meta["path"], "iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
            "config": args.config, "overrides": args.overrides, "layout": layout_summary(layout), "seq_length": s}
     seconds = {}
-    with training_autocast(cfg, device):
+    with execution.autocast():
         if dataset is not None:
             t0 = time.perf_counter()
             ids = held_out_sample_ids(dataset, args.documents, args.data_path is not None)

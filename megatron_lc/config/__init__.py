@@ -2,6 +2,11 @@
 
     cfg = load_config("configs/tiny_cpu.yaml", ["train.train_iters=5", "parallel.context_parallel_size=2"])
     layout = resolve_layout(cfg, world_size=2)   # one-line ConfigError naming the numbers when impossible
+    execution = resolve_execution(cfg, device)   # the device, the autocast and residual dtypes
+
+One dataclass per section (``model.py``, ``parallel.py``, ``memory.py``, ``data.py``, ``train.py``,
+``checkpoint.py``, ``logging.py``; the strict loader in ``base.py``), and what the config resolves to once:
+``layout.py`` (every layout rule; the refused feature pairs of ``combinations.py``) and ``execution.py``.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import yaml
 from .base import ConfigError, build_section, field_types, read_yaml_mapping
 from .checkpoint import CheckpointConfig
 from .data import DataConfig
+from .execution import Execution, resolve_execution
 from .layout import Layout, resolve_layout
 from .logging import LoggingConfig
 from .memory import MemoryConfig
@@ -22,7 +28,8 @@ from .model import ModelConfig
 from .parallel import ParallelConfig
 from .train import TrainConfig
 
-__all__ = ["Config", "ConfigError", "load_config", "Layout", "resolve_layout", "ModelConfig", "ParallelConfig",
+__all__ = ["Config", "ConfigError", "load_config", "Layout", "resolve_layout", "Execution",
+           "resolve_execution", "ModelConfig", "ParallelConfig",
            "MemoryConfig",
            "DataConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig"]
 

@@ -27,6 +27,11 @@ class MemoryConfig:
     plan: Union[str, bool] = "off"  # off | auto | path to a plan.json (YAML reads a bare `off` as false)
     plan_time_limit: float = 10.0
 
+    @property
+    def token_wise(self) -> bool:
+        """Layers run by token-wise recompute (Memo's runtime): ``recompute_granularity: full`` or Memo offload."""
+        return self.activation_offload == "memo" or self.recompute_granularity == "full"
+
     def __post_init__(self) -> None:
         if not isinstance(self.offload_fraction, str):
             check(0.0 <= self.offload_fraction <= 1.0,

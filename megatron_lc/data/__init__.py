@@ -1,4 +1,6 @@
-"""Data: tokenizers, Megatron .bin/.idx files, packed samples, the demo corpus."""
+"""Data: ``tokenizer.py`` (SentencePiece), ``indexed.py`` (Megatron .bin/.idx through megatron-core's
+``IndexedDataset``), ``dataset.py`` (packed samples, document fields, mock data), ``demo.py`` (the demo corpus),
+``errors.py`` (``DataError``)."""
 from __future__ import annotations
 
 from ..config import Config

@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from ..config import Config, Layout
+import torch
+
+from ..config import Config, Layout, resolve_execution
 from ..config.layout import kv_replication
 from ..memory.mst.rules import head_chunk_count, head_chunk_tokens, mlp_chunk_tokens
 
@@ -63,17 +65,18 @@ class Dims:
 
     @classmethod
     def from_config(cls, cfg: Config, layout: Layout, device: str) -> "Dims":
-        """The sizes of ``cfg`` under its resolved ``layout`` (``config.resolve_layout``)."""
+        """The sizes of ``cfg`` under its resolved ``layout`` (``config.resolve_layout``) on ``device`` ("cuda" |
+        "cpu"), its dtypes those a run there would resolve (``config.resolve_execution``)."""
         m = cfg.model
-        bf16 = cfg.train.bf16 and device == "cuda"
+        ex = resolve_execution(cfg, torch.device(device))
         return cls(L=m.num_layers, h=m.hidden_size, f=m.ffn_hidden_size, nq=m.num_attention_heads,
                    nkv=m.num_query_groups, d=m.kv_channels, V=m.padded_vocab_size, swiglu=m.swiglu,
                    rmsnorm=m.normalization == "RMSNorm", untied=m.untie_embeddings_and_output_weights,
                    learned_pos=m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else 0,
                    bias=m.add_bias_linear, b=layout.micro_batch_size, s=layout.seq_length, tp=layout.tp,
                    cp=layout.cp, ulysses=layout.ulysses, dp=layout.dp, sp=layout.sequence_parallel,
-                   cp_type=layout.cp_comm_type, device=device, act=2 if bf16 else 4,
-                   res=2 if bf16 and not m.fp32_residual_connection else 4,
+                   cp_type=layout.cp_comm_type, device=device, act=ex.compute_dtype.itemsize,
+                   res=ex.residual_dtype.itemsize,
                    n_micro=layout.num_micro_batches, fpdt_chunks=layout.fpdt_chunks,
                    doc_len=(cfg.data.mean_document_length or 0) if cfg.data.reset_attention_mask else 0)
 

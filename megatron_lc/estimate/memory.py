@@ -105,7 +105,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     fpdt = x.fpdt
     mlp_chunked = mst_mlp_chunk(cfg, x) is not None
     head_chunked = mst_head_chunk(cfg, x) is not None
-    token_wise = mem.activation_offload == "memo" or mem.recompute_granularity == "full"
+    token_wise = mem.token_wise
     ckpt_chunks = (mem.activation_offload == "checkpoints" and recompute_style == "token_wise"
                    and layer_chunk_share(cfg, x) is not None)
     # the chunked checkpoints mode assembles q, k, v whole, like the token-wise slot (memory/chunked_layer.py)

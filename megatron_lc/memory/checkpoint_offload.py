@@ -29,15 +29,16 @@ from typing import Optional
 import torch
 
 from ..device import DeviceAdapter, HostPool
-from ..units import fmt_bytes
 from .chunked_layer import ChunkedLayer
 from .forward_state import as_in_forward, autocast_state
-from .memo.alpha import HostMemoryError
-from .memo.calibrate import host_budget, ranks_on_this_node
 
 
 class CheckpointOffload:
-    """Run-time state: the host copies of the layers' inputs, the prefetched device copies, the streams."""
+    """Run-time state: the host copies of the layers' inputs, the prefetched device copies, the streams.
+
+    A technique runtime (``compose/context.py``): ``bind`` (the copy streams, the pool's device), ``calibrate``
+    (nothing to measure: the pool's share is every layer's input, from the layout, in the run's residual dtype),
+    ``allocate`` (nothing on the device: a layer's input is fetched into a fresh tensor in its backward)."""
 
     TAG = "checkpoints"
 
@@ -59,6 +60,16 @@ class CheckpointOffload:
         self.dev = DeviceAdapter.for_device(device)
         self.offload_stream, self.prefetch_stream = self.dev.copy_streams()
         self.pool.bind(self.dev)
+
+    def calibrate(self, model, env) -> None:
+        """The residual stream between layers, ``[s, b, h]`` per rank, for every layer (``env``: the run's
+        ``compose.Calibration``)."""
+        layout = env.layout
+        self.reserve((layout.block_seq_length, layout.micro_batch_size, model.cfg.hidden_size),
+                     env.execution.residual_dtype)
+
+    def allocate(self) -> None:
+        pass
 
     def chunked(self, layer, rope, documents, S: int, autocast: list) -> Optional[ChunkedLayer]:
         """The layer's run in mini-sequences (``chunked_layer.py``), or None when a chunk holds all S rows."""
@@ -102,18 +113,6 @@ class CheckpointOffload:
         h, _ = self.host.pop(layer)
         self.pool.give(h, after=ev)
         return d
-
-
-def check_host_budget(rt: CheckpointOffload, host_memory_gb, rank: int) -> None:
-    """The host pool (these checkpoints and whatever else reserved) within this rank's share of the node's host
-    memory (``memory.host_memory_gb`` or MemAvailable, over the ranks of the node), else a one-line error."""
-    node, source = host_budget(host_memory_gb)
-    share = node / ranks_on_this_node()
-    if rt.pool.size > share:
-        raise HostMemoryError(f"rank {rank}: memory.activation_offload=checkpoints: the host pool needs "
-                              f"{fmt_bytes(rt.pool.size)} ({rt.n} layer inputs: {fmt_bytes(rt.pool.reserved[rt.TAG])}"
-                              f"), over this rank's share {fmt_bytes(share)} of the host memory ({source}); use more "
-                              f"ranks (context parallel) or a shorter data.seq_length")
 
 
 class _OffloadedLayer(torch.autograd.Function):

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from .forward_state import as_in_forward
-from .memo.steps import TokenSplit
+from .token_split import TokenSplit
 
 
 class ChunkedLayer:

@@ -1,5 +1,5 @@
 """The Llama / GPT model, built from parts. No parallel logic and no choice of technique here: ``parts`` (from
-``parallel/parallelize.py``) hands out the linears, the embedding and the core attention for the layout, and its
+``compose/spec.py``) hands out the linears, the embedding and the core attention for the layout, and its
 ``spec`` names the class of each attention block, MLP and head and the layer executor (plain, recompute, Memo)."""
 from __future__ import annotations
 
@@ -40,13 +40,16 @@ class TransformerLayer(nn.Module):
 
     def post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Layer input ``x`` and core attention output ``[s', b, nq, d]`` -> layer output ``[s, b, h]``."""
-        x = x + self.self_attention.linear_proj(attn_out.flatten(2))
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+        return self.residual(x, self.self_attention.linear_proj(attn_out.flatten(2)))
+
+    def residual(self, x: torch.Tensor, block_out: torch.Tensor) -> torch.Tensor:
+        """The layer's two residual steps after its attention block: ``r = x + block_out``, ``r + mlp(norm(r))``."""
+        r = x + block_out
+        return r + self.mlp(self.pre_mlp_layernorm(r))
 
     def plain_forward(self, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
         """The layer with plain autograd, whatever the executor (the attention block may be FPDT's)."""
-        x = x + self.self_attention(self.input_layernorm(x), rope, documents)
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+        return self.residual(x, self.self_attention(self.input_layernorm(x), rope, documents))
 
     def forward(self, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
         if self.executor is not None:

@@ -14,6 +14,15 @@ import torch.distributed as dist
 from .topology import Axis, Topology
 
 
+def all_gather_objects(obj) -> list:
+    """``obj`` of every rank of the job, in rank order (``[obj]`` without torch.distributed or with one rank)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

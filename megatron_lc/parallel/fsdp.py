@@ -84,16 +84,17 @@ def check_shardable(model: nn.Module) -> None:
                               f"the checkpoint's tensor (set add_bias_linear false)")
 
 
-def apply_fsdp(model: nn.Module, topo: Topology, device: torch.device, *, bf16: bool, cpu_offload: bool,
-               reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp(model: nn.Module, topo: Topology, device: torch.device, *, param_dtype: Optional[torch.dtype],
+               cpu_offload: bool, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``model`` in place (layers, then the root); parameter attributes (tp partition, SP) are carried over
-    to the sharded parameters. Call after every step that needs the full weights (Memo's calibration, the memory
+    to the sharded parameters. ``param_dtype``: the dtype the weights are all-gathered in (the run's autocast
+    dtype; None: as stored). Call after every step that needs the full weights (Memo's calibration, the memory
     plan's capture) and before the optimizer is built."""
     check_shardable(model)
     attrs = {n: dict(vars(p)) for n, p in model.named_parameters()}  # tp partition, SP, init: every attribute
     dims = {id(p): shard_dim(p) for p in model.parameters()}
     # the residual stream stays fp32 between units (cast_forward_inputs False), as without FSDP under autocast
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32,
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                               cast_forward_inputs=False)
     kw = dict(mesh=fsdp_mesh(topo, device), mp_policy=mp,
               offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy(),

@@ -1,4 +1,5 @@
-"""``memory.plan: off | auto | <plan.json>`` at run time, a step of ``training/setup.py`` before the optimizer.
+"""``memory.plan: off | auto | <plan.json>`` at run time: ``MemoryPlan``, the last technique runtime setup runs
+before FSDP2 and the optimizer.
 
 - ``off``: framework buffers are plain allocations (the model context's ``ArenaHandle`` holds a plain ``Arena``).
 - ``auto``: one forward + backward of a micro-batch of the training shape is traced (``capture_iteration``; the RNG
@@ -15,7 +16,6 @@ With ``save_dir`` (``checkpoint.save``), ``auto`` writes ``memory_trace_rank{r}.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -75,17 +75,46 @@ def _profile(model, arena: ArenaHandle, batch: dict, autocast, rank: int, device
     return trace, seconds
 
 
-def plan_memory(setting: str, model, arena: ArenaHandle, batch: dict, device: torch.device, rank: int,
-                time_limit: float, save_dir: Optional[str] = None,
-                autocast=contextlib.nullcontext) -> Optional[PlannedArena]:
-    """Apply ``memory.plan`` (``setting``) to ``model``: install a ``PlannedArena`` in ``arena`` and return it
-    (None for ``off``). ``batch``: a micro-batch of the training shape, on ``device``; ``autocast``: a factory of
-    the training step's autocast context."""
-    if setting == "off":
-        return None
-    if setting == "auto":
-        trace, prof_s = _profile(model, arena, batch, autocast, rank, device)
-        plan = plan_trace(trace, time_limit=time_limit, gap=AUTO_GAP)
+class MemoryPlan:
+    """``memory.plan`` (``auto`` or a plan file) as a technique runtime (``compose/context.py``), the last in setup
+    order: ``bind`` (the arena's device), ``calibrate`` (a plan file: loaded; ``auto``: what the trace will need --
+    a micro-batch of the training shape, the autocast, the rank, the time limit and ``checkpoint.save``),
+    ``allocate`` (``auto``: that micro-batch traced with every other runtime's buffers in place, and planned; then
+    the ``PlannedArena`` installed in the model context's ``arena``). ``planned``: that arena once allocated."""
+
+    TAG = "plan"
+
+    def __init__(self, setting: str, arena: ArenaHandle):
+        self.setting, self.arena = setting, arena
+        self.device: Optional[torch.device] = None
+        self.plan: Optional[Plan] = None
+        self.planned: Optional[PlannedArena] = None
+        self._trace_inputs = None
+
+    def bind(self, device: torch.device) -> None:
+        self.device = device
+
+    def calibrate(self, model, env) -> None:
+        """``env``: the run's ``compose.Calibration``."""
+        if self.setting == "auto":
+            self._trace_inputs = (model, env)
+        else:
+            self.plan = check_plan_setting(self.setting)
+
+    def allocate(self) -> None:
+        if self.plan is None:
+            self.plan = self._plan_a_trace(*self._trace_inputs)
+            self._trace_inputs = None
+        layout = layout_from_plan(self.plan)
+        self.planned = PlannedArena(layout, self.device)
+        self.arena.install(self.planned)
+        log.info("memory plan: arena of %.2f MiB for %d framework buffer slots and %d persistent buffers",
+                 layout.size_bytes / 2**20, len(layout.slots), len(layout.persistent))
+
+    def _plan_a_trace(self, model, env) -> Plan:
+        rank, save_dir = env.topo.rank, env.cfg.checkpoint.save
+        trace, prof_s = _profile(model, self.arena, env.batch(), env.execution.autocast, rank, self.device)
+        plan = plan_trace(trace, time_limit=env.cfg.memory.plan_time_limit, gap=AUTO_GAP)
         if not have_ortools():
             log.info("memory plan (auto): greedy and the exact search only; OR-Tools (pip install "
                      "'megatron_lc[planning]') would add CP-SAT where the search is undecided")
@@ -99,11 +128,4 @@ def plan_memory(setting: str, model, arena: ArenaHandle, batch: dict, device: to
             os.makedirs(save_dir, exist_ok=True)
             trace.dump(os.path.join(save_dir, f"memory_trace_rank{rank}.jsonl"))
             plan.write(os.path.join(save_dir, f"memory_plan_rank{rank}.json"), trace)
-    else:
-        plan = check_plan_setting(setting)
-    layout = layout_from_plan(plan)
-    planned = PlannedArena(layout, device)
-    arena.install(planned)
-    log.info("memory plan: arena of %.2f MiB for %d framework buffer slots and %d persistent buffers",
-             layout.size_bytes / 2**20, len(layout.slots), len(layout.persistent))
-    return planned
+        return plan

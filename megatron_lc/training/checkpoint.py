@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError
+from ..parallel.collectives import all_gather_objects
 from ..parallel.topology import Axis, Topology
 from . import sharded_state
 from .checkpoint_dir import (LATEST, atomic_torch_save, atomic_write_text, checkpoints_newest_first, is_hf_model_dir,
@@ -53,15 +54,6 @@ from .sharded_state import ShardedState
 FORMAT_VERSION = 3  # 3: torch.distributed.checkpoint; 2: torch files per tp rank, checksums; 1: no checksums
 
 log = logging.getLogger("megatron_lc")
-
-
-def _gather(obj) -> list:
-    """``obj`` of every rank (this rank's alone without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def file_digest(path: str) -> dict:
@@ -126,9 +118,9 @@ def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, con
     atomic_torch_save(rng_state(), os.path.join(tmp, f"rng_rank{topo.rank:05d}.pt"))
     _barrier(topo)
     files = {}
-    for share in _gather(_digests(tmp, topo)):
+    for share in all_gather_objects(_digests(tmp, topo)):
         files.update(share)
-    has_optim = any(_gather(bool(optim)))  # no AdamW state before the first step (or every step skipped)
+    has_optim = any(all_gather_objects(bool(optim)))  # no AdamW state before the first step (or every step skipped)
     if topo.rank == 0:
         meta = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
                 "world_size": topo.world_size, "tp": topo.tp, "cp": topo.cp, "dp": topo.dp,
@@ -297,7 +289,8 @@ def _load_v3(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> 
     """Load a DCP checkpoint (collective: every rank calls it); returns why it could not, the same on every rank,
     or None. Every file is checked first, each by one rank; then DCP reads the pieces of this layout."""
     load_optim, rng_file = _wants(meta, cfg, topo, opt)
-    problems = [p for p in _gather(_check_files(path, meta, _share(list(meta["files"]), topo))) if p is not None]
+    problems = [p for p in all_gather_objects(_check_files(path, meta, _share(list(meta["files"]), topo)))
+                if p is not None]
     if problems:
         return problems[0]
     state = ShardedState(model, topo)
@@ -363,7 +356,7 @@ def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
         meta = read_meta(path)
         check_compatible(meta, cfg, topo, path, _zero(opt), opt is not None)
         load_format = _load_v3 if meta.get("format_version", 1) >= 3 else _load_v2
-        problems = [p for p in _gather(load_format(path, meta, cfg, topo, model, opt)) if p is not None]
+        problems = [p for p in all_gather_objects(load_format(path, meta, cfg, topo, model, opt)) if p is not None]
         if not problems:
             if failed:
                 log.warning("resumed from %s, an older checkpoint, because %s", path, "; ".join(failed))

@@ -15,14 +15,14 @@ from typing import Optional
 
 import torch
 
-from ..attention.masks import attended_pairs
 from ..config import Config, Layout
 from ..parallel.collectives import all_reduce
 from ..parallel.topology import Axis, Topology
 from .checkpoint import save_checkpoint
 from .faults import SkipCounter, StopControl, collective_errors
+from .batches import microbatches
 from .logger import MetricsLogger
-from .metrics import peak_flops, peak_memory_bytes, step_metrics
+from .metrics import pairs_per_sample, peak_flops, peak_memory_bytes, step_counts, step_metrics
 from .optimizer import clip_grad_norm, lr_at, set_lr, sync_gradients
 from .setup import setup_training
 
@@ -45,7 +45,8 @@ class Trainer:
                  layout: Optional[Layout] = None, adjust_spec=None):
         self.setup = setup_training(cfg, topo, device, layout, adjust_spec)
         s = self.setup
-        self.cfg, self.layout, self.topo, self.device = cfg, s.layout, topo, s.device
+        self.cfg, self.layout, self.topo, self.execution = cfg, s.layout, topo, s.execution
+        self.device = s.execution.device
         self.model, self.ctx, self.optimizer, self.arena = s.model, s.ctx, s.optimizer, s.arena
         self.stop = StopControl(cfg)
         self.skips = SkipCounter(cfg)
@@ -54,25 +55,25 @@ class Trainer:
             self.state.iteration = s.resumed["iteration"]
             self.state.consumed_samples = s.resumed["consumed_samples"]
         self.metrics = MetricsLogger(cfg, topo.rank, s.resumed)
-        self.peak, source = peak_flops(cfg, self.device)
+        self.peak, source = peak_flops(cfg, self.execution)
         self.mfu_valid = True
         self.pairs: Optional[float] = None
         log.info("MFU is relative to %.3g TFLOP/s per rank (%s)", self.peak / 1e12, source)
 
+    def microbatches(self, consumed: int) -> list[dict]:
+        """This rank's micro-batches of the step after ``consumed`` global samples (``batches.py``)."""
+        return microbatches(self.cfg, self.layout, self.topo, self.setup.dataset, consumed, self.device)
+
     def forward_backward(self, batches: list[dict]) -> float:
         """Accumulate gradients of the global-mean loss over the micro-batches; returns the global loss. Sets
         ``self.pairs``: the step's attended pairs per sample under document masks (None without), for MFU."""
-        docs = [b["document_ids"] for b in batches if "document_ids" in b]
-        # one all-reduce: the global valid-token count and, with document masks, the attended pairs (every cp rank
-        # holds the full-sequence document ids: counted cp times)
-        stats = torch.tensor([sum(float(b["loss_mask"].sum()) for b in batches), sum(map(attended_pairs, docs))],
-                             dtype=torch.float64)
-        all_reduce(stats, self.topo, Axis.DP_CP)
-        total = max(float(stats[0]), 1.0)
-        self.pairs = float(stats[1]) / self.layout.cp / self.layout.global_batch_size if docs else None
+        counts = step_counts(batches)  # one all-reduce: the global valid-token count and MFU's attended pairs
+        all_reduce(counts, self.topo, Axis.DP_CP)
+        total = max(float(counts[0]), 1.0)
+        self.pairs = pairs_per_sample(counts, self.layout)
         loss_sum = torch.zeros((), dtype=torch.float64)
         for b in batches:
-            with self.setup.autocast():
+            with self.execution.autocast():
                 token_loss = self.model(b["tokens"], b["position_ids"], b["labels"], b.get("document_ids"))
             local = (token_loss.float() * b["loss_mask"]).sum()
             (local / total).backward()
@@ -83,7 +84,7 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.forward_backward(self.setup.microbatches(self.state.consumed_samples))
+        loss = self.forward_backward(self.microbatches(self.state.consumed_samples))
         sync_gradients(self.model, self.topo)
         grad_norm = clip_grad_norm(self.model, self.cfg.train.clip_grad, self.topo)
         lr = lr_at(step, self.cfg)

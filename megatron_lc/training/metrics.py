@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from ..config import Config, Layout
+from ..attention.masks import attended_pairs
+from ..config import Config, Execution, Layout
 
 
 def flops_per_sample(cfg: Config, pairs: Optional[float] = None) -> float:
@@ -57,14 +58,29 @@ def measure_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, repeat
     return 2.0 * n ** 3 / best
 
 
-def peak_flops(cfg: Config, device: torch.device) -> tuple[float, str]:
-    """(peak FLOP/s per device, how it was obtained) for MFU."""
+def peak_flops(cfg: Config, execution: Execution) -> tuple[float, str]:
+    """(peak FLOP/s per device, how it was obtained) for MFU: a GEMM in the run's compute dtype."""
     if cfg.logging.peak_tflops is not None:
         return cfg.logging.peak_tflops * 1e12, "logging.peak_tflops"
-    bf16 = cfg.train.bf16 and device.type == "cuda"
+    device, dtype = execution.device, execution.compute_dtype
     n = 8192 if device.type == "cuda" else 1024
-    return measure_peak(device, torch.bfloat16 if bf16 else torch.float32, n), \
-        f"measured: {'bf16' if bf16 else 'fp32'} GEMM {n}x{n}"
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    return measure_peak(device, dtype, n), f"measured: {name} GEMM {n}x{n}"
+
+
+def step_counts(batches: list[dict]) -> torch.Tensor:
+    """This rank's ``[valid tokens, attended pairs, micro-batches with document masks]`` of a step (float64), for
+    the loop's one all-reduce over dp x cp: the loss's global token count and MFU's attended pairs (every cp rank
+    holds the full-sequence document ids, so the pairs are counted cp times; ``pairs_per_sample`` divides)."""
+    docs = [b["document_ids"] for b in batches if "document_ids" in b]
+    return torch.tensor([sum(float(b["loss_mask"].sum()) for b in batches), sum(map(attended_pairs, docs)),
+                         len(docs)], dtype=torch.float64)
+
+
+def pairs_per_sample(counts: torch.Tensor, layout: Layout) -> Optional[float]:
+    """The step's mean attended pairs per sample from the all-reduced ``step_counts`` (None without document
+    masks: causal over the whole sequence)."""
+    return float(counts[1]) / layout.cp / layout.global_batch_size if float(counts[2]) else None
 
 
 def step_metrics(cfg: Config, layout: Layout, step_seconds: float, peak: float,

@@ -16,7 +16,7 @@ import torch
 
 from ..config import Config, ParallelConfig, resolve_layout
 from ..model.transformer import GPTModel
-from ..parallel.parallelize import ModelParts
+from ..compose import ModelParts
 from ..parallel.tensor_parallel import cut_shard, merge_shards, tp_partition
 from ..parallel.topology import Topology
 

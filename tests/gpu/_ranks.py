@@ -7,7 +7,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from megatron_lc.config import resolve_layout
+from megatron_lc.config import resolve_execution, resolve_layout
 from megatron_lc.parallel.collectives import all_reduce
 from megatron_lc.parallel.token_layout import shard_batch
 from megatron_lc.parallel.topology import Axis, Topology
@@ -57,7 +57,7 @@ def loss_and_grads(rank: int, world: int, overrides: list, kind: str):
     cfg = small_config(list(overrides))
     layout, p = resolve_layout(cfg, world), cfg.parallel
     topo = Topology.build(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, ulysses=p.ulysses_size)
-    model, _ = build_and_calibrate(cfg, layout, topo, device)
+    model, _ = build_and_calibrate(cfg, layout, topo, resolve_execution(cfg, device))
     batch = batch_for(cfg)
     local = {k: v.to(device) for k, v in shard_batch(batch, layout, topo).items()}
     tok = model(local["tokens"], local["position_ids"], local["labels"])

@@ -5,10 +5,9 @@ and without offload, MsT, ``memory.plan: auto``."""
 import pytest
 import torch
 
-from megatron_lc.config import resolve_layout
+from megatron_lc.config import resolve_execution, resolve_layout
 from megatron_lc.parallel.topology import Topology
 from megatron_lc.training.setup import build_and_calibrate
-from megatron_lc.planning.runtime import plan_memory
 from tests.parity import GRAD_ATOL, LOSS_RTOL, batch_for, small_config
 
 SEQ = ["data.seq_length=256", "model.num_layers=3"]
@@ -29,10 +28,8 @@ def loss_and_grads(overrides, device, autocast=False):
     cfg = small_config(SEQ + list(overrides))
     topo = Topology()
     layout = resolve_layout(cfg, 1)
-    model, ctx = build_and_calibrate(cfg, layout, topo, device)
     b = {k: v.to(device) for k, v in batch_for(cfg).items()}
-    if cfg.memory.plan != "off":
-        plan_memory(cfg.memory.plan, model, ctx.arena, b, device, 0, cfg.memory.plan_time_limit)
+    model, ctx = build_and_calibrate(cfg, layout, topo, resolve_execution(cfg, device), batch=lambda: b)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         tok = model(b["tokens"], b["position_ids"], b["labels"])
     loss = (tok.float() * b["loss_mask"]).sum() / b["loss_mask"].sum()

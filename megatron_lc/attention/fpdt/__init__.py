@@ -1,3 +1,4 @@
 """FPDT's chunked Ulysses attention block with host offload and double buffering: ``block.py`` (the module the model
 spec constructs), ``pipeline.py`` (forward / backward over chunk pairs), ``buffers.py`` (device buffers, host store,
-prefetch), ``project.py`` (per-chunk QKV projection)."""
+prefetch; ``FPDTState``, its technique runtime), ``project.py`` (per-chunk QKV projection), ``calibrate.py`` (its
+share of the host pool, measured)."""

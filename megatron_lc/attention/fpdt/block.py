@@ -4,7 +4,7 @@ paper, section 4).
 ``FPDTSelfAttention`` has the projections of ``SelfAttention`` (same ``linear_qkv``/``linear_proj``, so the same
 parameter names and the same layout-independent init) and, instead of a core attention, runs the pipeline of
 ``pipeline.py``: the QKV projection, the all-to-all and the attention are done chunk by chunk, so the attention
-working set is that of one chunk. The model spec constructs it in every layer (``parallel/parallelize.py``).
+working set is that of one chunk. The model spec constructs it in every layer (``compose/spec.py``).
 
 Example, P = 2 cp ranks (Ulysses), u = 2 chunks, s = 16, 8 heads: rank r holds tokens of pieces r, r+2 (4 tokens
 each, ``parallel/token_layout.py``); chunk 0 on rank 0 = tokens 0-3 -> q/k/v [4, b, 8, d] -> all-to-all -> rank 0

@@ -36,6 +36,7 @@ import torch
 from ...device import BufferAccount, DeviceAdapter, HostPool
 from ...parallel.collectives import all_to_all
 from ...parallel.topology import Axis, Topology
+from .calibrate import calibrate_fpdt
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -71,7 +72,13 @@ class FPDTState:
     ``arena``: where framework buffers come from -- anything with ``buffer(tag, shape, dtype, device=...)`` and
     ``record_stream(t, stream)`` (``memory.arena``'s handle: plain allocations until a memory plan is installed).
     ``pool``: the host pool the parked chunks come from (the model context's, shared with Memo; a fresh one if
-    None), sized by ``calibrate.py``."""
+    None), sized by ``calibrate.py``.
+
+    A technique runtime (``compose/context.py``): ``bind`` (nothing: each device's buffers bind on first use),
+    ``calibrate`` (one block's parked chunks measured, the pool's ``fpdt`` share reserved), ``allocate`` (nothing:
+    chunk buffers come from the arena as the blocks run)."""
+
+    TAG = "fpdt"
 
     def __init__(self, arena, pool: Optional[HostPool] = None):
         self.arena = arena
@@ -79,6 +86,15 @@ class FPDTState:
         self.account = BufferAccount()  # device-resident bytes of the blocks' buffers
         self.host_account = BufferAccount()  # pool bytes parked on the host
         self._by_device: dict = {}
+
+    def bind(self, device: torch.device) -> None:
+        pass
+
+    def calibrate(self, model, env) -> None:
+        calibrate_fpdt(model, env)
+
+    def allocate(self) -> None:
+        pass
 
     def buffers(self, device: torch.device) -> "FPDTBuffers":
         if device not in self._by_device:

@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from .buffers import FPDTState
+from ...model.probe import probe_input
 
 
 def measure_block(block, x: torch.Tensor, rope, autocast=contextlib.nullcontext) -> tuple[int, int]:
@@ -45,21 +45,16 @@ def reserve_for_layers(block, x: torch.Tensor, rope, num_layers: int, autocast=c
     """Measure ``block`` (``measure_block``) and reserve ``num_layers * F + B`` bytes of its pool; returns that."""
     forward, backward = measure_block(block, x, rope, autocast)
     need = num_layers * forward + backward
-    block.state.pool.reserve("fpdt", need)
+    block.state.pool.reserve(block.state.TAG, need)
     return need
 
 
-def calibrate_fpdt(model, state: FPDTState, layout, offload: bool, topo, device: torch.device,
-                   autocast=contextlib.nullcontext) -> int:
-    """Reserve FPDT's share of the host pool for ``model`` (every rank calls this: the block's collectives run).
-    Returns the bytes reserved (0 without ``memory.fpdt_offload``: nothing is parked)."""
-    if not offload:
+def calibrate_fpdt(model, env) -> int:
+    """Reserve FPDT's share of the host pool for ``model`` (every rank calls this: the block's collectives run);
+    ``env``: the run's ``compose.Calibration``. Returns the bytes reserved (0 without ``memory.fpdt_offload``:
+    nothing is parked)."""
+    if not env.cfg.memory.fpdt_offload:
         return 0
-    b, S = layout.micro_batch_size, layout.local_seq_length
-    g = torch.Generator(device="cpu").manual_seed(1234)
-    x = torch.randn(layout.block_seq_length, b, model.cfg.hidden_size, generator=g).to(device).requires_grad_(True)
-    rope = None
-    if model.rotary is not None:
-        rope = model.rotary(torch.arange(S, device=device).unsqueeze(1).expand(S, b))
-    with topo.comm.tag("fpdt.profile"):
-        return reserve_for_layers(model.layers[0].self_attention, x, rope, len(model.layers), autocast)
+    x, rope = probe_input(model, env.layout, env.execution.device)
+    with env.topo.comm.tag("fpdt.profile"):
+        return reserve_for_layers(model.layers[0].self_attention, x, rope, len(model.layers), env.execution.autocast)

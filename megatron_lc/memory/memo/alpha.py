@@ -28,13 +28,8 @@ from typing import Optional
 
 from scipy.optimize import linprog
 
-from ...config import ConfigError
+from ...device import HostMemoryError
 from ...units import GIB, fmt_bytes
-
-
-class HostMemoryError(ConfigError):
-    """Even alpha = 0 does not fit in the host memory budget."""
-
 
 @dataclass
 class AlphaInputs:

@@ -24,23 +24,20 @@ The probes run with the pool in measuring mode (an FPDT block inside the layer p
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import os
-import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
-from ...device import DeviceAdapter, HostPool
-from ...units import GIB, fmt_bytes
-from .alpha import AlphaInputs, HostMemoryError, check_fixed_alpha, solve_alpha
-from .offload import MemoRuntime
+from ...device import DeviceAdapter, HostMemoryError, HostPool, host_budget, ranks_on_this_node
+from ...model.probe import probe_input
+from ...parallel.collectives import all_gather_objects
+from ...units import fmt_bytes
+from .alpha import AlphaInputs, check_fixed_alpha, solve_alpha
 from .slots import ALIGN
 
 log = logging.getLogger("megatron_lc")
@@ -71,33 +68,6 @@ class LayerProfile:
         return d
 
 
-def available_host_bytes() -> float:
-    """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def ranks_on_this_node() -> int:
-    """How many ranks of the job share this host (1 without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    names = [None] * dist.get_world_size()
-    dist.all_gather_object(names, socket.gethostname())
-    return names.count(socket.gethostname())
-
-
-def host_budget(host_memory_gb) -> tuple[float, str]:
-    if host_memory_gb is not None:
-        return float(host_memory_gb) * GIB, "config"
-    return available_host_bytes(), "MemAvailable"
-
-
 def _timed(fn, dev: DeviceAdapter, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -121,23 +91,9 @@ def bandwidth(nbytes: int, device: torch.device, repeats: int = 3) -> tuple[floa
     return nbytes / max(d2h, 1e-9), nbytes / max(h2d, 1e-9)
 
 
-def synthetic_input(model, layout, device):
-    """x ``[S, b, h]`` (requires grad; S the rows of a block input) and the RoPE tables for this rank's shape."""
-    S = layout.local_seq_length
-    b = layout.micro_batch_size
-    g = torch.Generator(device="cpu").manual_seed(1234)
-    x = torch.randn(layout.block_seq_length, b, model.cfg.hidden_size, generator=g).to(device)
-    x.requires_grad_(True)
-    rope = None
-    if model.rotary is not None:
-        pos = torch.arange(S, device=device).unsqueeze(1).expand(S, b)
-        rope = model.rotary(pos)
-    return x, rope
-
-
 def measure_layer(layer, x, rope, alpha: float):
     """The skeletal slot of one forward of ``layer`` at ``alpha``, measured by storage (nothing copied)."""
-    rt = MemoRuntime(num_layers=3, offload=True, alpha=alpha, measure=True, device=x.device)
+    rt = layer.executor.runtime.probe(alpha, x.device)
     with torch.enable_grad():
         layer.executor.with_runtime(rt)(layer, x, rope)
     return rt.slots[layer.layer_number]
@@ -148,7 +104,7 @@ def profile_layer(model, layout, device: torch.device, host_memory_gb, timing: b
     """Profile layer 0 of ``model`` on ``device`` for this rank's training shape (every rank must call this:
     the layer's tp / cp collectives run)."""
     layer = model.layers[0]
-    x, rope = synthetic_input(model, layout, device)
+    x, rope = probe_input(model, layout, device)
     slot = measure_layer(layer, x, rope, alpha=1.0)  # alpha = 1: every token kept
     sizes = dict(slot.stats.bytes)
     t_layer = bw_d2h = bw_h2d = float("nan")
@@ -165,25 +121,17 @@ def profile_layer(model, layout, device: torch.device, host_memory_gb, timing: b
                         tokens=x.shape[0], s_padding=len(slot.regions) * ALIGN + HostPool.ALIGN)
 
 
-def _gather(obj) -> list:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def calibrate_memo(model, runtime: MemoRuntime, memory_cfg, layout, topo, device: torch.device,
-                   autocast=contextlib.nullcontext) -> None:
-    """Bind ``runtime`` to ``device``; with offload, profile layer 0, choose alpha (``memory.offload_fraction``:
-    the LP, or the given value checked against host memory; the smallest over ranks), allocate the rounding buffers
-    and log it all. Every rank must call this. ``HostMemoryError`` when even alpha = 0 does not fit. ``autocast``:
-    a factory of the training step's autocast context -- the layer is profiled and measured as it will run (bf16
-    activations under GPU autocast: half the bytes and a fraction of the fp32 time)."""
-    runtime.bind(device)
+def calibrate_memo(model, runtime, env) -> None:
+    """With offload, profile layer 0 of ``model``, choose alpha (``memory.offload_fraction``: the LP, or the given
+    value checked against host memory; the smallest over ranks), size the rounding buffers and the pool's ``memo``
+    share (``runtime.size_for``) and log it all. Every rank must call this. ``HostMemoryError`` when even alpha = 0
+    does not fit. ``env``: the run's ``compose.Calibration`` -- the layer is profiled and measured under the
+    training step's autocast, as it will run (bf16 activations under GPU autocast: half the bytes and a fraction of
+    the fp32 time)."""
     if not runtime.offload:
         return
-    pool = runtime.pool
+    memory_cfg, layout, topo, device = env.cfg.memory, env.layout, env.topo, env.execution.device
+    autocast, pool = env.execution.autocast, runtime.pool
     fixed = None if memory_cfg.offload_fraction == "auto" else float(memory_cfg.offload_fraction)
     with topo.comm.tag("memo.profile"), autocast(), pool.measuring():
         prof = profile_layer(model, layout, device, memory_cfg.host_memory_gb, timing=fixed is None)
@@ -199,13 +147,13 @@ def calibrate_memo(model, runtime: MemoRuntime, memory_cfg, layout, topo, device
     except HostMemoryError as e:
         error = (f"rank {topo.rank}: {e} (this rank's share {fmt_bytes(prof.host_budget)} less the host pool's "
                  f"{fmt_bytes(others)} of FPDT chunks and {fmt_bytes(swapped * prof.s_padding)} of alignment)")
-    gathered = _gather((None if result is None else result.alpha, error))
+    gathered = all_gather_objects((None if result is None else result.alpha, error))
     errors = [e for _, e in gathered if e is not None]
     if errors:
         raise HostMemoryError(errors[0])
     runtime.alpha = min(a for a, _ in gathered)
     runtime.profile, runtime.alpha_result = prof, result
-    x, rope = synthetic_input(model, layout, device)
+    x, rope = probe_input(model, layout, device)
     with topo.comm.tag("memo.profile"), autocast(), pool.measuring():
         need = measure_layer(model.layers[0], x, rope, runtime.alpha).placed_bytes()
     host = runtime.host_need(need) + others  # the pool's exact size once Memo reserved
@@ -215,12 +163,12 @@ def calibrate_memo(model, runtime: MemoRuntime, memory_cfg, layout, topo, device
                  f"({swapped} swapped layers x {fmt_bytes(runtime.capacity(need))} at alpha {runtime.alpha:.4f}"
                  f"{f' + {fmt_bytes(others)} of FPDT chunks' if others else ''}), budget "
                  f"{fmt_bytes(prof.host_budget)}; lower memory.offload_fraction or raise memory.host_memory_gb")
-    errors = [e for e in _gather(error) if e is not None]
+    errors = [e for e in all_gather_objects(error) if e is not None]
     if errors:
         raise HostMemoryError(errors[0])
-    runtime.allocate(need)
+    runtime.size_for(need)
     log.info("memo offload: %s", json.dumps({
         "alpha": runtime.alpha, "alpha_this_rank": result.alpha, "binding": result.binding, "hidden": result.hidden,
         "kept_tokens": runtime.kept_tokens(prof.tokens), "tokens": prof.tokens, "inputs": inp.as_dict(),
         "profile": prof.as_dict(), "host_bytes": result.host_bytes, "host_pool_bytes": pool.size,
-        "rounding_buffer_bytes": runtime.buffers[0].capacity}))
+        "rounding_buffer_bytes": runtime.buffer_bytes}))

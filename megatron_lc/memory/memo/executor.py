@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from .offload import MemoRuntime
-from .steps import LayerStep, TokenSplit, _Attention, _PostDropped, _PreDropped
+from ..token_split import TokenSplit
+from .steps import LayerStep, _Attention, _PostDropped, _PreDropped
 
 
 def _param_storages(layer) -> set:
@@ -96,13 +97,6 @@ class MemoExecutor:
         return y
 
 
-def _block_post(layer):
-    def post(x: torch.Tensor, block_out: torch.Tensor) -> torch.Tensor:
-        r = x + block_out
-        return r + layer.mlp(layer.pre_mlp_layernorm(r))
-    return post
-
-
 class MemoBlockExecutor(MemoExecutor):
     """Token-wise recompute / Memo around an attention block that is one autograd op (FPDT's); see module doc."""
 
@@ -118,7 +112,7 @@ class MemoBlockExecutor(MemoExecutor):
         rope_refs = {t.untyped_storage().data_ptr() for t in rope} if rope is not None else set()
         slot = rt.new_slot(layer.layer_number, _param_storages(layer) | rope_refs)
         st = LayerStep(rt, layer, None, slot, split, None, lambda x_, rope_: (layer.input_layernorm(x_),),
-                       _block_post(layer), documents)
+                       layer.residual, documents)
         return st, None
 
     def _attend(self, st: LayerStep, layer, pre_a, pre_d, rope) -> torch.Tensor:

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ...device import BufferAccount, DeviceAdapter, HostPool
+from .calibrate import calibrate_memo
 from .slots import ALIGN, SkeletalSlot
 
 
@@ -77,6 +78,8 @@ class MemoRuntime:
     tensors kept (offloaded) rather than recomputed; it is 0 without offload. ``pool``: where the host copies come
     from (the model context's, shared with FPDT; a fresh one if None)."""
 
+    TAG = "memo"  # its share of the host pool
+
     def __init__(self, num_layers: int, offload: bool, alpha: float = 0.0, measure: bool = False,
                  device: Optional[torch.device] = None, pool: Optional[HostPool] = None,
                  chunk_tokens: Optional[int] = None):
@@ -88,6 +91,7 @@ class MemoRuntime:
         self.account = BufferAccount()
         self.pool = pool if pool is not None else HostPool()
         self.buffers: list = [None, None]
+        self.buffer_bytes = 0  # each rounding buffer's capacity, set by the calibration (``size_for``)
         self.host: dict = {}  # layer -> host byte tensor (a view of the pool, one buffer's capacity)
         self.host_owner: dict = {}  # layer -> slot whose bytes are in host[layer]
         self.slots: dict = {}  # layer -> slot of the latest forward
@@ -125,15 +129,29 @@ class MemoRuntime:
         """Pool bytes of the host copies for buffers sized for ``nbytes``: one buffer per swapped layer."""
         return sum(self.swapped(i) for i in range(self.n)) * self.capacity(nbytes)
 
-    def allocate(self, nbytes: int) -> None:
-        """The two rounding buffers, ``capacity(nbytes)`` each, and the pool reservation of the host copies (by the
-        calibration, before training)."""
-        nbytes = self.capacity(nbytes)
+    def probe(self, alpha: float, device: torch.device) -> "MemoRuntime":
+        """A measuring twin (nothing placed or copied; bytes counted by kind) for the calibration's probes."""
+        return type(self)(num_layers=3, offload=True, alpha=alpha, measure=True, device=device)
+
+    def size_for(self, nbytes: int) -> None:
+        """Rounding buffers of ``capacity(nbytes)`` each (allocated by ``allocate``) and the pool reservation of the
+        host copies: what the calibration measured one layer to place."""
+        self.buffer_bytes = self.capacity(nbytes)
+        self.pool.reserve(self.TAG, self.host_need(nbytes))
+
+    # ---- a technique runtime (compose/context.py): bind (above), calibrate, allocate -----------------------
+    def calibrate(self, model, env) -> None:
+        """With offload: layer 0 profiled, alpha solved, buffers and host share sized (``calibrate.py``)."""
+        calibrate_memo(model, self, env)
+
+    def allocate(self) -> None:
+        """The two rounding buffers on the device, of the calibrated size (nothing without offload)."""
+        if not self.buffer_bytes:
+            return
         for b in range(2):
             if self.buffers[b] is not None:
                 self.account.release("memo.rounding", self.buffers[b].capacity)
-            self.buffers[b] = RoundingBuffer(b, nbytes, self.device, self.account)
-        self.pool.reserve("memo", self.host_need(nbytes))
+            self.buffers[b] = RoundingBuffer(b, self.buffer_bytes, self.device, self.account)
 
     def host_bytes(self) -> int:
         return sum(h.numel() for h in self.host.values())
@@ -149,7 +167,7 @@ class MemoRuntime:
         if slot.mode == "rounding":
             if self.buffers[0] is None:
                 raise RuntimeError("memo offload: the rounding buffers were not allocated; calibrate the model "
-                                   "(memory.memo.calibrate_memo) before its first forward")
+                                   "(MemoRuntime.calibrate, then allocate) before its first forward")
             buf = self.buffers[layer % 2]
             if buf.offload_event is not None:  # layer i-2's bytes must have left before we overwrite them
                 self.dev.wait_event(buf.offload_event)

@@ -12,11 +12,7 @@ kept whole, so attention runs once per step and the recompute is exact (only tok
     alpha = 1   nothing recomputed; Memo offloads every skeletal tensor
 
 With Megatron sequence parallelism (tp = G > 1) ``pre`` all-gathers over tp, so its outputs hold G blocks of S
-tokens, rank order: kept tokens of such a tensor are rows ``[g*S, g*S + sA)`` of every block g. ``TokenSplit``
-cuts and merges both kinds. Example S = 4, sA = 1, G = 2 (rank r holds tokens r0..r3)::
-
-    local x on rank r     [r0 r1 r2 r3]              -> kept [r0]        dropped [r1 r2 r3]
-    gathered q            [00 01 02 03 10 11 12 13]  -> kept [00 10]     dropped [01 02 03 11 12 13]
+tokens; ``token_split.TokenSplit`` cuts and merges local and gathered tensors.
 
 ``memory.layer_chunk_size`` = c: the dropped tokens' ``post`` (forward and recompute) and ``pre`` (recompute) run in
 mini-sequences of c tokens, so outside core attention a layer's working set is O(c) rows, not O(S) (the attention
@@ -30,49 +26,9 @@ from typing import Optional
 import torch
 
 from ..forward_state import as_in_forward, autocast_state
+from ..token_split import TokenSplit
 from .offload import MemoRuntime
 from .slots import SkeletalSlot
-
-
-class TokenSplit:
-    """The first ``sA`` of ``S`` local tokens kept, the rest dropped; gathered tensors have ``G`` blocks of S."""
-
-    def __init__(self, S: int, sA: int, G: int):
-        self.S, self.sA, self.sD, self.G = S, sA, S - sA, G
-
-    def local(self, t: torch.Tensor):
-        return t[:self.sA], t[self.sA:]
-
-    def gathered(self, t: torch.Tensor):
-        """A tensor over the G*S gathered tokens -> (kept rows, dropped rows), each in block order."""
-        if self.G == 1:
-            return t[:self.sA], t[self.sA:]
-        v = t.view(self.G, self.S, *t.shape[1:])
-        return (v[:, :self.sA].reshape(self.G * self.sA, *t.shape[1:]),
-                v[:, self.sA:].reshape(self.G * self.sD, *t.shape[1:]))
-
-    def dropped_chunks(self, chunk: Optional[int]) -> list:
-        """``[(start, end)]`` mini-sequences of the dropped tokens (local rows ``[sA + start, sA + end)``), at most
-        ``chunk`` each; one range when ``chunk`` is None."""
-        c = chunk or self.sD
-        return [(i, min(i + c, self.sD)) for i in range(0, self.sD, c)]
-
-    def dropped_rows(self, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Rows ``[start, end)`` of every one of the G blocks of a gathered dropped-token tensor (block order)."""
-        if self.G == 1:
-            return t[start:end]
-        return t.view(self.G, self.sD, *t.shape[1:])[:, start:end].reshape(self.G * (end - start), *t.shape[1:])
-
-    def merge(self, a: Optional[torch.Tensor], d: Optional[torch.Tensor]) -> torch.Tensor:
-        """Inverse of ``gathered``."""
-        if a is None or self.sA == 0:
-            return d
-        if d is None or self.sD == 0:
-            return a
-        if self.G == 1:
-            return torch.cat([a, d])
-        rest = a.shape[1:]
-        return torch.cat([a.view(self.G, self.sA, *rest), d.view(self.G, self.sD, *rest)], 1).view(-1, *rest)
 
 
 class LayerStep:

@@ -1,0 +1,98 @@
+"""The run-time state of a built model's memory techniques, and the one protocol setup runs them by.
+
+``ModelContext`` is returned beside the model by ``build_model`` (never attached to it): the arena framework
+buffers come from, the host pool, and one *technique runtime* per memory technique the config turns on. A
+technique runtime has four parts; ``training/setup.py`` (``run_technique_runtimes``) calls each step for every
+runtime of ``ModelContext.runtimes``, in that list's order, after the model is built and on its device::
+
+    TAG                       its share of the host pool (``HostPool.reserved[TAG]``)
+    bind(device)              the device it serves: its copy streams, the host pool's device
+    calibrate(model, env)     measure what depends on this machine and the built model (``env``: a
+                              ``Calibration``) and reserve its host-pool share
+                              -- then the pool's exact size is checked against the host budget, once --
+    allocate()                its device buffers, of the calibrated size
+
+The runtimes, in order (FPDT measures first: Memo's alpha LP gets the host budget less what FPDT reserved; the
+memory plan allocates last: it traces a step with every other buffer in place):
+
+    runtime                          home                            calibrate                 allocate
+    FPDTState (cp_comm_type fpdt)    attention/fpdt/buffers.py       one block's parked        --
+                                                                     chunks (fpdt_offload)
+    MemoRuntime (full / memo)        memory/memo/offload.py          layer 0 profiled, alpha   rounding buffers
+    CheckpointOffload (checkpoints)  memory/checkpoint_offload.py    layers x one input        --
+    MemoryPlan (memory.plan)         planning/runtime.py             a plan file loaded        a micro-batch traced
+                                                                                               and planned; the arena
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+import torch
+
+from ..attention.fpdt.buffers import FPDTState
+from ..config import Config, Execution, Layout
+from ..device import HostPool
+from ..memory.arena import ArenaHandle
+from ..memory.checkpoint_offload import CheckpointOffload
+from ..memory.memo import MemoRuntime
+from ..parallel.topology import Topology
+from ..planning.runtime import MemoryPlan
+
+
+class TechniqueRuntime(Protocol):
+    """What setup calls on each memory technique's runtime (see module doc)."""
+
+    TAG: str
+
+    def bind(self, device: torch.device) -> None: ...
+
+    def calibrate(self, model, env: "Calibration") -> None: ...
+
+    def allocate(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a runtime's ``calibrate`` reads: the run and, for a runtime that traces a real step, a micro-batch of
+    the training shape (made on first call; the other runtimes probe a layer with ``model/probe.py``'s input)."""
+
+    cfg: Config
+    layout: Layout
+    topo: Topology
+    execution: Execution
+    batch: Callable[[], dict]
+
+
+@dataclass
+class ModelContext:
+    """Run-time state of a built model's memory techniques, returned beside the model by ``build_model``."""
+
+    arena: ArenaHandle = field(default_factory=ArenaHandle)  # where framework buffers come from (memory plan)
+    host_pool: HostPool = field(default_factory=HostPool)  # the offload techniques' host memory: one allocation
+    fpdt: Optional[FPDTState] = None  # FPDT blocks: device / host accounts, per-device buffers and streams
+    memo: Optional[MemoRuntime] = None  # recompute_granularity full / Memo offload: buffers, host copies, counters
+    checkpoints: Optional[CheckpointOffload] = None  # activation_offload checkpoints: layer inputs on the host
+    plan: Optional[MemoryPlan] = None  # memory.plan auto / a plan file: the planned arena
+
+    @property
+    def runtimes(self) -> list:
+        """The technique runtimes in setup order (see module doc)."""
+        return [rt for rt in (self.fpdt, self.memo, self.checkpoints, self.plan) if rt is not None]
+
+
+def model_context(cfg: Config, layout: Layout) -> ModelContext:
+    """The context the spec's modules will share: one runtime per technique ``cfg`` turns on."""
+    m = cfg.memory
+    ctx = ModelContext()
+    if layout.cp_comm_type == "fpdt":
+        ctx.fpdt = FPDTState(ctx.arena, ctx.host_pool)
+    if m.token_wise:
+        ctx.memo = MemoRuntime(cfg.model.num_layers, offload=m.activation_offload == "memo", pool=ctx.host_pool,
+                               chunk_tokens=m.layer_chunk_size)
+    if m.activation_offload == "checkpoints":
+        ctx.checkpoints = CheckpointOffload(cfg.model.num_layers, ctx.host_pool, m.layer_chunk_size,
+                                            layout.sp_degree)
+    if m.plan != "off":
+        ctx.plan = MemoryPlan(m.plan, ctx.arena)
+    return ctx

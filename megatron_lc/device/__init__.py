@@ -1,0 +1,21 @@
+"""The device and its host, for the memory techniques: ``adapter.py`` (``DeviceAdapter``: pinned host memory, side
+streams, events, with a CPU twin), ``host_pool.py`` (``HostPool``: the offload techniques' one host allocation),
+``host_budget.py`` (what a rank may give that pool: ``host_budget``, ``HostMemoryError``), ``account.py``
+(``BufferAccount``: the framework's count of the device buffers it creates). The memory code (FPDT offload, Memo
+rounding buffers, host checkpoints) is written once against these; the tests run the CPU twin::
+
+    dev = DeviceAdapter.for_device(torch.device("cpu"))
+    pool = HostPool(); pool.bind(dev); pool.reserve("fpdt", 1 << 20)   # sized by the calibrations
+    host = pool.take((1024, 64), torch.float32)           # a view of the one pinned allocation (plain on CPU)
+    offload, prefetch = dev.copy_streams()                # the device's two copy streams, shared
+    with dev.stream(offload):
+        host.copy_(x, non_blocking=True)
+    ev = dev.record_event(offload)                         # later: dev.wait_event(ev) before reusing x
+"""
+from .account import BufferAccount
+from .adapter import DeviceAdapter
+from .host_budget import HostMemoryError, check_pool_budget, host_budget, ranks_on_this_node
+from .host_pool import HostPool, HostPoolError
+
+__all__ = ["BufferAccount", "DeviceAdapter", "HostMemoryError", "HostPool", "HostPoolError", "check_pool_budget",
+           "host_budget", "ranks_on_this_node"]

@@ -1,0 +1,57 @@
+"""The host memory a rank may give its ``HostPool``: ``memory.host_memory_gb`` (a node's budget) or, by default,
+``MemAvailable`` of /proc/meminfo, shared by the ranks of the node (counted by hostname). Example: 8 ranks on a node
+with ``host_memory_gb: 1600`` -> 200 GiB per rank; the pool's exact size (every technique's reservation) is
+checked against it before the first step, and a pool that does not fit is one ``HostMemoryError`` naming the
+numbers."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.distributed as dist
+
+from ..config import ConfigError
+from ..units import GIB, fmt_bytes
+
+
+class HostMemoryError(ConfigError):
+    """The host memory the offload techniques need does not fit in this rank's budget."""
+
+
+def available_host_bytes() -> float:
+    """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def ranks_on_this_node() -> int:
+    """How many ranks of the job share this host (1 without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return names.count(socket.gethostname())
+
+
+def host_budget(host_memory_gb) -> tuple[float, str]:
+    """(a node's host bytes for the pools, where the figure comes from: "config" | "MemAvailable")."""
+    if host_memory_gb is not None:
+        return float(host_memory_gb) * GIB, "config"
+    return available_host_bytes(), "MemAvailable"
+
+
+def check_pool_budget(pool, host_memory_gb, rank: int, hint: str) -> None:
+    """``pool``'s exact size within this rank's share of the node's host memory, else a one-line
+    ``HostMemoryError`` naming every reservation and ``hint`` (what to change)."""
+    node, source = host_budget(host_memory_gb)
+    share = node / ranks_on_this_node()
+    if pool.size > share:
+        shares = ", ".join(f"{tag} {fmt_bytes(n)}" for tag, n in pool.reserved.items())
+        raise HostMemoryError(f"rank {rank}: the host pool needs {fmt_bytes(pool.size)} ({shares}), over this rank's "
+                              f"share {fmt_bytes(share)} of the host memory ({source}); {hint}")
