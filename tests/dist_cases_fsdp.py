@@ -37,9 +37,9 @@ def first_step_grads(rank: int, world: int, overrides: list) -> dict:
     topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses) if world > 1 else Topology()
     t = Trainer(cfg, topo, layout=layout)
     t.optimizer.zero_grad(set_to_none=True)
-    loss = t.forward_backward(t.microbatches(0))
+    loss = float(t.forward_backward(t.microbatches(0)))
     sync_gradients(t.model, topo)
-    norm = clip_grad_norm(t.model, 0.0, topo)
+    norm = float(clip_grad_norm(t.model, 0.0, topo))
     grads = {n: full_grad(p, topo) for n, p in t.model.named_parameters()}
     sharded = sum(is_sharded(p) for p in t.model.parameters())
     return {"loss": loss, "grad_norm": norm, "grads": grads if rank == 0 else None, "sharded": sharded}

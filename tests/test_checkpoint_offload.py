@@ -110,7 +110,7 @@ def test_rerun_under_the_forwards_autocast():
         t = Trainer(cfg, Topology())
         t.execution = Execution(torch.device("cpu"), torch.bfloat16)  # CPU autocast stands for CUDA's
         t.optimizer.zero_grad(set_to_none=True)
-        loss = t.forward_backward(t.microbatches(0))
+        loss = float(t.forward_backward(t.microbatches(0)))
         return loss, {n: p.grad for n, p in t.model.named_parameters()}
 
     (l0, g0), (l1, g1) = grads([]), grads(CKPT)
@@ -133,7 +133,7 @@ def test_bf16_residual_stream_under_autocast():
             for layer in t.model.layers:
                 layer.register_forward_pre_hook(lambda m, args: record.append(args[0].dtype))
         t.optimizer.zero_grad(set_to_none=True)
-        loss = t.forward_backward(t.microbatches(0))
+        loss = float(t.forward_backward(t.microbatches(0)))
         return loss, {n: p.grad for n, p in t.model.named_parameters()}
 
     bf16_res = ["model.fp32_residual_connection=false"]

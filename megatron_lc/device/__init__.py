@@ -1,7 +1,8 @@
 """The device and its host, for the memory techniques: ``adapter.py`` (``DeviceAdapter``: pinned host memory, side
 streams, events, with a CPU twin), ``host_pool.py`` (``HostPool``: the offload techniques' one host allocation),
 ``host_budget.py`` (what a rank may give that pool: ``host_budget``, ``HostMemoryError``), ``account.py``
-(``BufferAccount``: the framework's count of the device buffers it creates). The memory code (FPDT offload, Memo
+(``BufferAccount``: the framework's count of the device buffers it creates), ``storage.py`` (``storage_id``: a
+storage by identity, never by address). The memory code (FPDT offload, Memo
 rounding buffers, host checkpoints) is written once against these; the tests run the CPU twin::
 
     dev = DeviceAdapter.for_device(torch.device("cpu"))
@@ -16,6 +17,7 @@ from .account import BufferAccount
 from .adapter import DeviceAdapter
 from .host_budget import HostMemoryError, check_pool_budget, host_budget, ranks_on_this_node
 from .host_pool import HostPool, HostPoolError
+from .storage import storage_id
 
 __all__ = ["BufferAccount", "DeviceAdapter", "HostMemoryError", "HostPool", "HostPoolError", "check_pool_budget",
-           "host_budget", "ranks_on_this_node"]
+           "host_budget", "ranks_on_this_node", "storage_id"]

@@ -31,7 +31,10 @@ def available_host_bytes() -> float:
 
 
 def ranks_on_this_node() -> int:
-    """How many ranks of the job share this host (1 without torch.distributed)."""
+    """How many ranks of the job share this host: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun, a rehearsal), else
+    counted by hostname over the job (1 without torch.distributed)."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     names = [None] * dist.get_world_size()

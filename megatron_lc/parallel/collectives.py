@@ -15,9 +15,12 @@ from .topology import Axis, Topology
 
 
 def all_gather_objects(obj) -> list:
-    """``obj`` of every rank of the job, in rank order (``[obj]`` without torch.distributed or with one rank)."""
+    """``obj`` of every rank of the job, in rank order (``[obj]`` without torch.distributed or with one rank). Under a
+    fake process group (a rehearsal: one simulated rank, no other rank to ask) every rank answers as this one."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
+    if dist.get_backend() == "fake":
+        return [obj] * dist.get_world_size()
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out

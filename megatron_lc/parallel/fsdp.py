@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -57,7 +58,8 @@ def fsdp_mesh(topo: Topology, device: torch.device):
                                   f"initialised (run under torchrun / pretrain_gpt.py)")
             start_one_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
         group = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # every rank: all
-    return DeviceMesh.from_group(group, device.type)
+    with unset_fake_temporarily():  # the mesh's rank map is a real tensor of rank numbers, also in a rehearsal
+        return DeviceMesh.from_group(group, device.type)
 
 
 def start_one_process_group(backend: str, timeout=None) -> None:

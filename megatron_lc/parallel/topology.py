@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -54,8 +55,9 @@ class Topology:
             raise ValueError(f"dp ({self.dp}) * cp ({self.cp}) * tp ({self.tp}) != world size ({self.world_size})")
         if self.cp % self.ulysses != 0:
             raise ValueError(f"ulysses ({self.ulysses}) must divide cp ({self.cp})")
-        grid = self.grid()
-        d, r, u, t = [int(i) for i in (grid == self.rank).nonzero()[0]]
+        rest, t = divmod(self.rank, self.tp)
+        rest, u = divmod(rest, self.ulysses)
+        d, r = divmod(rest, self.ring)
         self.dp_rank, self.ring_rank, self.ulysses_rank, self.tp_rank = d, r, u, t
         self.cp_rank = r * self.ulysses + u
 
@@ -63,18 +65,29 @@ class Topology:
     def ring(self) -> int:
         return self.cp // self.ulysses
 
-    def grid(self) -> torch.Tensor:
-        """Rank grid of shape (dp, ring, ulysses, tp)."""
-        return torch.arange(self.world_size).view(self.dp, self.ring, self.ulysses, self.tp)
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The rank grid's shape (dp, ring, ulysses, tp); rank = ((d * ring + r) * ulysses + u) * tp + t."""
+        return (self.dp, self.ring, self.ulysses, self.tp)
 
-    @staticmethod
-    def axis_groups(grid: torch.Tensor, axis: Axis) -> list[list[int]]:
-        """All rank lists of ``axis`` (every rank of the world is in exactly one list)."""
+    def grid(self) -> torch.Tensor:
+        """Rank grid of shape (dp, ring, ulysses, tp), as a tensor (a device mesh's)."""
+        return torch.arange(self.world_size).view(*self.shape)
+
+    def axis_groups(self, axis: Axis) -> list[list[int]]:
+        """All rank lists of ``axis`` (every rank of the world is in exactly one list), in Python numbers: no tensor
+        is made (a rehearsal asks under fake tensors, which have no values)."""
         dims = {Axis.DP: (0,), Axis.RING: (1,), Axis.ULYSSES: (2,), Axis.TP: (3,), Axis.CP: (1, 2),
                 Axis.DP_CP: (0, 1, 2)}[axis]
         keep = [i for i in range(4) if i not in dims]
-        g = grid.permute(*keep, *dims).reshape(-1, int(torch.tensor([grid.shape[i] for i in dims]).prod()))
-        return [row.tolist() for row in g]
+        shape = self.shape
+
+        def rank(coords: dict) -> int:
+            return ((coords[0] * shape[1] + coords[1]) * shape[2] + coords[2]) * shape[3] + coords[3]
+
+        return [[rank({**dict(zip(keep, k)), **dict(zip(dims, a))})
+                 for a in itertools.product(*(range(shape[i]) for i in dims))]
+                for k in itertools.product(*(range(shape[i]) for i in keep))]
 
     def size(self, axis: Axis) -> int:
         return {Axis.DP: self.dp, Axis.CP: self.cp, Axis.RING: self.ring, Axis.ULYSSES: self.ulysses,
@@ -95,7 +108,7 @@ class Topology:
 
     def ranks(self, axis: Axis) -> list[int]:
         """Global ranks of this rank's ``axis`` group, in axis-rank order."""
-        for ranks in self.axis_groups(self.grid(), axis):
+        for ranks in self.axis_groups(axis):
             if self.rank in ranks:
                 return ranks
         raise AssertionError("rank not in grid")
@@ -114,11 +127,10 @@ class Topology:
             raise ValueError(f"world size ({world_size}) must be divisible by tp ({tp}) x cp ({cp})")
         topo = cls(world_size=world_size, rank=rank, tp=tp, cp=cp, ulysses=ulysses, dp=world_size // (tp * cp))
         if initialized and world_size > 1:
-            grid = topo.grid()
             for axis in Axis:
                 if topo.size(axis) == 1:
                     continue
-                for ranks in cls.axis_groups(grid, axis):  # every rank creates every group, same order
+                for ranks in topo.axis_groups(axis):  # every rank creates every group, same order
                     g = dist.new_group(ranks, timeout=timeout)
                     if rank in ranks:
                         topo.groups[axis] = g

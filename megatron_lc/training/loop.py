@@ -58,28 +58,33 @@ class Trainer:
         self.peak, source = peak_flops(cfg, self.execution)
         self.mfu_valid = True
         self.pairs: Optional[float] = None
+        self.counts: Optional[torch.Tensor] = None
+        # off in a rehearsal (fake tensors have no values): the step then reads none -- no loss, no grad norm, no
+        # skip / stop agreement, no MFU sanity check
+        self.reads_values = True
         log.info("MFU is relative to %.3g TFLOP/s per rank (%s)", self.peak / 1e12, source)
 
     def microbatches(self, consumed: int) -> list[dict]:
         """This rank's micro-batches of the step after ``consumed`` global samples (``batches.py``)."""
         return microbatches(self.cfg, self.layout, self.topo, self.setup.dataset, consumed, self.device)
 
-    def forward_backward(self, batches: list[dict]) -> float:
-        """Accumulate gradients of the global-mean loss over the micro-batches; returns the global loss. Sets
-        ``self.pairs``: the step's attended pairs per sample under document masks (None without), for MFU."""
+    def forward_backward(self, batches: list[dict]) -> torch.Tensor:
+        """Accumulate gradients of the global-mean loss over the micro-batches; returns the global loss (a 0-dim
+        fp64 tensor on the device: nothing here reads a value). Sets ``self.counts``: the all-reduced
+        ``metrics.step_counts`` (the global valid-token count, MFU's attended pairs)."""
         counts = step_counts(batches)  # one all-reduce: the global valid-token count and MFU's attended pairs
         all_reduce(counts, self.topo, Axis.DP_CP)
-        total = max(float(counts[0]), 1.0)
-        self.pairs = pairs_per_sample(counts, self.layout)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        self.counts = counts
+        total = counts[0].clamp(min=1.0).float()  # (fp32: the same division as by a Python number)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for b in batches:
             with self.execution.autocast():
                 token_loss = self.model(b["tokens"], b["position_ids"], b["labels"], b.get("document_ids"))
             local = (token_loss.float() * b["loss_mask"]).sum()
             (local / total).backward()
-            loss_sum += local.detach().double().cpu()
+            loss_sum = loss_sum + local.detach().double()
         all_reduce(loss_sum, self.topo, Axis.DP_CP)
-        return float(loss_sum) / total
+        return loss_sum / total.double()
 
     def train_step(self, step: int) -> dict:
         t0 = time.perf_counter()
@@ -88,8 +93,14 @@ class Trainer:
         sync_gradients(self.model, self.topo)
         grad_norm = clip_grad_norm(self.model, self.cfg.train.clip_grad, self.topo)
         lr = lr_at(step, self.cfg)
-        # one small all-reduce per step: every rank skips and stops after the same steps
-        signum, time_up, skipped = self.stop.agree(not (math.isfinite(loss) and math.isfinite(grad_norm)))
+        signum, time_up, skipped = 0, False, False
+        if self.reads_values:  # the step's one device-to-host read (a rehearsal runs without values)
+            loss, grad_norm = float(loss), float(grad_norm)
+            self.pairs = pairs_per_sample(self.counts, self.layout)
+            # one small all-reduce per step: every rank skips and stops after the same steps
+            signum, time_up, skipped = self.stop.agree(not (math.isfinite(loss) and math.isfinite(grad_norm)))
+        else:
+            loss = grad_norm = None
         if not skipped:
             set_lr(self.optimizer, lr)
             self.optimizer.step()
@@ -101,7 +112,7 @@ class Trainer:
                "consumed_samples": self.state.consumed_samples + self.layout.global_batch_size,
                "peak_memory_bytes": peak_memory_bytes(self.device)}
         rec.update(step_metrics(self.cfg, self.layout, dt, self.peak, self.pairs))
-        if rec["mfu"] > 1.0 and self.mfu_valid:  # the peak is wrong for this machine: say so once, show no MFU
+        if self.reads_values and rec["mfu"] > 1.0 and self.mfu_valid:  # the peak is wrong for this machine: say so once, show no MFU
             self.mfu_valid = False
             log.warning("MFU came out at %.0f%% of the peak (%.3g TFLOP/s): that peak is too low for this machine; "
                         "MFU is left out of the metrics (set logging.peak_tflops, or unset it to measure)",

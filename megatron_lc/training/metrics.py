@@ -73,8 +73,9 @@ def step_counts(batches: list[dict]) -> torch.Tensor:
     the loop's one all-reduce over dp x cp: the loss's global token count and MFU's attended pairs (every cp rank
     holds the full-sequence document ids, so the pairs are counted cp times; ``pairs_per_sample`` divides)."""
     docs = [b["document_ids"] for b in batches if "document_ids" in b]
-    return torch.tensor([sum(float(b["loss_mask"].sum()) for b in batches), sum(map(attended_pairs, docs)),
-                         len(docs)], dtype=torch.float64)
+    tokens = torch.stack([b["loss_mask"].sum(dtype=torch.float64) for b in batches]).sum()
+    rest = torch.tensor([sum(map(attended_pairs, docs)), len(docs)], dtype=torch.float64, device=tokens.device)
+    return torch.cat([tokens.view(1), rest])
 
 
 def pairs_per_sample(counts: torch.Tensor, layout: Layout) -> Optional[float]:

@@ -80,9 +80,11 @@ def sync_gradients(model: nn.Module, topo: Topology) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm(model: nn.Module, max_norm: float, topo: Topology) -> float:
+def clip_grad_norm(model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
     """Global L2 norm over the full (unsharded) model; tp-sharded grads are summed over tp, replicated ones counted
-    once. Scales grads in place when ``max_norm > 0``; returns the norm before clipping (may be inf/nan)."""
+    once. Scales grads in place when ``max_norm > 0`` and the norm is finite and above it; returns the norm before
+    clipping (a 0-dim fp64 tensor on the grads' device, may be inf/nan). Reads no value: the scale is a tensor
+    (1 when no clipping is due; x * 1 is exact)."""
     grads = [p for p in model.parameters() if p.grad is not None]
     device = local(grads[0].grad).device if grads else torch.device("cpu")
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [tp-sharded, replicated], on the grads' device
@@ -92,12 +94,13 @@ def clip_grad_norm(model: nn.Module, max_norm: float, topo: Topology) -> float:
         if grads and is_sharded(grads[0]):  # FSDP2: each rank holds a dp x cp shard of every gradient
             all_reduce(sums, topo, Axis.DP_CP)
         all_reduce(sums[:1], topo, Axis.TP)  # a view: reduced in place
-    norm = math.sqrt(float(sums.sum()))  # one device-to-host copy per step
-    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
+    norm = sums.sum().sqrt()
+    if max_norm > 0:
+        due = torch.isfinite(norm) & (norm > max_norm)
+        scale = torch.where(due, max_norm / (norm + 1e-6), torch.ones_like(norm)).float()
         for p in model.parameters():
             if p.grad is not None:
-                p.grad.mul_(scale)
+                local(p.grad).mul_(scale)  # (an FSDP2 gradient: its shard, in place)
     return norm
 
 

@@ -92,7 +92,8 @@ def build_and_calibrate(cfg: Config, layout: Layout, topo: Topology, execution: 
     ``batch``: a micro-batch of the training shape, for a runtime that traces a real step (the memory plan).
     Returns (model, context)."""
     model, ctx = build_model(cfg, layout, topo, adjust_spec)  # pure: host memory, no communication
-    model.to(execution.device)
+    if any(p.device != execution.device for p in model.parameters()):  # (a rehearsal builds on its device)
+        model.to(execution.device)
     env = Calibration(cfg, layout, topo, execution, batch or _no_batch)
     run_technique_runtimes(model, ctx, env)
     return model, ctx

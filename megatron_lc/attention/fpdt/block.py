@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ...config import ConfigError, ModelConfig
+from ...device import storage_id
 from ...model.attention import AttentionProjections
 from ...parallel.token_layout import chunk_rows
 from ..backends import Kernels
@@ -74,9 +75,9 @@ class FPDTSelfAttention(AttentionProjections):
         build_graph = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
         rows = chunk_rows(s_local, u, self.sp_tp)
         rope_chunks = [self._rope_rows(rope, r, i) for i, r in enumerate(rows)]
-        keep = {p.untyped_storage().data_ptr() for p in self.parameters()}
+        keep = {storage_id(p) for p in self.parameters()}
         if rope is not None:
-            keep |= {t.untyped_storage().data_ptr() for t in rope}
+            keep |= {storage_id(t) for t in rope}
         run = FPDTRun(qkv_fn=self.qkv, topo=self.topo, backend=self.kernels(x.device),
                       bufs=self.state.buffers(x.device), num_chunks=u, rope_chunks=rope_chunks,
                       kv_repeat=self.kv_repeat, offload=self.offload, build_graph=build_graph, keep_ptrs=keep,

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from ...device import storage_id
 from ..masks import overlap, visible
 from ..merge import merge
 from .buffers import ChunkStore, FPDTBuffers
@@ -135,7 +136,7 @@ def fpdt_forward(run: FPDTRun, x: torch.Tensor, out: torch.Tensor) -> None:
     run.projections = []
     x_chunks = x.chunk(u, dim=0)
     c_local = out.shape[0] // u
-    input_ptr = x.untyped_storage().data_ptr()
+    input_ptr = storage_id(x)
     for i in range(u):
         hooks = ProjSavedHooks(bufs, run.offload, run.keep_ptrs, input_ptr, run.params) if run.build_graph else None
         q, k, v, proj = project_chunk(run.qkv_fn, x_chunks[i], run.rope_chunks[i], run.kv_repeat, run.build_graph,

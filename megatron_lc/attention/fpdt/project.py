@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ...device import storage_id
 from ..ulysses import replicate_kv
 from .buffers import FPDTBuffers, nbytes
 
@@ -63,7 +64,7 @@ class ProjSavedHooks:
         return dtype is not None and t.dtype != dtype
 
     def pack(self, t: torch.Tensor):
-        ptr = t.untyped_storage().data_ptr()
+        ptr = storage_id(t)
         if ptr in self.keep_ptrs:
             return ("keep", t)
         if self._weight_cast(t):
@@ -139,10 +140,9 @@ def storage_bytes(*ts: torch.Tensor) -> int:
     """Bytes of the distinct storages behind ``ts`` (a view keeps its whole base alive)."""
     seen, total = set(), 0
     for t in ts:
-        s = t.untyped_storage()
-        if s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            total += s.nbytes()
+        if storage_id(t) not in seen:
+            seen.add(storage_id(t))
+            total += t.untyped_storage().nbytes()
     return total
 
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from .offload import MemoRuntime
+from ...device import storage_id
 from ..token_split import TokenSplit
+from .offload import MemoRuntime
 from .steps import LayerStep, _Attention, _PostDropped, _PreDropped
 
 
 def _param_storages(layer) -> set:
-    return {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    return {storage_id(p) for p in layer.parameters()}
 
 
 class MemoExecutor:
@@ -48,13 +49,13 @@ class MemoExecutor:
         """RoPE tables of the kept and dropped tokens (computed once per model forward, shared by the layers)."""
         if rope is None:
             return None, None, set()
-        key = (id(rope[0]), rope[0].data_ptr(), split.S, split.sA)
+        key = (id(rope[0]), storage_id(rope[0]), split.S, split.sA)
         if key != self._rope_key:
             cos_a, cos_d = split.gathered(rope[0])
             sin_a, sin_d = split.gathered(rope[1])
             self._rope_key, self._rope_split = key, ((cos_a, sin_a), (cos_d, sin_d), rope)
         a, d, _ = self._rope_split
-        return a, d, {t.untyped_storage().data_ptr() for pair in (a, d, rope) for t in pair}
+        return a, d, {storage_id(t) for pair in (a, d, rope) for t in pair}
 
     def _step(self, layer, x: torch.Tensor, rope, documents) -> tuple:
         """The layer's ``LayerStep`` (its slot placed from now on) and the RoPE rows of the kept tokens."""
@@ -109,7 +110,7 @@ class MemoBlockExecutor(MemoExecutor):
         rt = self.runtime
         S = x.shape[0]
         split = TokenSplit(S, rt.kept_tokens(S), 1)
-        rope_refs = {t.untyped_storage().data_ptr() for t in rope} if rope is not None else set()
+        rope_refs = {storage_id(t) for t in rope} if rope is not None else set()
         slot = rt.new_slot(layer.layer_number, _param_storages(layer) | rope_refs)
         st = LayerStep(rt, layer, None, slot, split, None, lambda x_, rope_: (layer.input_layernorm(x_),),
                        layer.residual, documents)

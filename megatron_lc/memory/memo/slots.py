@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ...device import storage_id
+
 KINDS = ("input", "attn", "lse", "other")
 ALIGN = 256  # bytes; every region starts on this boundary inside a rounding buffer
 
@@ -109,7 +111,7 @@ class SkeletalSlot:
         buffer.reset()
 
     def _place(self, t: torch.Tensor, kind: str) -> _Handle:
-        ptr, es = t.untyped_storage().data_ptr(), t.element_size()
+        ptr, es = storage_id(t), t.element_size()
         offset, size, stride = t.storage_offset() * es, tuple(t.shape), tuple(t.stride())
         start, end = _extent(t)
         ref = t if self.mode == "measure" else None
@@ -137,17 +139,16 @@ class SkeletalSlot:
         if self.mode == "rounding":
             r.offset = self.buffer.alloc(r.nbytes, self.layer)
             dst = self.buffer.data[r.offset:r.offset + r.nbytes]
-            if dense:
-                src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), 0,
-                                                                              (t.untyped_storage().nbytes(),), (1,))
-                dst.copy_(src[start:end], non_blocking=True)
+            if dense:  # the region's bytes: a flat view of t's storage (no new tensor over the storage itself)
+                src = t.as_strided(((end - start) // es,), (1,), start // es).view(torch.uint8)
+                dst.copy_(src, non_blocking=True)
             else:
                 dst.view(t.dtype).view(size).copy_(t, non_blocking=True)
         return _Handle(r, offset, size, stride, ref=ref)
 
     def pack(self, t: torch.Tensor) -> _Handle:
         """saved_tensors_hooks pack: a handle for ``t``."""
-        if self.mode == "device" or t.numel() == 0 or t.untyped_storage().data_ptr() in self.refs \
+        if self.mode == "device" or t.numel() == 0 or storage_id(t) in self.refs \
                 or (t.requires_grad and _from_parameter(t)):
             return _Handle(None, ref=t)
         if self.flushed:

@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from ...device import storage_id
 from ..forward_state import as_in_forward, autocast_state
 from ..token_split import TokenSplit
 from .offload import MemoRuntime
@@ -56,8 +57,8 @@ class LayerStep:
         """``fn(*args)`` run again with autograd; the bytes it saves (the recomputed skeletal tensors, by storage;
         its outputs too with ``outputs_kept``) are added to the slot's stats and acquired under ``memo.recompute``
         -- the caller releases them after the backward. Returns (outputs, bytes)."""
-        refs = set(self.slot.refs) | {self.kept_input().untyped_storage().data_ptr(),
-                                      self.kept_attn().untyped_storage().data_ptr()}
+        refs = set(self.slot.refs) | {storage_id(self.kept_input()),
+                                      storage_id(self.kept_attn())}
         probe = SkeletalSlot(self.slot.layer, "measure", refs)
         with as_in_forward(self.autocast, grad=True) as stack:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack))
