@@ -17,7 +17,8 @@ from .account import BufferAccount
 from .adapter import DeviceAdapter
 from .host_budget import HostMemoryError, check_pool_budget, host_budget, ranks_on_this_node
 from .host_pool import HostPool, HostPoolError
-from .storage import storage_id
+from .storage import has_values, storage_id
 
 __all__ = ["BufferAccount", "DeviceAdapter", "HostMemoryError", "HostPool", "HostPoolError", "check_pool_budget",
-           "host_budget", "ranks_on_this_node", "storage_id"]
+           "has_values", "host_budget", "ranks_on_this_node",
+           "storage_id"]

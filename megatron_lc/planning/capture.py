@@ -105,9 +105,13 @@ class DispatchTracer(TorchDispatchMode):
             weakref.finalize(st, self._freed, id(st), rid, n)
         return out
 
+    def request_id(self, tensor: torch.Tensor) -> Optional[int]:
+        """The trace id of ``tensor``'s storage while it lives (None: not created under this tracer)."""
+        return self._ids.get(id(tensor.untyped_storage()))
+
     def tag(self, tensor: torch.Tensor, tag: str) -> None:
         """Name the storage of ``tensor`` (just created under this tracer) as framework buffer ``tag``."""
-        rid = self._ids.get(id(tensor.untyped_storage()))
+        rid = self.request_id(tensor)
         if rid is None:
             return
         for e in reversed(self.events):
@@ -117,7 +121,7 @@ class DispatchTracer(TorchDispatchMode):
 
     def forget(self, tensor: torch.Tensor) -> None:
         """Leave the storage of ``tensor`` out of the trace (its malloc is removed, its free will be dropped)."""
-        rid = self._ids.get(id(tensor.untyped_storage()))
+        rid = self.request_id(tensor)
         if rid is not None and rid not in self._ignored:
             self._ignored.add(rid)
             self.events = [e for e in self.events if e.id != rid]

@@ -105,12 +105,15 @@ def _no_batch() -> dict:
 
 def setup_training(cfg: Config, topo: Topology, device: Optional[torch.device] = None,
                    layout: Optional[Layout] = None,
-                   adjust_spec: Optional[Callable[[ModelSpec], ModelSpec]] = None) -> TrainingSetup:
+                   adjust_spec: Optional[Callable[[ModelSpec], ModelSpec]] = None,
+                   execution: Optional[Execution] = None) -> TrainingSetup:
     """Build a run (see module doc). ``layout``: already resolved for ``topo``'s world (else resolved here, once);
-    ``adjust_spec``: see ``compose.build_model``."""
+    ``adjust_spec``: see ``compose.build_model``; ``execution``: given instead of resolved from ``device`` (a
+    rehearsal: a GPU run's dtypes on a stand-in device)."""
     layout = layout or resolve_layout(cfg, topo.world_size)  # every layout rule and refused feature pair
     check_topology(layout, topo)
-    execution = resolve_execution(cfg, device or torch.device("cpu"))  # the one answer to "bf16? which device?"
+    # the one answer to "bf16? which device?"
+    execution = execution or resolve_execution(cfg, device or torch.device("cpu"))
     check_plan_setting(cfg.memory.plan)  # a plan path that does not exist or does not parse: before the work
     check_save_dir(cfg)  # never mix two runs in one checkpoint.save
     check_positions(cfg)

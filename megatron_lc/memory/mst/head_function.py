@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from ...device import has_values
 from ...parallel.collectives import all_reduce
 from ...parallel.topology import Axis, Topology
 from .mlp_function import _accumulate_mm, _cast, _compute_dtype, chunk_bounds
@@ -92,14 +93,20 @@ class _MiniSequenceLinearCE(torch.autograd.Function):
         x, weight, labels, lse = ctx.saved_tensors
         valid = labels != ctx.ignore_index
         g = g.float()
-        gv = g[valid]
-        uniform = gv.numel() == 0 or bool((gv == gv[0]).all())
+        # the precomputed dW holds when every valid token's gradient is the same (the loop's global mean without
+        # masked tokens): dW = that gradient x the forward's sum. Fake tensors have no values: a rehearsal's mock
+        # data masks no token, so its gradient is uniform and token 0's is it
+        if has_values(g):
+            gv = g[valid]
+            uniform, scale = gv.numel() == 0 or bool((gv == gv[0]).all()), (gv[0] if gv.numel() else None)
+        else:
+            uniform, scale = True, g[0]
         dx = dw = None
         u, d, ctx.u, ctx.dw = ctx.u, ctx.dw, None, None  # consumed in place; a second backward recomputes
         if u is not None and ctx.needs_input_grad[0]:
             dx = u.mul_(g.to(u.dtype).unsqueeze(-1)).to(ctx.x_dtype)  # exact for any g
         if d is not None and ctx.needs_input_grad[1] and uniform:
-            dw = d.mul_(gv[0].to(d.dtype)) if gv.numel() else d
+            dw = d.mul_(scale.to(d.dtype)) if scale is not None else d
         del u, d
         need_x = ctx.needs_input_grad[0] and dx is None
         need_w = ctx.needs_input_grad[1] and dw is None

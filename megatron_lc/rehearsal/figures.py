@@ -1,0 +1,83 @@
+"""A rank's figures from its trace: device bytes over the events, the peak and its moment, the setup's own peak,
+what is live at the peak (parameters, gradients, optimizer states, the rest: activations kept, the working set and
+communication buffers), host bytes, bytes sent per collective and moved between host and device."""
+from __future__ import annotations
+
+from ..planning.trace import Trace
+from .moments import Moments
+
+SERIES_POINTS = 2000  # the picture's resolution: the series is thinned to about this many points (peaks kept)
+
+
+def _storages(tracer, tensors) -> set:
+    ids = (tracer.request_id(t) for t in tensors if t is not None)
+    return {i for i in ids if i is not None}
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def classify(tracer, trainer, offloaded: bool) -> tuple[dict, set]:
+    """({request id: part} for the model states alive at the end, the ids that live on the host)."""
+    params = [_local(p) for p in trainer.model.parameters()]
+    grads = [_local(p.grad) for p in trainer.model.parameters() if p.grad is not None]
+    states = [_local(v) for st in trainer.optimizer.state.values() for v in st.values() if hasattr(v, "shape")]
+    parts = {}
+    for name, ts in (("parameters", params), ("gradients", grads), ("optimizer states", states)):
+        for i in _storages(tracer, ts):
+            parts.setdefault(i, name)
+    pool = trainer.ctx.host_pool
+    host = _storages(tracer, [pool.data])
+    if offloaded:  # FSDP2's CPU offload: shards, gradients and AdamW states on the host
+        host |= {i for i, name in parts.items()}
+    return parts, host
+
+
+def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict:
+    """Device / host live bytes after every event, the peaks and their moments, the breakdown at the device peak."""
+    events = trace.events
+    live = {"device": 0, "host": 0}
+    series, sizes = [], {}
+    best = {"device": (0, -1), "host": (0, -1)}
+    setup_end = next((i for i, label in moments.log if label.startswith("step 0")), len(events))
+    setup_best = (0, -1)
+    for i, e in enumerate(events):
+        side = "host" if e.id in host else "device"
+        if e.op == "malloc":
+            sizes[e.id] = e.size
+            live[side] += e.size
+        else:
+            live[side] -= sizes.pop(e.id, 0)
+        series.append(live["device"])
+        for s in live:
+            if live[s] > best[s][0]:
+                best[s] = (live[s], i)
+        if i < setup_end and live["device"] > setup_best[0]:
+            setup_best = (live["device"], i)
+    peak, at = best["device"]
+    breakdown: dict = {}
+    alive = {}
+    for i, e in enumerate(events[:at + 1]):
+        if e.op == "malloc":
+            alive[e.id] = e.size
+        else:
+            alive.pop(e.id, None)
+    for rid, size in alive.items():
+        if rid in host:
+            continue
+        name = parts.get(rid, "activations, working set, communication")
+        breakdown[name] = breakdown.get(name, 0) + size
+    return {"device": {"peak_bytes": peak, "peak_moment": moments.at(at), "peak_event": at,
+                       "setup_peak_bytes": setup_best[0], "setup_peak_moment": moments.at(max(setup_best[1], 0)),
+                       "end_bytes": live["device"], "breakdown_at_peak": breakdown},
+            "host": {"peak_bytes": best["host"][0], "end_bytes": live["host"]},
+            "series": _thin(series, moments)}
+
+
+def _thin(series: list, moments: Moments) -> dict:
+    """About ``SERIES_POINTS`` points of the device series (each the max of its stretch) and the moments' starts."""
+    step = max(1, len(series) // SERIES_POINTS)
+    points = [[i, max(series[i:i + step])] for i in range(0, len(series), step)]
+    marks = [[i, label] for i, label in moments.log if " layer " not in label or " layer 0 " in label]
+    return {"events": len(series), "points": points, "marks": marks}

@@ -1,0 +1,127 @@
+"""One simulated rank: ``setup_training`` and ``steps`` training steps of the config at its real size, under fake
+tensors and a fake process group, every storage traced; returns the rank's figures (``rehearse_rank``).
+
+The accelerator is played by fake tensors on the CPU device, computing as a GPU run does: the dtypes are those
+``resolve_execution`` gives a CUDA run (bf16 autocast with ``train.bf16``, the residual stream's dtype), the
+autocast is the CPU's (its dtype rules are CUDA's). The host's share is told apart by identity: the host pool's one
+allocation (Memo's host copies, FPDT's parked chunks, host checkpoints) and, with ``fsdp_cpu_offload``, FSDP2's
+shards, gradients and optimizer states.
+
+Run it in a fresh process per rank (``tools/rehearse.py`` does): the fake process group and the tracker are
+process-wide.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import argparse
+import json
+import sys
+
+from ..config import Config, Execution, load_config, resolve_execution, resolve_layout
+from ..parallel.topology import Topology
+from ..planning.capture import DispatchTracer
+from ..training.loop import Trainer
+from .figures import classify, rank_figures
+from .moments import Moments
+from .world import fake_world
+
+
+def stand_in_execution(cfg: Config) -> Execution:
+    """A CUDA run's execution with the CPU standing in for the GPU."""
+    return dataclasses.replace(resolve_execution(cfg, torch.device("cuda")), device=torch.device("cpu"))
+
+
+def rehearsal_config(cfg: Config, steps: int, host_memory_gb: float) -> Config:
+    """``cfg`` as a rehearsal runs it: ``steps`` steps, no checkpoint written, mock tokens of the real length, the
+    node's host memory from the hardware profile (unless the config names it), the MFU peak given (no GEMM is
+    timed on fake tensors)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.train.train_iters = steps
+    cfg.checkpoint.save = cfg.checkpoint.load = None
+    cfg.data.mock_data = True
+    cfg.logging.metrics_file = None
+    if cfg.memory.host_memory_gb is None:
+        cfg.memory.host_memory_gb = host_memory_gb
+    if cfg.logging.peak_tflops is None:
+        cfg.logging.peak_tflops = 1.0
+    return cfg
+
+
+def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps: int = 2) -> dict:
+    """Setup and ``steps`` steps of rank ``rank`` of ``world`` (``cfg`` already a ``rehearsal_config``)."""
+    with fake_world(rank, world, nproc_per_node):
+        layout = resolve_layout(cfg, world)
+        topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
+        tracer = DispatchTracer()
+        seconds = {}
+        with FakeTensorMode(), tracer:
+            moments = Moments(tracer.events)
+            t0 = time.perf_counter()
+            trainer = Trainer(cfg, topo, layout=layout, execution=stand_in_execution(cfg))
+            trainer.reads_values = False  # fake tensors have no values (training/loop.py)
+            seconds["setup"] = time.perf_counter() - t0
+            moments.install(trainer.model, trainer.optimizer)
+            seconds["steps"] = []
+            for k in range(steps):
+                topo.comm.reset()  # the bytes of one step (the last)
+                moments.start_step(k)
+                t0 = time.perf_counter()
+                trainer.train_step(k)
+                trainer.state.iteration += 1
+                seconds["steps"].append(time.perf_counter() - t0)
+        trace = tracer.trace()
+        parts, host = classify(tracer, trainer, cfg.parallel.use_torch_fsdp2 and cfg.parallel.fsdp_cpu_offload)
+        out = {"rank": rank, "world": world, "seconds": seconds, "events": len(trace.events)}
+        out.update(rank_figures(trace, moments, parts, host))
+        out["host"].update(host_figures(trainer))
+        out["comm_bytes_per_step"] = {f"{tag}/{op}": n for (tag, op), n in sorted(topo.comm.bytes.items())}
+        return out
+
+
+def host_figures(trainer) -> dict:
+    """The host pool's exact size by technique, and the bytes each technique moved between host and device in
+    the whole rehearsal (per step: divide by the steps)."""
+    ctx = trainer.ctx
+    moved = {}
+    if ctx.memo is not None:
+        stats = ctx.memo.stats()
+        moved["memo_to_host"] = sum(r["bytes_to_host"] for r in stats)
+        moved["memo_from_host"] = sum(r["bytes_from_host"] for r in stats)
+    if ctx.checkpoints is not None:
+        moved["checkpoints_to_host"] = ctx.checkpoints.bytes_to_host
+    if ctx.fpdt is not None:
+        moved["fpdt_host_peak"] = ctx.fpdt.host_account.peak
+    return {"pool_bytes": ctx.host_pool.size, "pool_reserved": dict(ctx.host_pool.reserved), "moved": moved}
+
+
+def main(argv=None) -> int:
+    """``python -m megatron_lc.rehearsal.rank --config C --rank R --world W --nproc-per-node N --steps S
+    --host-memory-gb H [--set k=v ...] --out FILE``: one rank's figures as JSON (tools/rehearse.py runs it)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--nproc-per-node", type=int, required=True)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--host-memory-gb", type=float, required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    cfg = rehearsal_config(load_config(a.config, a.overrides), a.steps, a.host_memory_gb)
+    t0 = time.perf_counter()
+    figures = rehearse_rank(cfg, a.rank, a.world, a.nproc_per_node, a.steps)
+    figures["seconds"]["total"] = time.perf_counter() - t0
+    with open(a.out, "w") as f:
+        json.dump(figures, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Rehearse the training step at full scale on this CPU, before renting GPUs (docs/rehearsal.md).
+
+    python tools/rehearse.py --config configs/llama3_8b_1m.yaml                       # all 8 ranks, 2 steps
+    python tools/rehearse.py --config configs/llama3_8b_1m.yaml --ranks 0,7 --steps 2 --out r.json --plot r.png
+    python tools/rehearse.py --config X.yaml --nproc-per-node 8 --nnodes 4 --ranks 0,9,31 --set data.seq_length=16777216
+
+Each simulated rank runs in its own process: the real setup and steps of ``pretrain_gpt.py`` under fake tensors and
+a fake process group (``megatron_lc/rehearsal``); nothing of size is allocated. Prints each rank's peak and its
+moment, then, as its last line, exactly::
+
+    rehearsal: R ranks, max peak device X.XX GiB (estimator Y.YY GiB, +Z.Z%), max host H.HH GiB, V violations
+
+Exit status: 0 when every rank's peak fits the hardware profile's usable memory and nothing was violated, 1 when
+not, 2 for bad input. Figures are rehearsed: a trace of the framework's own tensors, not of the caching allocator
+or the kernels' speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="training config (YAML)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (repeatable)")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node (default: the profile's GPUs)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes")
+    p.add_argument("--ranks", default="all", help="ranks to rehearse: all, or a list like 0,7")
+    p.add_argument("--steps", type=int, default=2, help="training steps per rank (each to its optimizer step)")
+    p.add_argument("--hardware", default="h100", help="profile in configs/hardware/ (usable memory, host memory)")
+    p.add_argument("--jobs", type=int, default=1, help="ranks rehearsed at once (each a process)")
+    p.add_argument("--out", default=None, help="write the JSON (every rank's figures, the summary) here")
+    p.add_argument("--plot", default=None, help="write a PNG of device bytes over the step (matplotlib)")
+    return p.parse_args(argv)
+
+
+def rank_list(spec: str, world: int) -> list:
+    from megatron_lc.config import ConfigError
+
+    if spec == "all":
+        return list(range(world))
+    try:
+        ranks = sorted({int(r) for r in spec.split(",") if r.strip()})
+    except ValueError:
+        raise ConfigError(f"--ranks ({spec!r}) must be 'all' or a comma-separated list of ranks") from None
+    bad = [r for r in ranks if not 0 <= r < world]
+    if not ranks or bad:
+        raise ConfigError(f"--ranks ({spec!r}): ranks must be in [0, {world}) for {world} ranks")
+    return ranks
+
+
+def run_rank(args, rank: int, world: int, nproc: int, host_gb: float, out: str) -> tuple[int, dict, str]:
+    cmd = [sys.executable, "-m", "megatron_lc.rehearsal.rank", "--config", args.config, "--rank", str(rank),
+           "--world", str(world), "--nproc-per-node", str(nproc), "--steps", str(args.steps),
+           "--host-memory-gb", str(host_gb), "--out", out] + [x for o in args.overrides for x in ("--set", o)]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout or f"exit status {proc.returncode}").strip().splitlines()
+        return rank, {}, lines[-1]
+    with open(out) as f:
+        figures = json.load(f)
+    figures["seconds"]["process"] = time.perf_counter() - t0
+    return rank, figures, ""
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron_lc.config import ConfigError, load_config, resolve_layout
+    from megatron_lc.estimate import load_hardware
+    from megatron_lc.rehearsal.report import plot, summarize, summary_line
+    from megatron_lc.units import GIB
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        hw = load_hardware(args.hardware)
+        nproc = args.nproc_per_node or hw.gpus_per_node
+        world = nproc * args.nnodes
+        layout = resolve_layout(cfg, world)  # one line for an impossible layout, before any process starts
+        ranks = rank_list(args.ranks, world)
+        if args.steps < 1 or args.jobs < 1:
+            raise ConfigError(f"--steps ({args.steps}) and --jobs ({args.jobs}) must be >= 1")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    host_gb = hw.host_bytes_per_node / GIB
+    print(f"rehearsing {len(ranks)} of {world} ranks ({nproc} per node), {args.steps} steps each: tp {layout.tp} "
+          f"cp {layout.cp} ({layout.cp_comm_type}) dp {layout.dp}, {cfg.data.seq_length:,} tokens", flush=True)
+    results, failed = {}, []
+    with tempfile.TemporaryDirectory() as d, ThreadPoolExecutor(args.jobs) as pool:
+        jobs = [pool.submit(run_rank, args, r, world, nproc, host_gb, os.path.join(d, f"rank{r}.json"))
+                for r in ranks]
+        for job in jobs:
+            rank, figures, error = job.result()
+            if error:
+                failed.append(rank)
+                print(f"rank {rank}: failed: {error}", file=sys.stderr)
+                continue
+            results[rank] = figures
+            dev = figures["device"]
+            print(f"rank {rank}: peak device {dev['peak_bytes'] / GIB:.2f} GiB at {dev['peak_moment']}; setup "
+                  f"{dev['setup_peak_bytes'] / GIB:.2f} GiB; host {figures['host']['peak_bytes'] / GIB:.2f} GiB; "
+                  f"{figures['seconds']['process']:.0f} s", flush=True)
+    if failed:
+        print(f"error: the rehearsal of rank(s) {', '.join(map(str, failed))} failed (above)", file=sys.stderr)
+        return 1
+    summary = summarize(cfg, hw, world, results)
+    report = {"config": args.config, "overrides": args.overrides, "hardware": hw.name, "steps": args.steps,
+              "layout": {"tp": layout.tp, "cp": layout.cp, "cp_comm_type": layout.cp_comm_type, "dp": layout.dp,
+                         "ulysses": layout.ulysses, "world": world, "nproc_per_node": nproc},
+              "summary": summary, "ranks": {str(k): v for k, v in sorted(results.items())}}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.plot:
+        plot(results, summary, args.plot)
+    print(summary_line(summary))
+    return 0 if summary["fits"] and not summary["violations"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
