@@ -19,9 +19,9 @@ from .ulysses import UlyssesAttention
 __all__ = ["CoreAttention", "LocalCausalAttention", "RingAttention", "UlyssesAttention", "build_core_attention"]
 
 
-def build_core_attention(layout: Layout, topo: Topology, backend: str, layer_number: int) -> CoreAttention:
-    """cp == 1: local attention. cp > 1: the layout's ``cp_comm_type`` implementation. ``backend``:
-    ``parallel.attention_backend``."""
+def build_core_attention(layout: Layout, topo: Topology, backend, layer_number: int) -> CoreAttention:
+    """cp == 1: local attention. cp > 1: the layout's ``cp_comm_type`` implementation. ``backend``: a
+    ``parallel.attention_backend`` name or the model's ``backends.Kernels``."""
     if layout.cp != topo.cp or layout.ulysses != topo.ulysses:
         raise ConfigError(f"topology cp={topo.cp} (ulysses {topo.ulysses}) does not match the layout "
                           f"(cp {layout.cp}, ulysses {layout.ulysses})")

@@ -221,8 +221,8 @@ class Kernels:
     calls kernels (local, ring, Ulysses' inner attention, FPDT's chunks). A named GPU library that is not installed
     is a ``ConfigError`` when the model is built, not an ImportError at the first forward."""
 
-    def __init__(self, name: str = "auto"):
-        self.name = name
+    def __init__(self, name: str = "auto", device_type: Optional[str] = None):
+        self.name, self.device_type = name, device_type  # device_type: chooses for every device (a rehearsal)
         if name in ("flash", "te"):
             try:
                 get_backend(name)
@@ -233,9 +233,15 @@ class Kernels:
 
     def __call__(self, device: torch.device):
         """The kernel for ``device`` (``auto``: flash-attn on CUDA when installed, torch's CPU op on CPU)."""
-        if device.type not in self._by_device:
-            self._by_device[device.type] = get_backend(self.name, device)
-        return self._by_device[device.type]
+        kind = self.device_type or device.type
+        if kind not in self._by_device:
+            self._by_device[kind] = get_backend(self.name, torch.device(kind))
+        return self._by_device[kind]
+
+    @staticmethod
+    def of(backend) -> "Kernels":
+        """``backend``: a ``Kernels`` (the model's) or a ``parallel.attention_backend`` name."""
+        return backend if isinstance(backend, Kernels) else Kernels(backend)
 
 
 def get_backend(name: str = "auto", device: Optional[torch.device] = None):

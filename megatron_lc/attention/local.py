@@ -14,9 +14,9 @@ class LocalCausalAttention(CoreAttention):
     """The plain forward is torch SDPA on the whole local sequence (its best kernel for the device); the (out, lse)
     pair goes through ``parallel.attention_backend``'s kernel."""
 
-    def __init__(self, backend: str = "auto"):
+    def __init__(self, backend="auto"):  # a parallel.attention_backend name or the model's Kernels
         super().__init__()
-        self.kernels = Kernels(backend)
+        self.kernels = Kernels.of(backend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
         q_, k_, v_ = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]

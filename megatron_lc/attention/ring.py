@@ -200,10 +200,10 @@ class RingAttention(CoreAttention):
     With a ring of size 1 this is plain causal attention through the chosen kernel (used by Ulysses when
     cp_comm_type is a2a)."""
 
-    def __init__(self, topo: Topology, backend: str = "auto", tag: str = "attn", axis: Axis = Axis.RING):
+    def __init__(self, topo: Topology, backend="auto", tag: str = "attn", axis: Axis = Axis.RING):
         super().__init__()
         self.tag = tag
-        self.kernels = Kernels(backend)
+        self.kernels = Kernels.of(backend)
         self.comm = RingComm(topo, axis)
 
     def _check_length(self, s: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from ..config import Config, Layout
+from ..config import Config, Execution, Layout
 from ..model.init import init_model
 from ..model.transformer import GPTModel
 from ..parallel.topology import Topology
@@ -15,14 +15,16 @@ from .spec import ModelParts, ModelSpec, model_spec
 
 
 def build_model(cfg: Config, layout: Layout, topo: Topology,
-                adjust_spec: Optional[Callable[[ModelSpec], ModelSpec]] = None) -> tuple[GPTModel, ModelContext]:
+                adjust_spec: Optional[Callable[[ModelSpec], ModelSpec]] = None,
+                execution: Optional[Execution] = None) -> tuple[GPTModel, ModelContext]:
     """The model for this rank, initialised layout-independently from ``cfg.train.seed`` (on the host), and its
     context. ``adjust_spec``: changes the config's spec before construction (a comparison row or a test double,
-    e.g. ``lambda s: dataclasses.replace(s, executor=LayerCheckpointExecutor)``)."""
+    e.g. ``lambda s: dataclasses.replace(s, executor=LayerCheckpointExecutor)``); ``execution``: the run's (its
+    attention kernels; None: those of the tensors' device)."""
     ctx = model_context(cfg, layout)
     spec = model_spec(cfg, layout, ctx)
     if adjust_spec is not None:
         spec = adjust_spec(spec)
-    model = GPTModel(cfg.model, ModelParts(cfg, layout, topo, spec, ctx))
+    model = GPTModel(cfg.model, ModelParts(cfg, layout, topo, spec, ctx, execution))
     init_model(model, cfg.train.seed, topo)
     return model, ctx

@@ -9,8 +9,8 @@ knows which technique it got. Nothing is swapped in or patched after constructio
               executor=partial(MemoBlockExecutor, runtime, 1))
 
 ``ModelParts`` is what ``model/`` asks for while it is constructed: the layout's linears, embedding and core
-attention (the tp/SP mapping and the context-parallel attention are chosen here, not in the model code), the spec
-and the model's context.
+attention (the tp/SP mapping, the context-parallel attention and the kernels of the execution's device are chosen
+here, not in the model code), the spec and the model's context.
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from typing import Callable, Optional
 from torch import nn
 
 from ..attention import build_core_attention
+from ..attention.backends import Kernels
 from ..attention.fpdt.block import FPDTSelfAttention
-from ..config import Config, Layout
+from ..config import Config, Execution, Layout
 from ..memory.checkpoint_offload import CheckpointOffloadExecutor
 from ..memory.memo import MemoBlockExecutor, MemoExecutor
 from ..memory.mst import MiniSequenceLMHead, MiniSequenceMLP
@@ -71,6 +72,7 @@ class ModelParts:
     topo: Topology
     spec: ModelSpec = field(default_factory=ModelSpec)
     ctx: ModelContext = field(default_factory=ModelContext)
+    execution: Optional[Execution] = None  # the run's; None: attention kernels chosen by the tensors' device
 
     @property
     def sequence_parallel(self) -> bool:
@@ -88,5 +90,10 @@ class ModelParts:
         return VocabParallelEmbedding(vocab, hidden, self.topo, sequence_parallel=self.sequence_parallel,
                                       init_std=std)
 
+    def kernels(self) -> Kernels:
+        """The attention kernels of ``parallel.attention_backend`` for the execution's kernel device."""
+        return Kernels(self.cfg.parallel.attention_backend,
+                       self.execution.kernel_device if self.execution is not None else None)
+
     def core_attention(self, layer_number: int) -> nn.Module:
-        return build_core_attention(self.layout, self.topo, self.cfg.parallel.attention_backend, layer_number)
+        return build_core_attention(self.layout, self.topo, self.kernels(), layer_number)

@@ -22,6 +22,9 @@ class Execution:
     device: torch.device
     autocast_dtype: Optional[torch.dtype] = None  # bf16 with train.bf16 on an accelerator; None: no autocast
     residual_dtype: torch.dtype = torch.float32  # the residual stream between layers (every layer input)
+    # the device type whose attention kernels run: None, the tensors' own; a rehearsal's stand-in device names the
+    # accelerator it stands in for ("cuda": PyTorch's fused CUDA kernels, through their shape functions)
+    kernel_device: Optional[str] = None
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -33,8 +33,9 @@ from .world import fake_world
 
 
 def stand_in_execution(cfg: Config) -> Execution:
-    """A CUDA run's execution with the CPU standing in for the GPU."""
-    return dataclasses.replace(resolve_execution(cfg, torch.device("cuda")), device=torch.device("cpu"))
+    """A CUDA run's execution with the CPU standing in for the GPU: its dtypes, its attention kernels."""
+    return dataclasses.replace(resolve_execution(cfg, torch.device("cuda")), device=torch.device("cpu"),
+                               kernel_device="cuda")
 
 
 def rehearsal_config(cfg: Config, steps: int, host_memory_gb: float) -> Config:

@@ -91,7 +91,7 @@ def build_and_calibrate(cfg: Config, layout: Layout, topo: Topology, execution: 
     """The pure model build, the move to the device, the technique runtimes (``run_technique_runtimes``).
     ``batch``: a micro-batch of the training shape, for a runtime that traces a real step (the memory plan).
     Returns (model, context)."""
-    model, ctx = build_model(cfg, layout, topo, adjust_spec)  # pure: host memory, no communication
+    model, ctx = build_model(cfg, layout, topo, adjust_spec, execution)  # pure: host memory, no communication
     if any(p.device != execution.device for p in model.parameters()):  # (a rehearsal builds on its device)
         model.to(execution.device)
     env = Calibration(cfg, layout, topo, execution, batch or _no_batch)

@@ -27,7 +27,6 @@ from ...config import ConfigError, ModelConfig
 from ...device import storage_id
 from ...model.attention import AttentionProjections
 from ...parallel.token_layout import chunk_rows
-from ..backends import Kernels
 from .pipeline import FPDTRun, fpdt_backward, fpdt_forward
 
 
@@ -62,7 +61,7 @@ class FPDTSelfAttention(AttentionProjections):
         self.num_chunks, self.sp_tp = layout.fpdt_chunks, layout.sp_degree
         self.kv_repeat = layout.kv_replication
         self.offload = parts.cfg.memory.fpdt_offload
-        self.kernels = Kernels(parts.cfg.parallel.attention_backend)
+        self.kernels = parts.kernels()
         self.state = parts.ctx.fpdt  # shared by the layers: accounts, per-device buffers and streams, arena
 
     def forward(self, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
