@@ -22,6 +22,7 @@ the weights before any of them touches a parameter, also when they recompute in 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import warnings
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from ..config import ConfigError
@@ -89,9 +90,10 @@ def check_shardable(model: nn.Module) -> None:
 def apply_fsdp(model: nn.Module, topo: Topology, device: torch.device, *, param_dtype: Optional[torch.dtype],
                cpu_offload: bool, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``model`` in place (layers, then the root); parameter attributes (tp partition, SP) are carried over
-    to the sharded parameters. ``param_dtype``: the dtype the weights are all-gathered in (the run's autocast
-    dtype; None: as stored). Call after every step that needs the full weights (Memo's calibration, the memory
-    plan's capture) and before the optimizer is built."""
+    to the sharded parameters, each shard moved to ``device`` (so a model built on the host lands there a shard at
+    a time, never whole). ``param_dtype``: the dtype the weights are all-gathered in (the run's autocast dtype;
+    None: as stored). Call before the calibrations (they gather the layer they probe: ``gathered``) and the
+    optimizer."""
     check_shardable(model)
     attrs = {n: dict(vars(p)) for n, p in model.named_parameters()}  # tp partition, SP, init: every attribute
     dims = {id(p): shard_dim(p) for p in model.parameters()}
@@ -116,6 +118,20 @@ def apply_fsdp(model: nn.Module, topo: Topology, device: torch.device, *, param_
     # the model returns the loss transposed (a view); the loop only reads it out of place
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) returned a view tensor")
     return model
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module):
+    """``module``'s full weights inside (an FSDP2 unit: all-gathered, resharded on exit; else nothing to do): for a
+    calibration that probes one layer of the sharded model outside its forward hooks."""
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
 
 
 def is_sharded(p: torch.Tensor) -> bool:

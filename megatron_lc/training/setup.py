@@ -1,8 +1,8 @@
 """Everything a run needs before step 1, in order, each step a call you can see::
 
-    config -> layout -> execution (device, dtypes) -> topology -> data -> model (pure) -> device
-           -> technique runtimes (bind, calibrate, allocate; the memory plan last) -> FSDP2 (sharding)
-           -> optimizer -> checkpoint
+    config -> layout -> execution (device, dtypes) -> topology -> data -> model (pure, on the host)
+           -> FSDP2 (sharding: the shards go to the device) -> device -> technique runtimes (bind, calibrate,
+           allocate; the memory plan last) -> optimizer -> checkpoint
 
 ``pretrain_gpt.py`` resolves the layout and builds the topology first (``runtime.init_distributed``: the layout's
 errors come before any process group exists) and hands both to ``setup_training``; tests and tools pass a
@@ -88,10 +88,15 @@ def run_technique_runtimes(model, ctx: ModelContext, env: Calibration) -> None:
 def build_and_calibrate(cfg: Config, layout: Layout, topo: Topology, execution: Execution,
                         adjust_spec: Optional[Callable[[ModelSpec], ModelSpec]] = None,
                         batch: Optional[Callable[[], dict]] = None):
-    """The pure model build, the move to the device, the technique runtimes (``run_technique_runtimes``).
-    ``batch``: a micro-batch of the training shape, for a runtime that traces a real step (the memory plan).
-    Returns (model, context)."""
+    """The pure model build, FSDP2's sharding, the move to the device, the technique runtimes
+    (``run_technique_runtimes``). ``batch``: a micro-batch of the training shape, for a runtime that traces a real
+    step (the memory plan). Returns (model, context)."""
     model, ctx = build_model(cfg, layout, topo, adjust_spec, execution)  # pure: host memory, no communication
+    if cfg.parallel.use_torch_fsdp2:  # weights, gradients and (so) AdamW states sharded over dp x cp: the shards
+        # move to the device one by one, so the whole model never lands there (the calibrations gather the layer
+        # they probe, the step each layer it runs)
+        apply_fsdp(model, topo, execution.device, param_dtype=execution.autocast_dtype,
+                   cpu_offload=cfg.parallel.fsdp_cpu_offload)
     if any(p.device != execution.device for p in model.parameters()):  # (a rehearsal builds on its device)
         model.to(execution.device)
     env = Calibration(cfg, layout, topo, execution, batch or _no_batch)
@@ -124,9 +129,6 @@ def setup_training(cfg: Config, topo: Topology, device: Optional[torch.device] =
         return microbatches(cfg, layout, topo, dataset, 0, execution.device)[0]
 
     model, ctx = build_and_calibrate(cfg, layout, topo, execution, adjust_spec, first)
-    if cfg.parallel.use_torch_fsdp2:  # weights, gradients and (so) AdamW states sharded over dp x cp
-        apply_fsdp(model, topo, execution.device, param_dtype=execution.autocast_dtype,
-                   cpu_offload=cfg.parallel.fsdp_cpu_offload)
     optimizer = build_optimizer(model, cfg, topo)
     resumed = load_checkpoint(cfg, topo, model, optimizer)  # weights, optimizer, RNG, data position
     if resumed is not None:

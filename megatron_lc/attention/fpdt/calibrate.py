@@ -22,6 +22,7 @@ import contextlib
 import torch
 
 from ...model.probe import probe_input
+from ...parallel.fsdp import gathered
 
 
 def measure_block(block, x: torch.Tensor, rope, autocast=contextlib.nullcontext) -> tuple[int, int]:
@@ -56,5 +57,5 @@ def calibrate_fpdt(model, env) -> int:
     if not env.cfg.memory.fpdt_offload:
         return 0
     x, rope = probe_input(model, env.layout, env.execution.device)
-    with env.topo.comm.tag("fpdt.profile"):
+    with env.topo.comm.tag("fpdt.profile"), gathered(model.layers[0]):
         return reserve_for_layers(model.layers[0].self_attention, x, rope, len(model.layers), env.execution.autocast)

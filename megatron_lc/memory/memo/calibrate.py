@@ -36,6 +36,7 @@ import torch
 from ...device import DeviceAdapter, HostMemoryError, HostPool, host_budget, ranks_on_this_node
 from ...model.probe import probe_input
 from ...parallel.collectives import all_gather_objects
+from ...parallel.fsdp import gathered
 from ...units import fmt_bytes
 from .alpha import AlphaInputs, check_fixed_alpha, solve_alpha
 from .slots import ALIGN
@@ -105,6 +106,11 @@ def profile_layer(model, layout, device: torch.device, host_memory_gb, timing: b
     the layer's tp / cp collectives run)."""
     layer = model.layers[0]
     x, rope = probe_input(model, layout, device)
+    with gathered(layer):
+        return _profile_layer(layer, x, rope, device, host_memory_gb, timing, repeats)
+
+
+def _profile_layer(layer, x, rope, device, host_memory_gb, timing: bool, repeats: int) -> LayerProfile:
     slot = measure_layer(layer, x, rope, alpha=1.0)  # alpha = 1: every token kept
     sizes = dict(slot.stats.bytes)
     t_layer = bw_d2h = bw_h2d = float("nan")
@@ -147,15 +153,16 @@ def calibrate_memo(model, runtime, env) -> None:
     except HostMemoryError as e:
         error = (f"rank {topo.rank}: {e} (this rank's share {fmt_bytes(prof.host_budget)} less the host pool's "
                  f"{fmt_bytes(others)} of FPDT chunks and {fmt_bytes(swapped * prof.s_padding)} of alignment)")
-    gathered = all_gather_objects((None if result is None else result.alpha, error))
-    errors = [e for _, e in gathered if e is not None]
+    answers = all_gather_objects((None if result is None else result.alpha, error))
+    errors = [e for _, e in answers if e is not None]
     if errors:
         raise HostMemoryError(errors[0])
-    runtime.alpha = min(a for a, _ in gathered)
+    runtime.alpha = min(a for a, _ in answers)
     runtime.profile, runtime.alpha_result = prof, result
     x, rope = probe_input(model, layout, device)
     with topo.comm.tag("memo.profile"), autocast(), pool.measuring():
-        need = measure_layer(model.layers[0], x, rope, runtime.alpha).placed_bytes()
+        with gathered(model.layers[0]):
+            need = measure_layer(model.layers[0], x, rope, runtime.alpha).placed_bytes()
     host = runtime.host_need(need) + others  # the pool's exact size once Memo reserved
     error = None
     if host > prof.host_budget:
