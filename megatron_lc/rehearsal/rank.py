@@ -12,22 +12,23 @@ process-wide.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
+import json
+import sys
 import time
+from typing import Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-
-import argparse
-import json
-import sys
 
 from ..config import Config, Execution, load_config, resolve_execution, resolve_layout
 from ..parallel.topology import Topology
 from ..planning.capture import DispatchTracer
 from ..training.loop import Trainer
 from .figures import classify, rank_figures
+from .host_check import HostMathCheck
 from .moments import Moments
 from .world import fake_world
 
@@ -54,18 +55,22 @@ def rehearsal_config(cfg: Config, steps: int, host_memory_gb: float) -> Config:
     return cfg
 
 
-def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps: int = 2) -> dict:
-    """Setup and ``steps`` steps of rank ``rank`` of ``world`` (``cfg`` already a ``rehearsal_config``)."""
+def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps: int = 2,
+                  execution: Optional[Execution] = None) -> dict:
+    """Setup and ``steps`` steps of rank ``rank`` of ``world`` (``cfg`` already a ``rehearsal_config``).
+    ``execution``: the stand-in's (default: a CUDA run's, ``stand_in_execution``)."""
     with fake_world(rank, world, nproc_per_node):
         layout = resolve_layout(cfg, world)
         topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
         tracer = DispatchTracer()
+        host_math = HostMathCheck([])
         seconds = {}
-        with FakeTensorMode(), tracer:
+        with FakeTensorMode(), tracer, host_math:
             moments = Moments(tracer.events)
             t0 = time.perf_counter()
-            trainer = Trainer(cfg, topo, layout=layout, execution=stand_in_execution(cfg))
+            trainer = Trainer(cfg, topo, layout=layout, execution=execution or stand_in_execution(cfg))
             trainer.reads_values = False  # fake tensors have no values (training/loop.py)
+            host_math.pools.append(trainer.ctx.host_pool)
             seconds["setup"] = time.perf_counter() - t0
             moments.install(trainer.model, trainer.optimizer)
             seconds["steps"] = []
@@ -82,6 +87,7 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
         out.update(rank_figures(trace, moments, parts, host))
         out["host"].update(host_figures(trainer))
         out["comm_bytes_per_step"] = {f"{tag}/{op}": n for (tag, op), n in sorted(topo.comm.bytes.items())}
+        out["violations"] = host_math.violations
         return out
 
 

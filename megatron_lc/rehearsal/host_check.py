@@ -1,0 +1,66 @@
+"""Host memory used as if it were the device's. On a GPU the offload techniques' host memory (the host pool: Memo's
+host copies, FPDT's parked chunks, host checkpoints) is only ever copied to or from the device; an op that computes
+with it -- a norm reading a host checkpoint that was never copied back, a matmul on a parked chunk -- fails there
+(a device mismatch), or with a CPU stand-in silently computes on the host. The rehearsal's stand-in device is the
+CPU, where host and device tensors look alike, so ``HostMathCheck`` tells them apart by identity: every op whose
+arguments include the host pool's allocation must be a copy or a view; anything else is a violation naming the op
+and its site (the first frame inside ``megatron_lc/``)::
+
+    host pool used in device math: aten.rms_norm.default on a [64, 1, 256] float32 view of the host pool
+    at megatron_lc/memory/checkpoint_offload.py:148
+
+Not covered: host tensors other than the pool (a CPU scalar made with ``torch.tensor`` and mixed into device math
+on a GPU run; FSDP2's CPU-offloaded shards, which torch moves itself).
+"""
+from __future__ import annotations
+
+import traceback
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..device import storage_id
+
+aten = torch.ops.aten
+COPIES = {aten.copy_.default, aten._to_copy.default, aten.copy.default}
+METADATA = {torch.ops.prim.device.default, aten.sym_size.default, aten.sym_size.int, aten.sym_stride.default,
+            aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default, aten.is_pinned.default}
+
+
+def _site() -> str:
+    for frame in reversed(traceback.extract_stack()):
+        if "/megatron_lc/" in frame.filename and "/rehearsal/" not in frame.filename:
+            return f"megatron_lc/{frame.filename.split('/megatron_lc/', 1)[1]}:{frame.lineno}"
+    return "(outside megatron_lc)"
+
+
+class HostMathCheck(TorchDispatchMode):
+    """A dispatch mode over the step; ``pools``: the host pools whose allocation is host memory."""
+
+    def __init__(self, pools):
+        super().__init__()
+        self.pools = list(pools)
+        self.violations: list = []  # one per (op, site), with how many times it happened
+        self._seen: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in COPIES and func not in METADATA and not func.is_view:
+            host = {storage_id(p.data) for p in self.pools if p.data is not None}
+            if host:
+                for a in tree_leaves((args, kwargs)):
+                    if isinstance(a, torch.Tensor) and a.layout == torch.strided and storage_id(a) in host:
+                        self._report(func, a)
+                        break
+        return func(*args, **kwargs)
+
+    def _report(self, func, a: torch.Tensor) -> None:
+        where = _site()
+        v = self._seen.get((str(func), where))
+        if v is None:
+            v = self._seen[(str(func), where)] = {
+                "kind": "host pool used in device math", "op": str(func), "site": where, "times": 0,
+                "buffer": f"a {list(a.shape)} {str(a.dtype).removeprefix('torch.')} view of the host pool"}
+            self.violations.append(v)
+        v["times"] += 1
