@@ -35,15 +35,30 @@ def classify(tracer, trainer, offloaded: bool) -> tuple[dict, set]:
 
 
 def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict:
-    """Device / host live bytes after every event, the peaks and their moments, the breakdown at the device peak."""
+    """Device / host live bytes after every event, the peaks and their moments, the breakdown at the device peak.
+
+    The model is built on the host (setup's ``build`` stage) and its ``device`` stage moves it: what the build made
+    and the device stage freed (FSDP2's full weights, once sharded) was host memory only; what the build made and
+    is still alive after the device stage is where a GPU run's ``.to(device)`` put its copy -- on the CPU stand-in
+    the same storages, counted as host until then and as device from then on."""
     events = trace.events
+    start = {label: i for i, label in reversed(moments.log)}  # the first index of every label
+    build = (start.get("setup build", 0), start.get("setup device", 0))
+    moved_at = start.get("setup runtimes", len(events))
+    host = set(host)
+    built = {e.id for e in events[build[0]:build[1]] if e.op == "malloc"}
     live = {"device": 0, "host": 0}
     series, sizes = [], {}
     best = {"device": (0, -1), "host": (0, -1)}
     setup_end = next((i for i, label in moments.log if label.startswith("step 0")), len(events))
     setup_best = (0, -1)
     for i, e in enumerate(events):
-        side = "host" if e.id in host else "device"
+        if i == moved_at:  # the build's survivors reach the device
+            moved = {r for r in built if r in sizes and r not in host}
+            n = sum(sizes[r] for r in moved)
+            live["host"], live["device"] = live["host"] - n, live["device"] + n
+            built -= moved
+        side = "host" if e.id in host or e.id in built else "device"
         if e.op == "malloc":
             sizes[e.id] = e.size
             live[side] += e.size
@@ -64,7 +79,7 @@ def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict
         else:
             alive.pop(e.id, None)
     for rid, size in alive.items():
-        if rid in host:
+        if rid in host or (rid in built and at < moved_at):
             continue
         name = parts.get(rid, "activations, working set, communication")
         breakdown[name] = breakdown.get(name, 0) + size

@@ -1,7 +1,9 @@
 """Where a step is, written beside the tracker's trace: ``Moments.log`` holds (event index, label) at every change,
 so the peak's event index names its moment. Labels, in a step's order (k the step, m the micro-batch, i a layer)::
 
-    setup                              everything before step 1 (build, calibrations, FSDP2, optimizer)
+    setup                              before setup's first stage (the tracker starts)
+    setup S                            setup's stages: data, build (the model on the host), device (FSDP2's
+                                       shards, the move), runtimes (calibrations), optimizer, checkpoint
     step k mb m forward                the embedding and the head (outside the layers)
     step k mb m layer i forward        layer i's forward
     step k mb m layer i backward       layer i's backward (a re-run in backward is part of it)

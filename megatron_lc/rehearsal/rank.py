@@ -68,7 +68,8 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
         with FakeTensorMode(), tracer, host_math:
             moments = Moments(tracer.events)
             t0 = time.perf_counter()
-            trainer = Trainer(cfg, topo, layout=layout, execution=execution or stand_in_execution(cfg))
+            trainer = Trainer(cfg, topo, layout=layout, execution=execution or stand_in_execution(cfg),
+                              stage=lambda name: moments.set(f"setup {name}"))
             trainer.reads_values = False  # fake tensors have no values (training/loop.py)
             host_math.pools.append(trainer.ctx.host_pool)
             seconds["setup"] = time.perf_counter() - t0

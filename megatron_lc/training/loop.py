@@ -42,8 +42,8 @@ class Trainer:
     """``Trainer(cfg, topo, device)`` sets the run up (``setup.setup_training``, every step in order) and trains it."""
 
     def __init__(self, cfg: Config, topo: Topology, device: Optional[torch.device] = None,
-                 layout: Optional[Layout] = None, adjust_spec=None, execution=None):
-        self.setup = setup_training(cfg, topo, device, layout, adjust_spec, execution)
+                 layout: Optional[Layout] = None, adjust_spec=None, execution=None, stage=lambda name: None):
+        self.setup = setup_training(cfg, topo, device, layout, adjust_spec, execution, stage)
         s = self.setup
         self.cfg, self.layout, self.topo, self.execution = cfg, s.layout, topo, s.execution
         self.device = s.execution.device

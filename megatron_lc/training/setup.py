@@ -87,11 +87,15 @@ def run_technique_runtimes(model, ctx: ModelContext, env: Calibration) -> None:
 
 def build_and_calibrate(cfg: Config, layout: Layout, topo: Topology, execution: Execution,
                         adjust_spec: Optional[Callable[[ModelSpec], ModelSpec]] = None,
-                        batch: Optional[Callable[[], dict]] = None):
+                        batch: Optional[Callable[[], dict]] = None,
+                        stage: Callable[[str], None] = lambda name: None):
     """The pure model build, FSDP2's sharding, the move to the device, the technique runtimes
     (``run_technique_runtimes``). ``batch``: a micro-batch of the training shape, for a runtime that traces a real
-    step (the memory plan). Returns (model, context)."""
+    step (the memory plan); ``stage``: told each stage's name as it starts (``setup_training``). Returns (model,
+    context)."""
+    stage("build")
     model, ctx = build_model(cfg, layout, topo, adjust_spec, execution)  # pure: host memory, no communication
+    stage("device")
     if cfg.parallel.use_torch_fsdp2:  # weights, gradients and (so) AdamW states sharded over dp x cp: the shards
         # move to the device one by one, so the whole model never lands there (the calibrations gather the layer
         # they probe, the step each layer it runs)
@@ -100,6 +104,7 @@ def build_and_calibrate(cfg: Config, layout: Layout, topo: Topology, execution: 
     if any(p.device != execution.device for p in model.parameters()):  # (a rehearsal builds on its device)
         model.to(execution.device)
     env = Calibration(cfg, layout, topo, execution, batch or _no_batch)
+    stage("runtimes")
     run_technique_runtimes(model, ctx, env)
     return model, ctx
 
@@ -111,10 +116,13 @@ def _no_batch() -> dict:
 def setup_training(cfg: Config, topo: Topology, device: Optional[torch.device] = None,
                    layout: Optional[Layout] = None,
                    adjust_spec: Optional[Callable[[ModelSpec], ModelSpec]] = None,
-                   execution: Optional[Execution] = None) -> TrainingSetup:
+                   execution: Optional[Execution] = None,
+                   stage: Callable[[str], None] = lambda name: None) -> TrainingSetup:
     """Build a run (see module doc). ``layout``: already resolved for ``topo``'s world (else resolved here, once);
     ``adjust_spec``: see ``compose.build_model``; ``execution``: given instead of resolved from ``device`` (a
-    rehearsal: a GPU run's dtypes on a stand-in device)."""
+    rehearsal: a GPU run's dtypes on a stand-in device); ``stage``: told the name of each stage as it starts --
+    data, build (the model on the host), device (FSDP2's shards, the move), runtimes, optimizer, checkpoint (a
+    rehearsal marks its trace with them)."""
     layout = layout or resolve_layout(cfg, topo.world_size)  # every layout rule and refused feature pair
     check_topology(layout, topo)
     # the one answer to "bf16? which device?"
@@ -122,14 +130,17 @@ def setup_training(cfg: Config, topo: Topology, device: Optional[torch.device] =
     check_plan_setting(cfg.memory.plan)  # a plan path that does not exist or does not parse: before the work
     check_save_dir(cfg)  # never mix two runs in one checkpoint.save
     check_positions(cfg)
+    stage("data")
     dataset = build_dataset(cfg)  # data files checked before the (possibly long) model build
     torch.manual_seed(cfg.train.seed)
 
     def first() -> dict:  # what the memory plan traces: the first micro-batch of step 1
         return microbatches(cfg, layout, topo, dataset, 0, execution.device)[0]
 
-    model, ctx = build_and_calibrate(cfg, layout, topo, execution, adjust_spec, first)
+    model, ctx = build_and_calibrate(cfg, layout, topo, execution, adjust_spec, first, stage)
+    stage("optimizer")
     optimizer = build_optimizer(model, cfg, topo)
+    stage("checkpoint")
     resumed = load_checkpoint(cfg, topo, model, optimizer)  # weights, optimizer, RNG, data position
     if resumed is not None:
         log.info("resumed from %s at iteration %d", resumed["path"], resumed["iteration"])
