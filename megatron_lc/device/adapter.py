@@ -1,7 +1,16 @@
 """``DeviceAdapter``: the few GPU-only things the memory techniques need (pinned host memory, side streams, events),
 behind one interface with a CPU twin, where copies are real and synchronous, streams are names and events are always
 complete. The CUDA side (``_CudaAdapter``) is a direct mapping to ``torch.cuda`` calls and was never executed here
-(no GPU)."""
+(no GPU).
+
+Which adapter a run gets is decided by ``DeviceAdapter.for_device``, called once by each technique runtime when it
+binds to its device. ``use_adapter(a)`` makes it return ``a`` instead, for ``a``'s device type, while the context
+is open (the stream-order check of a rehearsal, ``stream_check.StreamCheck``, installs itself this way)::
+
+    with use_adapter(adapter):
+        trainer = Trainer(cfg, topo)          # Memo, FPDT, the host checkpoints and the arena bind to ``adapter``
+    trainer.train()                           # ... and keep it
+"""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +25,20 @@ class _CpuEvent:
 
     def query(self) -> bool:
         return True
+
+
+_INSTALLED: list = []  # adapters chosen by ``use_adapter``, innermost last
+
+
+@contextlib.contextmanager
+def use_adapter(adapter: "DeviceAdapter"):
+    """``DeviceAdapter.for_device(d)`` returns ``adapter`` inside, for every ``d`` of its device type (and index,
+    where both name one). Runtimes keep the adapter they bound to, so build the model inside."""
+    _INSTALLED.append(adapter)
+    try:
+        yield adapter
+    finally:
+        _INSTALLED.remove(adapter)
 
 
 class _CpuStream:
@@ -47,6 +70,13 @@ class DeviceAdapter:
 
     @staticmethod
     def for_device(device: torch.device) -> "DeviceAdapter":
+        """The adapter of ``device``: the innermost one ``use_adapter`` installed for it, else CUDA's mapping or the
+        CPU twin."""
+        device = torch.device(device)
+        for a in reversed(_INSTALLED):
+            if a.device.type == device.type and None in (a.device.index, device.index) \
+                    or a.device == device:
+                return a
         return _CudaAdapter(device) if device.type == "cuda" else DeviceAdapter(device)
 
     def host_empty(self, shape, dtype) -> torch.Tensor:
@@ -59,6 +89,10 @@ class DeviceAdapter:
         return torch.empty(int(nbytes), dtype=torch.uint8, device="cpu")
 
     def new_stream(self):
+        return None
+
+    def current_stream(self):
+        """The stream work is queued on now (the compute stream outside ``stream``); None on the CPU twin."""
         return None
 
     @contextlib.contextmanager
@@ -109,6 +143,9 @@ class _CudaAdapter(DeviceAdapter):
 
     def _copy_stream(self, name: str):
         return self.new_stream()
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
 
     def stream(self, stream):
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

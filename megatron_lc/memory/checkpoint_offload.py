@@ -108,8 +108,8 @@ class CheckpointOffload:
         self.prefetch(layer)
         d, ev = self.fetched.pop(layer)
         self.dev.wait_event(ev)
-        if d.is_cuda:  # allocated on the prefetch stream, used and freed on the compute stream
-            d.record_stream(torch.cuda.current_stream(d.device))
+        # allocated on the prefetch stream, used and freed on the compute stream
+        self.dev.record_stream(d, self.dev.current_stream())
         h, _ = self.host.pop(layer)
         self.pool.give(h, after=ev)
         return d
