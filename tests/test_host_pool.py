@@ -111,10 +111,24 @@ def test_a_block_still_copied_is_not_handed_out_before_its_event():
     a = pool.take((128,), torch.float32)
     ev = _Event()
     pool.give(a, after=ev)  # a side-stream copy still reads it
-    b = pool.take((128,), torch.float32)
-    assert offset(pool, b) == 512  # not the range of a
-    c = pool.take((128,), torch.float32)  # the pool is full: waits for the copy, then reuses a's range
-    assert ev.done and offset(pool, c) == 0
+    assert not ev.done
+    b = pool.take((128,), torch.float32)  # first fit lands on a's range: handed out after waiting for the copy
+    assert ev.done and offset(pool, b) == 0
+    c = pool.take((128,), torch.float32)
+    assert offset(pool, c) == 512
+
+
+def test_placement_does_not_depend_on_when_copies_finish():
+    """The CPU twin's events are complete at once; a GPU's may not be. Both must place the blocks alike, or a pool
+    sized on the CPU fragments on the GPU: here b would land at 512 beside a still-copied a, and c (1024 bytes)
+    would find [0, 512) and [1024, 1536) free but no 1024 bytes together."""
+    for ev in (None, _Event()):
+        pool = cpu_pool(1536)
+        a = pool.take((128,), torch.float32)
+        pool.give(a, after=ev)
+        b = pool.take((128,), torch.float32)
+        c = pool.take((256,), torch.float32)
+        assert (offset(pool, b), offset(pool, c)) == (0, 512)
 
 
 def test_measuring_hands_out_plain_tensors_and_counts_the_first_fit():

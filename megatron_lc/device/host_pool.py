@@ -78,8 +78,10 @@ class HostPool:
         c = pool.take((256,), torch.float32)                # 1024 bytes: first fit at offset 1024
         pool.take((1024,), torch.uint8)                     # HostPoolError: 1024 bytes asked, 1536 used of 2048
 
-    ``give(t, after=event)``: the block's last copy (a side-stream event, None on CPU) may still be in flight; the
-    block becomes free once the event completed (checked at the next ``take``; waited for before an error).
+    ``give(t, after=event)``: the block's last copy (a side-stream event, None on CPU) may still be in flight. Its
+    range is free for placement at once -- so blocks land where the CPU twin (whose events are complete at once) puts
+    them, whatever the copies' timing, and a pool sized on the CPU does not fragment on a GPU -- and a ``take`` that
+    lands on it waits for the event first (the host synchronizes with that copy).
 
     ``measuring()``: while calibrations probe a layer, ``take`` returns plain tensors and the same first-fit runs on
     an unbounded range; the context's ``high`` is the bytes those probes would need in the pool."""
@@ -91,7 +93,7 @@ class HostPool:
         self.dev: Optional["DeviceAdapter"] = None
         self.data: Optional[torch.Tensor] = None  # the one allocation (uint8, ``size`` bytes)
         self.fit: Optional[_FirstFit] = None
-        self.pending: list = []  # (start, event): given back, a copy may still use it
+        self.pending: list = []  # (start, end, event): given back, a copy may still use the range
         self._measure: Optional[_FirstFit] = None
         self._measured: dict = {}  # id(tensor) -> (weak ref, measuring fit, start): plain tensors of ``measuring``
 
@@ -151,11 +153,7 @@ class HostPool:
             self._measured[id(t)] = (weakref.ref(t), self._measure, self._measure.alloc(n))
             return t
         self.allocate()
-        self._reclaim(wait=False)
         start = self.fit.alloc(n)
-        while start is None and self.pending:
-            self._reclaim(wait=True)
-            start = self.fit.alloc(n)
         if start is None:
             raise HostPoolError(
                 f"host pool: {math.prod(shape) * torch.empty((), dtype=dtype).element_size()} bytes asked "
@@ -163,6 +161,7 @@ class HostPool:
                 f"{self.reserved}; largest free range {max((e - s for s, e in self.fit.gaps), default=0)}): "
                 f"the step holds more than its calibration measured (another shape than data.seq_length x "
                 f"micro_batch_size, or a forward whose backward never ran still holds its chunks)")
+        self._wait_for_copies(start, start + n)
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         return self.data[start:start + nbytes].view(dtype).view(shape)
 
@@ -177,23 +176,20 @@ class HostPool:
         if self.fit is None or start not in self.fit.live:
             raise HostPoolError(f"host pool: the tensor {tuple(t.shape)} {t.dtype} given back is not a block of this "
                                 f"pool")
-        if after is None or after.query():
-            self.fit.free(start)
-        else:
-            self.pending.append((start, after))
+        end = start + self.fit.live[start]
+        self.fit.free(start)
+        if after is not None and not after.query():
+            self.pending.append((start, end, after))
 
-    def _reclaim(self, wait: bool) -> None:
-        """Free the given-back blocks whose copy finished (``wait``: the oldest one, waiting for its copy)."""
-        if wait and self.pending:
-            start, ev = self.pending.pop(0)
-            ev.synchronize()
-            self.fit.free(start)
+    def _wait_for_copies(self, lo: int, hi: int) -> None:
+        """Before ``[lo, hi)`` is handed out: wait for the copies still using given-back blocks there (and forget
+        the finished ones)."""
         keep = []
-        for start, ev in self.pending:
-            if ev.query():
-                self.fit.free(start)
-            else:
-                keep.append((start, ev))
+        for start, end, ev in self.pending:
+            if start < hi and lo < end:
+                ev.synchronize()
+            elif not ev.query():
+                keep.append((start, end, ev))
         self.pending = keep
 
     @property
