@@ -43,7 +43,7 @@ class Site:
         return f"{self.file}:{self.line} ({self.function})"
 
 
-_KIND: dict = {}  # code object -> 2 (ours), 1 (outside torch: a test), 0 (torch, this package's checking, a mode)
+_KIND: dict = {}  # code object -> (2: ours, 1: outside torch (a test), 0: torch, this checking, a mode; its path)
 
 
 def site() -> Site:
@@ -53,12 +53,12 @@ def site() -> Site:
         kind = _KIND.get(code)
         if kind is None:
             path = os.path.abspath(code.co_filename)
-            kind = _KIND[code] = 0 if path in _SELF or path.startswith(_SKIP) or \
-                code.co_name == "__torch_dispatch__" else 2 if path.startswith(_PKG + os.sep) else 1
-        if kind == 2:
-            return Site(os.path.relpath(code.co_filename, _ROOT), f.f_lineno, code.co_name)
-        if kind == 1 and fallback is None:
-            fallback = Site(os.path.relpath(code.co_filename, _ROOT), f.f_lineno, code.co_name)
+            kind = _KIND[code] = (0 if path in _SELF or path.startswith(_SKIP) or code.co_name == "__torch_dispatch__"
+                                  else 2 if path.startswith(_PKG + os.sep) else 1, os.path.relpath(path, _ROOT))
+        if kind[0] == 2:
+            return Site(kind[1], f.f_lineno, code.co_name)
+        if kind[0] == 1 and fallback is None:
+            fallback = Site(kind[1], f.f_lineno, code.co_name)
         f = f.f_back
     return fallback or Site("?", 0, "?")
 
