@@ -101,6 +101,7 @@ class _Buffer:
     host: bool = False
     recorded: set = field(default_factory=set)  # streams named by record_stream
     accesses: list = field(default_factory=list)
+    limit: int = 256  # prune ``accesses`` when they grow past this (then twice what is left)
 
     def name(self, acc: _Access) -> str:
         where = "host" if self.host else "device"
@@ -134,8 +135,6 @@ class StreamViolation:
 class StreamCheck(DeviceAdapter):
     """The CPU twin plus the stream-order check (module docstring). ``violations``: what it found, in order (each
     kind and pair of sites once); ``report()``: one line each."""
-
-    MAX_ACCESSES = 256  # per buffer; older accesses every stream has passed are dropped beyond this
 
     def __init__(self, device: torch.device = torch.device("cpu")):
         super().__init__(torch.device(device))
@@ -338,8 +337,11 @@ class StreamCheck(DeviceAdapter):
             if not (covered and (write or (acc.stream is stream and not acc.write))):
                 keep.append(acc)  # a later access is checked against this one as well
         keep.append(_Access(write, stream, stream.clock, lo, hi, at, _what(t)))
-        if len(keep) > self.MAX_ACCESSES:
+        if len(keep) > buf.limit:  # accesses every stream has passed can race nothing any more
+            for s in self.streams:
+                self._sync_host(s)
             keep = [a for a in keep if not all(self._passed(s, a) for s in self.streams)]
+            buf.limit = max(256, 2 * len(keep))
         buf.accesses = keep
 
     def _report(self, kind: str, buf: _Buffer, first: _Access, second: Site, stream: _Stream,
