@@ -24,6 +24,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .storage import has_values, storage_id
+
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../megatron_lc
 _ROOT = os.path.dirname(_PKG)
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -88,7 +90,8 @@ def has_storage(t: torch.Tensor) -> bool:
 
 
 def is_fake(t: torch.Tensor) -> bool:
-    return isinstance(t, FakeTensor) or t.device.type == "meta"
+    """No values, so no address either (``meta`` tensors are alike)."""
+    return not has_values(t) or t.device.type == "meta"
 
 
 def extent(t: torch.Tensor) -> tuple:
@@ -117,7 +120,7 @@ class OpAccesses(TorchDispatchMode):
                 written = a.alias_info is not None and a.alias_info.is_write
                 used.extend((t, written) for t in tensors(v) if t.numel() > 0 and has_storage(t))
         out = func(*args, **kwargs)
-        inputs = {id(t.untyped_storage()) for t, _ in used}
-        made = [t for t in tensors(out) if t.numel() > 0 and has_storage(t) and id(t.untyped_storage()) not in inputs]
+        inputs = {storage_id(t) for t, _ in used}
+        made = [t for t in tensors(out) if t.numel() > 0 and has_storage(t) and storage_id(t) not in inputs]
         self.on_op(func, used, made)
         return out

@@ -46,6 +46,7 @@ import torch
 
 from .adapter import DeviceAdapter, use_adapter
 from .op_access import ALLOCATE, OpAccesses, Site, extent, has_storage, is_fake, site
+from .storage import storage_id
 
 
 class _Stream:
@@ -143,7 +144,7 @@ class StreamCheck(DeviceAdapter):
         self._current = [self.compute]
         self._copy = None
         self._spans: list = []  # (ptr, end, buffer) of real allocations, sorted by ptr
-        self._fake: dict = {}  # id(storage) -> buffer, fake (or address-0) storages
+        self._fake: dict = {}  # storage_id -> buffer, fake (or address-0) storages
         self.violations: list = []
         self._reported: set = set()
         self.ops = 0
@@ -272,15 +273,16 @@ class StreamCheck(DeviceAdapter):
         st = t.untyped_storage()
         ptr = 0 if is_fake(t) or st.nbytes() == 0 else st.data_ptr()
         if ptr == 0:
-            buf = self._fake.get(id(st))
+            key = storage_id(t)
+            buf = self._fake.get(key)
             if buf is None:
-                buf = self._fake[id(st)] = self._new(st, 0, stream, at, host or self._on_host(t))
+                buf = self._fake[key] = self._new(st, 0, stream, at, host or self._on_host(t), key)
             return buf, 0, True
         i = bisect.bisect_right(self._spans, ptr, key=lambda e: e[0]) - 1
         if i >= 0 and ptr < self._spans[i][1]:
             buf = self._spans[i][2]
             return buf, ptr - buf.ptr, ptr == buf.ptr and st.nbytes() == buf.nbytes
-        buf = self._new(st, ptr, stream, at, host or self._on_host(t))
+        buf = self._new(st, ptr, stream, at, host or self._on_host(t), None)
         bisect.insort(self._spans, (ptr, ptr + max(st.nbytes(), 1), buf), key=lambda e: e[0])
         return buf, 0, True
 
@@ -289,9 +291,9 @@ class StreamCheck(DeviceAdapter):
         adapter's ``host_pinned`` / ``host_empty``)."""
         return self.device.type != "cpu" and t.device.type == "cpu"
 
-    def _new(self, st, ptr: int, stream, at, host: bool) -> _Buffer:
+    def _new(self, st, ptr: int, stream, at, host: bool, key) -> _Buffer:
         buf = _Buffer(ptr, st.nbytes(), stream or self.current, at or site(), host)
-        fin = weakref.finalize(st, self._freed, buf, id(st) if ptr == 0 else None)
+        fin = weakref.finalize(st, self._freed, buf, key)
         fin.atexit = False
         return buf
 
