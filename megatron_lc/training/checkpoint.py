@@ -34,18 +34,16 @@ import hashlib
 import json
 import logging
 import os
-import random
 import shutil
 from typing import Optional
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError
 from ..parallel.collectives import all_gather_objects
 from ..parallel.topology import Axis, Topology
 from . import sharded_state
+from .checkpoint_data import DataOnlyReader, UntrustedCheckpointError, load_torch_file, rng_state, set_rng_state
 from .checkpoint_dir import (LATEST, atomic_torch_save, atomic_write_text, checkpoints_newest_first, is_hf_model_dir,
                              iter_dir, prune, read_meta, remove_leftovers, same_dir)
 from .reshard import check_tp_change, merged_model_state, model_state_for, optimizer_state_for
@@ -79,21 +77,6 @@ def _digests(directory: str, topo: Optional[Topology]) -> dict:
 def _barrier(topo: Topology) -> None:
     if topo.world_size > 1:
         dist.barrier()
-
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _zero(opt) -> bool:
@@ -174,6 +157,8 @@ def full_weights(path: str, meta: dict, cfg: Config) -> dict:
         if meta.get("format_version", 1) >= 3:
             return sharded_state.full_model_state(path, cfg)
         return merged_model_state(path, cfg, meta["tp"])
+    except ConfigError:
+        raise
     except Exception as e:  # DCP / torch.load failures: one line
         raise ConfigError(f"checkpoint {path} does not load ({type(e).__name__}: "
                           f"{str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''})") from None
@@ -261,13 +246,12 @@ def _load_v2(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> 
         if load_optim:
             name = names[-1]
             if _zero(opt):
-                opt.optim.load_state_dict(torch.load(os.path.join(path, name), map_location="cpu",
-                                                     weights_only=False))
+                opt.optim.load_state_dict(load_torch_file(os.path.join(path, name), c.trust_pickle))
             else:
                 opt.load_state_dict(optimizer_state_for(path, cfg, tp, topo, _param_names(model, opt)))
         if restore_rng:
             name = rng_file
-            set_rng_state(torch.load(os.path.join(path, name), map_location="cpu", weights_only=False))
+            set_rng_state(load_torch_file(os.path.join(path, name), c.trust_pickle))
     except (RuntimeError, OSError, EOFError, ValueError, KeyError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -285,12 +269,28 @@ def _wants(meta: dict, cfg: Config, topo: Topology, opt) -> tuple[bool, Optional
     return load_optim, (rng_file if restore else None)
 
 
+def _check_v3_files(path: str, meta: dict, cfg: Config, topo: Topology) -> tuple[Optional[str], Optional[str]]:
+    """(refusal, problem) of this rank's share of the files and, on rank 0, of DCP's metadata read as data."""
+    problem = _check_files(path, meta, _share(list(meta["files"]), topo))
+    if problem is None and topo.rank == 0:
+        try:
+            DataOnlyReader(path, cfg.checkpoint.trust_pickle).read_metadata()
+        except UntrustedCheckpointError as e:
+            return str(e), None
+        except (OSError, EOFError) as e:
+            return None, f"{os.path.join(path, '.metadata')} does not load ({e})"
+    return None, problem
+
+
 def _load_v3(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> Optional[str]:
     """Load a DCP checkpoint (collective: every rank calls it); returns why it could not, the same on every rank,
     or None. Every file is checked first, each by one rank; then DCP reads the pieces of this layout."""
     load_optim, rng_file = _wants(meta, cfg, topo, opt)
-    problems = [p for p in all_gather_objects(_check_files(path, meta, _share(list(meta["files"]), topo)))
-                if p is not None]
+    outcomes = all_gather_objects(_check_v3_files(path, meta, cfg, topo))  # agreed before DCP's collectives
+    refused = [r for r, _ in outcomes if r is not None]
+    if refused:
+        raise UntrustedCheckpointError(refused[0])
+    problems = [p for _, p in outcomes if p is not None]
     if problems:
         return problems[0]
     state = ShardedState(model, topo)
@@ -299,15 +299,25 @@ def _load_v3(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> 
         optim, install = state.optimizer_targets(opt)
         target.update(optim)
     try:
-        sharded_state.read(path, target)
-    except Exception as e:  # DCP wraps every rank's failure (CheckpointException); the message names the key
+        sharded_state.read(path, target, trust_pickle=cfg.checkpoint.trust_pickle)
+    except UntrustedCheckpointError:
+        raise  # raised on every rank (DCP shares each rank's failure)
+    except Exception as e:  # the first failed rank's own error, on every rank; the message names the key
         first = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         return f"{path} does not load ({type(e).__name__}: {first[:160]})"
     if load_optim:
         state.install(opt, install)
-    if rng_file is not None:
-        set_rng_state(torch.load(os.path.join(path, rng_file), map_location="cpu", weights_only=False))
+    if rng_file is not None:  # after the last collective of this load: a refusal here is agreed in load_checkpoint
+        set_rng_state(load_torch_file(os.path.join(path, rng_file), cfg.checkpoint.trust_pickle))
     return None
+
+
+def _refusal_or_problem(load_format, *args) -> tuple[Optional[str], Optional[str]]:
+    """(why a file was refused as more than data, why the checkpoint does not load): one of them or neither."""
+    try:
+        return None, load_format(*args)
+    except UntrustedCheckpointError as e:
+        return str(e), None
 
 
 def _stage_notices(meta: dict, cfg: Config, topo: Topology) -> None:
@@ -356,7 +366,11 @@ def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
         meta = read_meta(path)
         check_compatible(meta, cfg, topo, path, _zero(opt), opt is not None)
         load_format = _load_v3 if meta.get("format_version", 1) >= 3 else _load_v2
-        problems = [p for p in all_gather_objects(load_format(path, meta, cfg, topo, model, opt)) if p is not None]
+        outcomes = all_gather_objects(_refusal_or_problem(load_format, path, meta, cfg, topo, model, opt))
+        refused = [r for r, _ in outcomes if r is not None]
+        if refused:  # a file that is more than data: every rank stops, whatever the other checkpoints hold
+            raise UntrustedCheckpointError(refused[0])
+        problems = [p for _, p in outcomes if p is not None]
         if not problems:
             if failed:
                 log.warning("resumed from %s, an older checkpoint, because %s", path, "; ".join(failed))
