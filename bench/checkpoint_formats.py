@@ -37,7 +37,8 @@ def save_format2(path: str, cfg, topo, model, opt, iteration: int, consumed: int
     import torch.distributed as dist
 
     from megatron_lc.parallel.topology import Axis
-    from megatron_lc.training.checkpoint import _gather, file_digest, rng_state
+    from megatron_lc.training.checkpoint import _gather, file_digest
+    from megatron_lc.training.checkpoint_data import rng_state
 
     tmp = path + ".tmp"
     if topo.rank == 0:
@@ -74,6 +75,7 @@ def rank_bench(rank, world, repeats, extra):
     from megatron_lc.config import load_config, resolve_layout
     from megatron_lc.parallel.topology import Topology
     from megatron_lc.training import checkpoint as ck
+    from megatron_lc.training.checkpoint_save import save_checkpoint
     from megatron_lc.training.loop import Trainer
 
     cfg = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml"),
@@ -100,7 +102,7 @@ def rank_bench(rank, world, repeats, extra):
     for i in range(repeats):
         run = copy.deepcopy(cfg)
         run.checkpoint.save = os.path.join(base, f"dcp{i}")
-        timed("dcp_save", lambda: ck.save_checkpoint(run, topo, model, opt, 1, 1))
+        timed("dcp_save", lambda: save_checkpoint(run, topo, model, opt, 1, 1))
         run.checkpoint.load = run.checkpoint.save
         timed("dcp_load", lambda: ck.load_checkpoint(run, topo, model, opt))
         old = os.path.join(base, f"f2_{i}", "iter_0000001")

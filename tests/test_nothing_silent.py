@@ -147,9 +147,10 @@ def test_broken_newest_checkpoint_falls_back_to_the_older_one(tmp_path, damage, 
     state = train(tmp_path, f"checkpoint.load={tmp_path / 'run'}", "checkpoint.save_interval=2", iters=6)
     assert state.iteration == 6 and len(state.losses) == 4  # steps 3-6 after resuming at 2
     assert f"because {why}" in caplog.text and "an older checkpoint" in caplog.text
-    if damage == "truncate-data":  # the damaged checkpoint was re-saved at iteration 4 by the resumed run
-        assert (newest / "meta.json").exists()
-    assert before.keys() <= listing(newest).keys() or damage == "truncate-data"
+    # the damaged checkpoint is set aside, as it was, and said; the resumed run saved iteration 4 anew
+    corrupt = tmp_path / "run" / "iter_0000004.corrupt"
+    assert f"set aside {newest} as {corrupt}: it does not load" in caplog.text
+    assert listing(corrupt) == before and (newest / "meta.json").exists()
 
 
 def test_checksums_are_written_and_checked(tmp_path):

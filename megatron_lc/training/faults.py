@@ -104,12 +104,17 @@ class StopControl:
 
 
 class SkipCounter:
-    """Counts non-finite steps in a row; raises ``NonFiniteError`` at ``train.max_consecutive_skipped_steps``."""
+    """Counts non-finite steps in a row; raises ``NonFiniteError`` at ``train.max_consecutive_skipped_steps``.
+    The counts are saved in every checkpoint's meta.json (``meta()``) and go on from there on resume
+    (``resumed``: the loaded meta), so resuming in the middle of a run of skipped steps does not reset it."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, resumed: Optional[dict] = None):
         self.limit = cfg.train.max_consecutive_skipped_steps
-        self.in_a_row = 0
-        self.total = 0
+        self.in_a_row = int((resumed or {}).get("skipped_in_a_row", 0))
+        self.total = int((resumed or {}).get("skipped_steps", 0))
+
+    def meta(self) -> dict:
+        return {"skipped_in_a_row": self.in_a_row, "skipped_steps": self.total}
 
     def update(self, step: int, skipped: bool, loss: float, grad_norm: float) -> None:
         if not skipped:
