@@ -9,6 +9,7 @@ from ..config import Config
 from ..data.demo import prepare_demo_data
 from .loop import Trainer, TrainState
 from .runtime import init_distributed, shutdown
+from .save_lock import lock_save_dir
 
 log = logging.getLogger("megatron_lc")
 
@@ -27,7 +28,9 @@ def prepare_data(cfg: Config, rank: int) -> None:
 
 def run(cfg: Config) -> TrainState:
     layout, topo, device = init_distributed(cfg)
+    lock = None
     try:
+        lock = lock_save_dir(cfg.checkpoint.save, topo.rank)  # one run per save directory, for the run's life
         log.info("%s | layout tp=%d cp=%d (ring %d x ulysses %d, %s) dp=%d | model %.2fM params",
                  topo.describe(), topo.tp, topo.cp, topo.ring, topo.ulysses, cfg.parallel.cp_comm_type, topo.dp,
                  cfg.model.num_parameters() / 1e6)
@@ -35,4 +38,6 @@ def run(cfg: Config) -> TrainState:
         trainer = Trainer(cfg, topo, device, layout)
         return trainer.train()
     finally:
+        if lock is not None:
+            lock.release()
         shutdown()
