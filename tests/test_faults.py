@@ -86,7 +86,9 @@ def test_save_killed_midway_leaves_previous_checkpoint_and_resume_uses_it(tmp_pa
     finally:
         kill_all(procs)
     assert code == -signal.SIGKILL
-    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000004.tmp", "latest_checkpointed_iteration.txt"]
+    # run.lock: the killed run's lock (its flock died with it; the next pretrain_gpt.py run takes it over)
+    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000004.tmp", "latest_checkpointed_iteration.txt",
+                                      "run.lock"]
     assert os.listdir(ck / "iter_0000004.tmp")  # something was written before the kill
     assert find_latest(str(ck)).endswith("iter_0000002")
 
@@ -102,7 +104,7 @@ def test_save_killed_midway_leaves_previous_checkpoint_and_resume_uses_it(tmp_pa
     # order, ~1e-7 relative); a resume from any other iteration or data position differs by > 1e-3
     np.testing.assert_allclose(losses[:2], [killed[2]["loss"], killed[3]["loss"]], rtol=LOSS_RTOL)
     assert len(losses) == 4
-    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000006", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000006", "latest_checkpointed_iteration.txt", "run.lock"]
     # ... and the save of iteration 6 removed the leftover iter_0000004.tmp
 
 
