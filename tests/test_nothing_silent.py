@@ -15,6 +15,7 @@ import torch
 
 from megatron_lc.config import load_config
 from megatron_lc.config.data import demo_files
+from megatron_lc.data import DataError
 from megatron_lc.parallel.topology import Topology
 from megatron_lc.training.loop import Trainer
 from tests.parity import small_config
@@ -311,3 +312,31 @@ def test_exported_safetensors_have_their_siblings_permissions(tmp_path):
     convert_to_hf.write_safetensors({"w": torch.zeros(4)}, str(tmp_path), 1 << 30)
     (tmp_path / "config.json").write_text("{}")
     assert os.stat(tmp_path / "model.safetensors").st_mode & 0o777 == os.stat(tmp_path / "config.json").st_mode & 0o777
+
+
+# ---- data files ------------------------------------------------------------------------------------------------------
+def test_token_ids_past_the_vocabulary_name_the_file_and_position(tmp_path):
+    from megatron_lc.data.indexed import write_indexed
+
+    prefix = str(tmp_path / "corpus")
+    write_indexed(prefix, [list(range(100)), [5] * 30 + [300] + [5] * 69])  # 300: past model.vocab_size 256
+    cfg = small_config(TINY + ["train.train_iters=20", "data.mock_data=false", f"data.data_path={prefix}",
+                               "data.tokenizer_type=NullTokenizer", f"logging.metrics_file={tmp_path}/m.jsonl"])
+    with pytest.raises(DataError) as e:
+        Trainer(cfg, Topology()).train()
+    assert str(e.value) == (f"{prefix}.bin: token id 300 at token 130 (document 1, position 30) is outside the "
+                            f"vocabulary (model.vocab_size 256): the file was made with another tokenizer, or "
+                            f"model.vocab_size is too small")
+
+
+def test_a_short_index_is_one_line_without_megatron_core_traceback(tmp_path):
+    from megatron_lc.data.indexed import write_indexed
+
+    prefix = str(tmp_path / "corpus")
+    write_indexed(prefix, [list(range(50)), list(range(70))])
+    with open(prefix + ".idx", "r+b") as f:
+        f.truncate(40)
+    out = pretrain(*TINY, "checkpoint.save=null", "data.mock_data=false", "data.prepare_demo_data=false",
+                   f"data.data_path={prefix}", "data.tokenizer_type=NullTokenizer")
+    assert_one_error(out, f"{prefix}.idx: cannot be read (ValueError: buffer is smaller than requested size)")
+    assert "Exception ignored" not in out.stderr
