@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_lc.config import ConfigError, load_config
     from megatron_lc.data import DataError
-    from megatron_lc.training.faults import TrainingError
+    from megatron_lc.training.faults import TrainingError, out_of_host_memory
     from megatron_lc.training.launcher import follow_launcher
     from megatron_lc.training.runtime import env_world, setup_logging
 
@@ -79,6 +79,12 @@ def main(argv=None) -> int:
     except TrainingError as e:  # divergence, a failed save, a stuck or lost rank (megatron_lc/training/faults.py)
         if rank == 0 or e.per_rank:
             print(f"error: {e}", file=sys.stderr)
+        return 3
+    except (MemoryError, RuntimeError) as e:  # a failed host allocation is one line per rank that had it
+        message = out_of_host_memory(e)
+        if message is None:
+            raise
+        print(f"error: {f'rank {rank}: ' if env_world()[1] > 1 else ''}{message}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:  # Ctrl-C outside the training steps (during setup): nothing to save
         if rank == 0:

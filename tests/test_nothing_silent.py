@@ -340,3 +340,20 @@ def test_a_short_index_is_one_line_without_megatron_core_traceback(tmp_path):
                    f"data.data_path={prefix}", "data.tokenizer_type=NullTokenizer")
     assert_one_error(out, f"{prefix}.idx: cannot be read (ValueError: buffer is smaller than requested size)")
     assert "Exception ignored" not in out.stderr
+
+
+def test_out_of_host_memory_is_one_line_with_the_bytes_and_a_hint(tmp_path):
+    """An address-space limit (16 GiB) stands in for a small host: a model whose embedding alone needs 32 GiB."""
+    script = tmp_path / "limited.py"
+    script.write_text(f"import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (16 << 30, resource.RLIM_INFINITY))"
+                      f"\nsys.path.insert(0, {ROOT!r})\nimport pretrain_gpt\nsys.exit(pretrain_gpt.main(sys.argv[1:]))\n")
+    cmd = [sys.executable, str(script), "--config", "configs/tiny_cpu.yaml"]
+    for s in TINY + ["model.vocab_size=131072", "model.hidden_size=65536", "checkpoint.save=null"]:
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=300)
+    (line,) = error_lines(out.stderr)
+    assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert re.fullmatch(r"error: out of host memory: an allocation of \d+ bytes \(\d+\.\d GiB\) failed; pick a layout "
+                        r"that needs less .* python tools/estimate.py --config CONFIG --hardware HW --auto lists "
+                        r"layouts with their host memory", line), line

@@ -172,3 +172,22 @@ def collective_errors(cfg: Config, rank: int, what: str):
             raise PeerLostError(f"rank {rank}: lost the connection to another rank during {what}; that rank "
                                 f"probably died, see its log ({first[:200]})") from None
         raise
+
+
+_HOST_OOM = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes")
+
+
+def out_of_host_memory(e: BaseException) -> Optional[str]:
+    """The one line for a failed host allocation (torch's ``DefaultCPUAllocator`` error or ``MemoryError``), or
+    None for any other error."""
+    if isinstance(e, MemoryError):
+        asked = ""
+    else:
+        m = _HOST_OOM.search(str(e))
+        if m is None:
+            return None
+        asked = f": an allocation of {int(m.group(1))} bytes ({int(m.group(1)) / 2**30:.1f} GiB) failed"
+    return (f"out of host memory{asked}; pick a layout that needs less (more tp or cp, activation offload off, a "
+            f"smaller micro_batch_size): python tools/estimate.py --config CONFIG --hardware HW --auto lists layouts "
+            f"with their host memory")
+
