@@ -135,3 +135,23 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
         f"File too large (this process may write files of at most {size // 2} bytes: ulimit -f)); the previous "
         f"checkpoint is kept: {run / 'iter_0000001'}"], out.stderr[-3000:]
     assert complete_iterations(str(run)) == [1] and not (run / "iter_0000002.tmp").exists()
+
+
+def test_a_failure_on_one_rank_is_the_same_line_on_every_rank(tmp_path):
+    """Rank 1 alone cannot write (a 100-byte file-size limit): both ranks raise the same error naming rank 1's
+    cause, the partial save is removed and iteration 2 stays. Then rank 1's RNG file is planted: both ranks refuse
+    it (rank 0's own file is fine), and the payload never runs."""
+    from tests import dist_cases_checkpoint
+    from tests.dist import run_dist
+
+    run, marker = tmp_path / "run", tmp_path / "ran"
+    results = run_dist(2, dist_cases_checkpoint.rank1_faults, str(run), str(marker))
+    (save0, load0, ran0), (save1, load1, ran1) = results
+    assert save0 == save1 == (
+        f"could not write checkpoint {run / 'iter_0000003'} (rank 1: {run / 'iter_0000003.tmp'}: File too large (this "
+        f"process may write files of at most 100 bytes: ulimit -f)); the previous checkpoint is kept: "
+        f"{run / 'iter_0000002'}")
+    assert load0 == load1 and load0.startswith(f"{run / 'iter_0000002' / 'rng_rank00001.pt'} holds pickled Python "
+                                               f"objects, not only tensors")
+    assert not ran0 and not ran1 and not marker.exists()
+    assert complete_iterations(str(run)) == [2] and not (run / "iter_0000003.tmp").exists()

@@ -91,38 +91,44 @@ def _probe(directory: str) -> Optional[OSError]:
         os.unlink(name)
 
 
-def write_failure_cause(e: BaseException, directory: str) -> str:
-    """Why a write into ``directory`` failed, in a few words. torch's file writer hides the OS error of a full disk
-    (it says ``unexpected pos 704 vs 598``), so without an ``OSError`` in the chain the directory is probed."""
+def write_failure_cause(e: BaseException, directory: str) -> tuple[str, bool]:
+    """(why a write into ``directory`` failed, in a few words; whether the OS said it). torch's file writer hides
+    the OS error of a full disk (it says ``unexpected pos 704 vs 598``), so without an ``OSError`` in the chain the
+    directory is probed."""
     found = _os_error(e) or (_probe(directory) if os.path.isdir(directory) else None)
     if found is None:
         text = str(e).strip().splitlines()
         free = shutil.disk_usage(directory).free if os.path.isdir(directory) else None
         return f"{type(e).__name__}: {text[-1][:160] if text else ''}" + (
-            f" ({free} bytes free there)" if free is not None else "")
+            f" ({free} bytes free there)" if free is not None else ""), False
     why = found.strerror or str(found)
     if found.errno == errno.EFBIG:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         if limit != resource.RLIM_INFINITY:
             why += f" (this process may write files of at most {limit} bytes: ulimit -f)"
-    return f"{found.filename or directory}: {why}"
+    return f"{found.filename or directory}: {why}", True
 
 
 def _together(topo: Topology, final: str, tmp: str, step: Callable[[], None]) -> None:
     """Run this rank's part of a save phase; if it failed on any rank, every rank raises the same
-    ``CheckpointWriteError`` (rank 0 removes the partial directory first)."""
+    ``CheckpointWriteError`` (rank 0 removes the partial directory first). The cause shown is the one the OS gave
+    on the rank where it happened (lowest such rank), named with that rank."""
     problem = None
     try:
         step()
     except (OSError, RuntimeError, CheckpointException) as e:
-        problem = write_failure_cause(e, tmp if os.path.isdir(tmp) else os.path.dirname(tmp))
+        text, certain = write_failure_cause(e, tmp if os.path.isdir(tmp) else os.path.dirname(tmp))
+        origin = getattr(e, "failed_rank", None)  # DCP hands every rank the error of the rank it happened on
+        origin = topo.rank if origin is None else origin
+        priority = 0 if certain and origin == topo.rank else 1 if certain else 2  # its own rank's OS error first
+        problem = (priority, f"rank {origin}: {text}" if topo.world_size > 1 else text)
     problems = [p for p in all_gather_objects(problem) if p is not None]
     if problems:
         if topo.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         kept = newest_good_checkpoint(os.path.dirname(final)) or "none yet"
-        raise CheckpointWriteError(f"could not write checkpoint {final} ({problems[0]}); the previous checkpoint is "
-                                   f"kept: {kept}")
+        raise CheckpointWriteError(f"could not write checkpoint {final} ({min(problems)[1]}); the previous "
+                                   f"checkpoint is kept: {kept}")
 
 
 def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, consumed_samples: int,

@@ -185,10 +185,16 @@ def root_cause(e: BaseException) -> BaseException:
 
 @contextlib.contextmanager
 def root_cause_of_failures():
+    """Raise DCP's failures as ``root_cause``, with ``failed_rank`` set to the rank it happened on."""
     try:
         yield
     except CheckpointException as e:
-        raise root_cause(e) from None
+        cause, rank = e, None
+        while isinstance(cause, CheckpointException) and cause.failures:
+            rank = min(cause.failures)
+            cause = cause.failures[rank][0]
+        cause.failed_rank = rank
+        raise cause from None
 
 
 @contextlib.contextmanager
