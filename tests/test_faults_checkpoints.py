@@ -33,6 +33,7 @@ def _trainer(run, iters, *extra, resume=False):
 
 @pytest.mark.parametrize("setting, message", [
     ("train.lr=inf", "train.lr (inf) must be a finite number >= 0"),
+    ("train.lr=1e39", "train.lr (1e+39) must be a finite number >= 0"),  # past fp32: AdamW's update overflows
     ("train.min_lr=nan", "train.min_lr (nan) must be a finite number >= 0"),
     ("train.global_batch_size=-4", "train.global_batch_size (-4) must be >= 1"),
     ("train.adam_beta1=2", "train.adam_beta1 (2.0) must be in [0, 1)"),

@@ -7,6 +7,8 @@ from typing import Literal, Optional
 
 from .base import check
 
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 @dataclass
 class TrainConfig:
@@ -38,9 +40,9 @@ class TrainConfig:
               f"train.max_consecutive_skipped_steps ({self.max_consecutive_skipped_steps}) must be >= 1")
         check(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
               f"train.exit_duration_in_mins ({self.exit_duration_in_mins}) must be > 0")
-        for name in ("lr", "min_lr", "weight_decay", "clip_grad"):
+        for name in ("lr", "min_lr", "weight_decay", "clip_grad"):  # finite in the fp32 the optimizer computes in
             value = getattr(self, name)
-            check(math.isfinite(value) and value >= 0, f"train.{name} ({value}) must be a finite number >= 0")
+            check(0 <= value <= FLOAT32_MAX, f"train.{name} ({value}) must be a finite number >= 0")
         check(self.adam_eps > 0 and math.isfinite(self.adam_eps), f"train.adam_eps ({self.adam_eps}) must be > 0")
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
