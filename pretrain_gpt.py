@@ -4,19 +4,21 @@
     torchrun --nproc-per-node N pretrain_gpt.py --config X.yaml [--set k=v ...]  # any launcher (SLURM: scripts/slurm)
     python pretrain_gpt.py --config X.yaml                                        # one process
 
-With ``--nproc-per-node`` this script is the launcher: it checks the config and the layout for N ranks before it
-starts anything (a mistake is one line, nothing spawned), then runs torchrun's own launcher in this process and ends
-with the exit code of the first rank that failed -- whose one-line error the rank printed -- without the launcher's
-traceback. Under a bare ``torchrun``, rank 0 prints the error line and torchrun adds its own failure report.
-Exit codes: 0 done, 2 a config or data error, 3 training could not go on (training/faults.py).
+With ``--nproc-per-node`` this script is the launcher (``training/launcher.py``): it checks the config and the
+layout for N ranks before it starts anything (a mistake is one line, nothing spawned), forwards SIGTERM, SIGINT and
+SIGUSR1 to the ranks, waits ``--shutdown-grace`` seconds for their checkpoint, and ends with their exit code.
+An error is one line, said once: rank 0 says it; another rank says its own only when it differs from rank 0's
+(agreed through the rendezvous store, ``training/entry.py``). Ctrl-C stops like SIGTERM (the step finishes, a
+checkpoint is saved, exit 0); a second Ctrl-C stops at once without saving (exit 130).
+Exit codes: 0 done or stopped with a checkpoint, 2 a config or data error, 3 training could not go on
+(training/faults.py: non-finite steps, a failed save, a stuck or lost rank), 130 interrupted, 128 + N killed by
+signal N.
 """
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
-import time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -25,41 +27,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value; repeatable, e.g. --set train.train_iters=5")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                   help="start N local ranks after checking the config for them (torchrun's launcher)")
+                   help="start N local ranks after checking the config for them (training/launcher.py)")
+    p.add_argument("--shutdown-grace", type=float, default=600.0, metavar="S",
+                   help="with --nproc-per-node: seconds to wait for the ranks' checkpoint after a forwarded signal")
     return p.parse_args(argv)
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Check the config for ``--nproc-per-node`` ranks, then run them with torchrun's launcher (standalone)."""
+    """Check the config for ``--nproc-per-node`` ranks, then run them (``training/launcher.py``)."""
     from megatron_lc.config import load_config, resolve_layout
+    from megatron_lc.training.launcher import launch_local
 
     resolve_layout(load_config(args.config, args.overrides), args.nproc_per_node)  # ConfigError: nothing spawned
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
     worker = []
     skip = False
-    for a in argv:  # the workers get every argument but --nproc-per-node
+    for a in argv:  # the ranks get every argument but the launcher's own
         if skip:
             skip = False
-        elif a == "--nproc-per-node":
+        elif a in ("--nproc-per-node", "--shutdown-grace"):
             skip = True
-        elif not a.startswith("--nproc-per-node="):
+        elif not a.startswith(("--nproc-per-node=", "--shutdown-grace=")):
             worker.append(a)
-    logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # the ranks report their own errors
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for N > 1, set here instead of its banner
-    try:
-        run(get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(args.nproc_per_node), __file__,
-                                          *worker]))
-    except ChildFailedError as e:
-        # the root cause: the first rank that exited by itself (the launcher then stops the others with SIGTERM)
-        exited = [(f.timestamp, r, f.exitcode) for r, f in e.failures.items() if f.exitcode > 0]
-        if exited:
-            return min(exited)[2]
-        rank, failure = min(e.failures.items())  # every failed rank was killed: it could not say anything itself
-        print(f"error: rank {rank} was killed by signal {-failure.exitcode}", file=sys.stderr)
-        return 1
-    return 0
+    return launch_local(args.nproc_per_node, os.path.abspath(__file__), worker, args.shutdown_grace)
 
 
 def main(argv=None) -> int:
@@ -67,29 +56,40 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_lc.config import ConfigError, load_config
     from megatron_lc.data import DataError
-    from megatron_lc.training.faults import TrainingError
+    from megatron_lc.training.faults import TrainingError, out_of_host_memory
+    from megatron_lc.training.launcher import follow_launcher
     from megatron_lc.training.runtime import env_world, setup_logging
 
     rank = env_world()[0]
     try:
         if args.nproc_per_node is not None:
             return launch(args, argv)
+        follow_launcher()
         setup_logging(rank)
         cfg = load_config(args.config, args.overrides)
         from megatron_lc.training.entry import run
 
         run(cfg)
     except (ConfigError, DataError) as e:
-        if rank != 0:
-            # the same config and files on every rank: rank 0 fails the same way, exits first and speaks for all (the
-            # launcher stops this rank meanwhile); a rank still alive after the wait failed alone and says why
-            time.sleep(2.0)
-        print(f"{'' if rank == 0 else f'[rank {rank}] '}error: {e}", file=sys.stderr, flush=True)
+        # said already by entry.run when the ranks could agree on it; before that (the config, the layout) every
+        # rank fails the same way and rank 0 speaks for all
+        if not getattr(e, "said", False) and rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    except TrainingError as e:  # divergence, a stuck or lost rank (megatron_lc/training/faults.py)
+    except TrainingError as e:  # divergence, a failed save, a stuck or lost rank (megatron_lc/training/faults.py)
         if rank == 0 or e.per_rank:
             print(f"error: {e}", file=sys.stderr)
         return 3
+    except (MemoryError, RuntimeError) as e:  # a failed host allocation is one line per rank that had it
+        message = out_of_host_memory(e)
+        if message is None:
+            raise
+        print(f"error: {f'rank {rank}: ' if env_world()[1] > 1 else ''}{message}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:  # Ctrl-C outside the training steps (during setup): nothing to save
+        if rank == 0:
+            print("error: interrupted (Ctrl-C) before training began: stopped without saving", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -8,6 +8,8 @@ Hooks:
     hang_in_save:N:MARKER  the save of iteration N writes its first file, touches MARKER, then sleeps (to be killed)
     hang_at_step:N:RANK    rank RANK sleeps for 10 minutes before step N (a rank that never joins a collective)
     marker_after_step:N:MARKER   touch MARKER once step N is done (to send a signal mid-run)
+    rank1_fails_first:MARKER     rank 1 touches MARKER when it is about to say its error; rank 0 builds its
+                                 dataset only after that (an order of failures that timing rarely gives)
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def install(hook: str) -> None:
     if kind == "none":
         return
     if kind == "hang_in_save":
-        from megatron_lc.training import checkpoint
+        from megatron_lc.training import checkpoint_save as checkpoint
 
         iteration, marker = int(args[0]), args[1]
         original = checkpoint.atomic_torch_save
@@ -57,6 +59,27 @@ def install(hook: str) -> None:
             return rec
 
         Trainer.train_step = patched
+    elif kind == "rank1_fails_first":
+        from megatron_lc.training import entry, setup
+
+        marker, rank = args[0], int(os.environ.get("RANK", 0))
+        if rank == 1:
+            original_say = entry.say_once
+
+            def say_once(*a):
+                _touch(marker)
+                original_say(*a)
+
+            entry.say_once = say_once
+        elif rank == 0:
+            original_build = setup.build_dataset
+
+            def build_dataset(cfg):
+                while not os.path.exists(marker):
+                    time.sleep(0.05)
+                return original_build(cfg)
+
+            setup.build_dataset = build_dataset
     else:
         raise SystemExit(f"unknown hook {hook}")
 

@@ -30,5 +30,5 @@ def build_dataset(cfg: Config):
         eod = tok.eod
     else:
         eod = cfg.model.vocab_size - 1
-    indexed = open_indexed(data_path)
+    indexed = open_indexed(data_path, cfg.model.vocab_size)
     return PackedDataset(indexed, d.seq_length, cfg.train.seed, eod)
