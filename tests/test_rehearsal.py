@@ -12,7 +12,8 @@ from tests.dist import run_dist
 def test_a_host_tensor_in_device_math_is_reported_by_the_rehearsal_only():
     got = run_dist(1, cases.host_math_fault)[0]
     assert got["clean_rehearsal"] == []
-    sites = {v["site"].rsplit(":", 1)[0] for v in got["violations"]}
-    assert got["violations"] and "megatron_lc/model/norm.py" in sites, got["violations"]
-    assert all(v["kind"] == "host pool used in device math" for v in got["violations"])
+    # the host copy is also read without waiting for its offload's event: the stream check may report that too
+    host = [v for v in got["violations"] if v["kind"] == "host pool used in device math"]
+    sites = {v["site"].split(":", 1)[0] for v in host}
+    assert host and "megatron_lc/model/norm.py" in sites, got["violations"]
     assert got["faulty"] == got["clean"]  # on the CPU the same memory: the ordinary run cannot see it
