@@ -210,3 +210,25 @@ def test_fsdp2_two_ranks_fake_allocates_as_real():
     for r in run_dist(2, _fsdp2_real_and_fake):
         assert [e for e in r["fake"] if e[0] == "malloc"] == [e for e in r["real"] if e[0] == "malloc"]
         assert r["fake_peak"] <= r["peak"]
+
+
+def _dtensor_ops(rank: int, world: int):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)  # rank 0 of 2; no collective runs
+    mesh = init_device_mesh("cpu", (2,))
+    local = torch.ones(32, 4)  # this rank's half of a [64, 4] tensor: 512 bytes
+    with DispatchTracer() as tr:
+        d = DTensor.from_local(local, mesh, [Shard(0)])
+        e = d * 2
+    return _ops(tr), tuple(e.shape)
+
+
+def test_a_dtensor_is_its_local_shard():
+    """FSDP2's parameters, gradients and AdamW states are DTensors: a wrapper whose own storage is nominal (the
+    global shape's bytes); the bytes are its local tensor's."""
+    ops, shape = run_dist(1, _dtensor_ops)[0]
+    assert shape == (64, 4) and ops == [("malloc", 0, 512)]
