@@ -168,7 +168,7 @@ class DispatchTracer(TorchDispatchMode):
         if entry is None:
             entry = _Entry(None, st.nbytes(), str(owner.device))
             self._entries[key] = entry
-            weakref.finalize(st, self._finalized, key, entry)
+            weakref.finalize(st, self._finalized, key, entry).atexit = False  # nothing to record at exit
             if counted and entry.size > 0 and self.active:
                 self._malloc(entry, entry.size)
         return entry
