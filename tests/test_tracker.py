@@ -89,6 +89,22 @@ def test_ops_that_grow_an_input_allocate():
                         ("malloc", 2, 40)]
 
 
+def test_request_ids_follow_resizes_and_events_is_the_live_list():
+    """``request_id``: a storage's trace id now (a resize gives a new one); ``events`` (no device selected) is the
+    tracker's own list, so a holder reads the next event's position from its length, also after ``forget``."""
+    pre = torch.empty(3)
+    with DispatchTracer() as tr:
+        held = tr.events
+        x, y = torch.empty(10), torch.empty(5)
+        assert (tr.request_id(x), tr.request_id(y), tr.request_id(pre), len(held)) == (0, 1, None, 2)
+        x.untyped_storage().resize_(0)
+        assert tr.request_id(x) is None
+        x.untyped_storage().resize_(40)
+        assert tr.request_id(x) == 2 and len(held) == 4
+        tr.forget(y)
+        assert held is tr.events and [e.id for e in held] == [0, 0, 2]
+
+
 def test_a_storage_freed_in_another_thread_is_freed():
     box = []
     with DispatchTracer() as tr:
