@@ -13,7 +13,8 @@ One tracker for the memory planner's trace capture (``capture.py``), the estimat
   FSDP2 frees its unsharded parameters that way (``free_storage``/``alloc_storage``);
 - **per device**: each storage carries the device of the tensor it was first seen on (a fake tensor's own device:
   ``cpu``, ``meta`` or ``cuda``, not its storage's ``meta``); ``trace(device="cuda")`` or ``peak("meta")`` select
-  one device's storages, so a rehearsal counts the stand-in accelerator apart from host memory;
+  one device's storages, so a rehearsal whose stand-in accelerator is another device than the host (``meta``) can
+  count it apart from host memory; ``request_id(t)`` names a storage's current id (to classify one by identity);
 - **the same for real and fake tensors**: a ``FakeTensorMode`` is an infrastructure mode that runs below every user
   mode, so the tracker sees fake tensors whether it was entered inside or outside the fake mode. Storages of
   wrapper subclasses (DTensor) are their inner tensors' storages.
@@ -51,7 +52,8 @@ from .trace import Event, Trace
 @dataclass
 class Peak:
     """The largest live bytes of a selection of storages, and the moment: ``at`` is the position of the event
-    that reached it (-1: nothing allocated), ``layer``/``phase`` that event's mark."""
+    that reached it in the selected events (the line of ``trace(device)``; -1: nothing allocated),
+    ``layer``/``phase`` that event's mark."""
 
     bytes: int
     at: int
