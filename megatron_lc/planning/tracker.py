@@ -3,9 +3,10 @@
 One tracker for the memory planner's trace capture (``capture.py``), the estimator's calibration peaks
 (``estimate/measure.py``) and a rehearsal under fake tensors. It is a ``TorchDispatchMode``:
 
-- **identity, not address**: a storage is keyed by its ``StorageImpl`` (``untyped_storage()._cdata``), never by
-  ``data_ptr()`` -- every fake storage reports address 0. A weak finalizer on the storage's Python object (which
-  lives exactly as long as the ``StorageImpl``) emits the free, in whatever thread drops the storage last;
+- **identity, not address**: a storage is keyed by its ``StorageImpl`` (``device.storage_id``; a bare storage's
+  ``_cdata``, the same number), never by ``data_ptr()`` -- every fake storage reports address 0. A weak finalizer
+  on the storage's Python object (which lives exactly as long as the ``StorageImpl``) emits the free, in whatever
+  thread drops the storage last;
 - **size, not creation**: the tracker counts each storage's *current* ``nbytes``. A storage an op creates is a
   malloc; ``UntypedStorage.resize_`` (not an op: patched while a tracker is active) and ops that resize an input
   (``aten.resize_``, ``out=`` arguments, ``inductor.resize_storage_bytes_``) change it: ``resize_(0)`` is a free,
@@ -46,6 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from ..device import storage_id
 from .trace import Event, Trace
 
 
@@ -222,7 +224,7 @@ class DispatchTracer(TorchDispatchMode):
 
     # ---- naming and leaving out ---------------------------------------------------------------------------------
     def _current(self, tensor: torch.Tensor) -> Optional[_Entry]:
-        return self._entries.get(tensor.untyped_storage()._cdata)
+        return self._entries.get(storage_id(tensor))
 
     def request_id(self, tensor: torch.Tensor) -> Optional[int]:
         """The trace id of ``tensor``'s storage now (None: no bytes of it counted now -- created before the tracker
