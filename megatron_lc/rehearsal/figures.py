@@ -91,8 +91,7 @@ def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict
 
 
 def _thin(series: list, moments: Moments) -> dict:
-    """About ``SERIES_POINTS`` points of the device series (each the max of its stretch) and the moments' starts."""
+    """About ``SERIES_POINTS`` points of the device series (each the max of its stretch) and every moment's start."""
     step = max(1, len(series) // SERIES_POINTS)
     points = [[i, max(series[i:i + step])] for i in range(0, len(series), step)]
-    marks = [[i, label] for i, label in moments.log if " layer " not in label or " layer 0 " in label]
-    return {"events": len(series), "points": points, "marks": marks}
+    return {"events": len(series), "points": points, "marks": [[i, label] for i, label in moments.log]}
