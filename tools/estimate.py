@@ -22,12 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from megatron_lc.config.cli import add_config_arguments  # noqa: E402  (after the path)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="training config (YAML)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config value before estimating (repeatable)")
+    add_config_arguments(p, "before estimating")
     p.add_argument("--hardware", default="h100", help="profile name in configs/hardware/ or a YAML path")
     p.add_argument("--gpus", type=int, default=None, help="number of GPUs (default: one node of the profile)")
     p.add_argument("--auto", action="store_true", help="search layouts and print the best that fit")

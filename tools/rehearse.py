@@ -29,12 +29,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from megatron_lc.config.cli import add_config_arguments  # noqa: E402  (after the path)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="training config (YAML)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config value (repeatable)")
+    add_config_arguments(p)
     p.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node (default: the profile's GPUs)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes")
     p.add_argument("--ranks", default="all", help="ranks to rehearse: all, or a list like 0,7")
