@@ -3,6 +3,7 @@ process group -- every layout family on 8 simulated ranks of the tiny model to t
 in device math reported (and unnoticed by an ordinary CPU run), the summary line as documented."""
 from __future__ import annotations
 
+import os
 import re
 
 from tests import dist_cases_rehearsal as cases
@@ -47,3 +48,26 @@ def test_every_layout_family_rehearses_on_8_ranks_to_the_end_of_2_steps():
             assert 0 < dev["setup_peak_bytes"] <= dev["peak_bytes"], (name, rank, dev)
             assert r["violations"] == [], (name, rank, r["violations"])
             assert r["comm_bytes_per_step"], (name, rank)
+
+
+def test_the_command_line_prints_the_summary_line_last_and_writes_its_json(tmp_path):
+    """``tools/rehearse.py``: one rank of two of the tiny config; the last line as documented, the JSON beside it;
+    bad input is one line (exit 2) before any rank starts."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = [sys.executable, os.path.join(root, "tools", "rehearse.py"), "--config", "configs/tiny_cpu.yaml",
+            "--nproc-per-node", "2", "--set", "train.global_batch_size=8"]
+    out = subprocess.run(base + ["--ranks", "1", "--out", str(tmp_path / "r.json")], cwd=root, capture_output=True,
+                         text=True)
+    last = out.stdout.strip().splitlines()[-1]
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.fullmatch(r"rehearsal: 1 ranks, max peak device \d+\.\d\d GiB \(estimator \d+\.\d\d GiB, [+-]\d+\.\d%\), "
+                        r"max host \d+\.\d\d GiB, 0 violations", last), last
+    report = json.load(open(tmp_path / "r.json"))
+    assert list(report["ranks"]) == ["1"] and report["summary"]["world"] == 2
+    bad = subprocess.run(base + ["--ranks", "5"], cwd=root, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: --ranks ('5'): ranks must be in [0, 2) for 2 ranks"], bad.stderr
