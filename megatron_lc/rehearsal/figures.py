@@ -18,20 +18,33 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def classify(tracer, trainer, offloaded: bool) -> tuple[dict, set]:
-    """({request id: part} for the model states alive at the end, the ids that live on the host)."""
-    params = [_local(p) for p in trainer.model.parameters()]
-    grads = [_local(p.grad) for p in trainer.model.parameters() if p.grad is not None]
-    states = [_local(v) for st in trainer.optimizer.state.values() for v in st.values() if hasattr(v, "shape")]
-    parts = {}
-    for name, ts in (("parameters", params), ("gradients", grads), ("optimizer states", states)):
-        for i in _storages(tracer, ts):
-            parts.setdefault(i, name)
-    pool = trainer.ctx.host_pool
-    host = _storages(tracer, [pool.data])
-    if offloaded:  # FSDP2's CPU offload: shards, gradients and AdamW states on the host
-        host |= {i for i, name in parts.items()}
-    return parts, host
+class ModelStates:
+    """The request ids of the parameters, gradients and optimizer states, taken at every optimizer step (each
+    step's gradients are new storages) -- hooks on the optimizer (``install``)."""
+
+    def __init__(self, tracer, trainer):
+        self.tracer, self.trainer = tracer, trainer
+        self.parts: dict = {}  # request id -> "parameters" | "gradients" | "optimizer states"
+
+    def install(self) -> None:
+        opt = self.trainer.optimizer
+        opt.register_step_pre_hook(lambda o, args, kwargs: self.take())
+        opt.register_step_post_hook(lambda o, args, kwargs: self.take())
+
+    def take(self) -> None:
+        model, opt = self.trainer.model, self.trainer.optimizer
+        params = [_local(p) for p in model.parameters()]
+        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+        states = [_local(v) for st in opt.state.values() for v in st.values() if hasattr(v, "shape")]
+        for name, ts in (("parameters", params), ("gradients", grads), ("optimizer states", states)):
+            for i in _storages(self.tracer, ts):
+                self.parts.setdefault(i, name)
+
+    def host(self, offloaded: bool) -> set:
+        """What lives on the host: the host pool's allocation and, with FSDP2's CPU offload, every shard, gradient
+        and AdamW state."""
+        host = _storages(self.tracer, [self.trainer.ctx.host_pool.data])
+        return host | set(self.parts) if offloaded else host
 
 
 def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict:

@@ -28,7 +28,7 @@ from ..device.stream_check import StreamCheck
 from ..parallel.topology import Topology
 from ..planning.tracker import DispatchTracer
 from ..training.loop import Trainer
-from .figures import classify, rank_figures
+from .figures import ModelStates, rank_figures
 from .host_check import HostMathCheck
 from .moments import Moments
 from .world import fake_world
@@ -78,6 +78,8 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
             host_math.pools.append(trainer.ctx.host_pool)
             seconds["setup"] = time.perf_counter() - t0
             moments.install(trainer.model, trainer.optimizer)
+            states = ModelStates(tracer, trainer)
+            states.install()
             seconds["steps"] = []
             for k in range(steps):
                 topo.comm.reset()  # the bytes of one step (the last)
@@ -87,7 +89,8 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
                 trainer.state.iteration += 1
                 seconds["steps"].append(time.perf_counter() - t0)
         trace = tracer.trace()
-        parts, host = classify(tracer, trainer, cfg.parallel.use_torch_fsdp2 and cfg.parallel.fsdp_cpu_offload)
+        states.take()  # (those alive at the end)
+        parts, host = states.parts, states.host(cfg.parallel.use_torch_fsdp2 and cfg.parallel.fsdp_cpu_offload)
         out = {"rank": rank, "world": world, "seconds": seconds, "events": len(trace.events)}
         out.update(rank_figures(trace, moments, parts, host))
         out["host"].update(host_figures(trainer))
