@@ -9,6 +9,7 @@ The search reads the sections (maximal cliques of live buffers) and keys counted
 id (planning/sections.py); before, a trace of B answered "undecided" after 20 s where its CSV was feasible in
 0.2 s."""
 import csv
+import json
 import os
 import random
 
@@ -125,3 +126,22 @@ def test_peak_minimising_mode_reaches_the_capacity(name, tmp_path):
     plan = plan_flat(trace, solver="search", time_limit=4.0 if name in "DJ" else 2.0, alignment=1)
     assert plan.peak_bytes <= CAPACITY, (plan.peak_bytes, plan.solver)
     plan.validate(trace)
+
+
+def test_cli_writes_the_csv_as_a_trace_and_plans_it(tmp_path, capsys):
+    """``plan_memory.py X.csv --write-trace X.jsonl``: the CSV as malloc/free events (frees first at one time); the
+    written trace is then decided at the capacity like the CSV."""
+    from tools.plan_memory import main
+
+    needs_native()
+    src, out = os.path.join(DATA, "B.1048576.csv"), str(tmp_path / "B.jsonl")
+    assert main([src, "--write-trace", out]) == 0
+    capsys.readouterr()
+    written = Trace.load(out)
+    assert [(r.id, r.size) for r in written.requests()] == [(r.id, r.size) for r in Trace.load_csv(src).requests()]
+    assert written.overlap_times() == Trace.load_csv(src).overlap_times()
+    plan = str(tmp_path / "plan.json")
+    assert main([out, "--out", plan, "--alignment", "1", "--capacity", str(CAPACITY), "--time-limit", "5"]) == 0
+    assert json.loads(capsys.readouterr().out)["answer"] == "feasible"
+    with pytest.raises(SystemExit):
+        main([src])  # neither --out nor --write-trace
