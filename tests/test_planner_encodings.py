@@ -1,9 +1,10 @@
 """One instance, many ways to write it: the planner's answer does not depend on the encoding. Every MiniMalloc
 challenging instance and a few of our own traces, as MiniMalloc's CSV (its times), the trace written from it
 (event positions), its times compressed to ranks, its times stretched with random gaps, and its ids permuted (rows
-shuffled): the exact search on the C core decides each one feasible at the capacity within 1 s, trying the same
-nodes in every encoding; the planner builds the same instance from each; the peak-minimising mode ends at or
-under the capacity within its time limit.
+shuffled): the exact search on the C core decides each one feasible at the capacity, trying the same nodes in
+every encoding, at most NODE_BUDGET of them (1 s of search: the slowest, K, tries 76,450 in 0.29 s here unloaded;
+a node count, not a clock, decides the test); the planner builds the same instance from each; the peak-minimising
+mode ends at or under the capacity within its time limit.
 
 The search reads the sections (maximal cliques of live buffers) and keys counted in them, never a time unit or an
 id (planning/sections.py); before, a trace of B answered "undecided" after 20 s where its CSV was feasible in
@@ -28,6 +29,7 @@ DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     "minimalloc_challenging")
 CAPACITY = 1048576  # MiniMalloc solves each challenging instance at this capacity (the files' names)
 CHALLENGING = "ABCDEFGHIJK"
+NODE_BUDGET = 150_000  # placements; ~3.8 us each on the C core here (K: 76,450 in 0.29 s), so well within 1 s
 
 
 def csv_rows(name: str) -> list:
@@ -72,12 +74,13 @@ def needs_native():
 
 
 def assert_same_search(traces: dict, capacity: int) -> None:
-    """fit on every encoding: feasible within 1 s on the C core, a valid plan, the same nodes tried."""
+    """fit on every encoding: feasible on the C core within NODE_BUDGET nodes, a valid plan, the same nodes tried.
+    The time limit is generous so that a loaded machine cannot decide the outcome; the budget is the 1 s."""
     nodes = {}
     for name, trace in traces.items():
         inst = raw_instance(trace)
-        r = fit(inst, capacity, time_limit=1.0, backend="native")
-        assert r.status == FEASIBLE, (name, r.status, r.nodes, r.seconds)
+        r = fit(inst, capacity, time_limit=30.0, backend="native")
+        assert r.status == FEASIBLE and r.nodes <= NODE_BUDGET, (name, r.status, r.nodes, r.seconds)
         validate(list(range(inst.n)), inst.height, inst.start, inst.end, r.offsets, capacity)
         nodes[name] = r.nodes
     assert len(set(nodes.values())) == 1, nodes
@@ -120,10 +123,10 @@ def test_peak_minimising_mode_reaches_the_capacity(name, tmp_path):
     """plan_flat (greedy, then the exact search minimising the peak) on the trace written from the CSV, as
     ``tools/plan_memory.py TRACE.jsonl --alignment 1`` runs it: at or under MiniMalloc's capacity. At the bound
     (9 of 11) the first search decides; D and J (bound 986,112 and 989,184) bisect from greedy's peak (measured
-    here: 1,024,000 and 1,035,264 in 4 s, at most 1,048,576 in 1 s)."""
+    here: 1,024,000 and 1,035,264 in 4 s, 1,024,000 and 1,046,528 in 1 s): 6 s leaves room for a loaded machine."""
     needs_native()
     trace = encodings(csv_rows(name), tmp_path)["trace"]
-    plan = plan_flat(trace, solver="search", time_limit=4.0 if name in "DJ" else 2.0, alignment=1)
+    plan = plan_flat(trace, solver="search", time_limit=6.0 if name in "DJ" else 2.0, alignment=1)
     assert plan.peak_bytes <= CAPACITY, (plan.peak_bytes, plan.solver)
     plan.validate(trace)
 

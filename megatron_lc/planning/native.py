@@ -126,8 +126,9 @@ def fit_native(lib: ctypes.CDLL, p: Prepared, capacity: int, runs: tuple, time_l
     code = lib.dsa_fit(p.n, p.S, arr(p.height), arr(p.reach), arr(p.first), arr(span[:, 0]), arr(span[:, 1]),
                        arr(p.run_ptr), arr(p.run_lo), arr(p.run_hi), arr(p.run_h), arr(p.total), arr(p.cuts),
                        arr(p.adj_ptr), arr(p.adj_j), arr(p.adj_e), arr(p.members), arr(p.ptr), arr(p.byfirst),
-                       arr(p.pf), arr(p.width), arr(p.area), arr(p.events), arr(p.canon), arr(p.adj_rev), len(parts), arr(parts), len(runs), arr(heur),
-                       int(capacity), float(time_limit), arr(sol), ctypes.byref(nodes))
+                       arr(p.pf), arr(p.width), arr(p.area), arr(p.events), arr(p.canon), arr(p.adj_rev), len(parts),
+                       arr(parts), len(runs), arr(heur), int(capacity), float(time_limit), arr(sol),
+                       ctypes.byref(nodes))
     if code == NOMEM:
         raise MemoryError("the native DSA search ran out of memory")
     return code, sol, int(nodes.value)
