@@ -164,8 +164,9 @@ def test_challenging_instance_at_capacity(backend):
 
 @pytest.mark.parametrize("name", "ABCDEFGHIJK")
 def test_native_solves_the_challenging_set_at_capacity(name):
-    """The C core at MiniMalloc's capacity, 10 s each (Python needs ~8 s for B): measured 0.03-0.5 s here. H and I
-    need the parts of a decomposition preordered anew (undecided after millions of nodes without)."""
+    """The C core at MiniMalloc's capacity, 10 s each: measured 0.01-0.35 s here (1,045-76,450 nodes). H and I
+    need the parts of a decomposition preordered anew, E, G and I the backjumping runs (undecided at 3 s, after
+    0.9-3.2M nodes, without them)."""
     if native.load() is None:
         pytest.skip(f"the native search core cannot be built here: {native.why_not()}")
     inst = csv_rects(os.path.join(DATA, f"{name}.1048576.csv"))
@@ -215,8 +216,8 @@ def test_capacity_mode_three_answers(tmp_path, capsys, backend):
     assert ans == FEASIBLE and plan.peak_bytes <= 2 * lb
     plan.validate(t)
     assert plan_capacity(t, lb - 1, alignment=1) == (INFEASIBLE, None)  # below the bound
-    # E at its bound: greedy does not fit and 50 ms of search decide nothing (the C core needs 0.1 s for A)
-    hard = os.path.join(DATA, "E.1048576.csv")
+    # K at its bound: greedy does not fit and 50 ms of search decide nothing (the C core needs 76,450 nodes, ~0.3 s)
+    hard = os.path.join(DATA, "K.1048576.csv")
     assert plan_capacity(Trace.load_csv(hard), 1048576, time_limit=0.05, alignment=1) == (UNDECIDED, None)
     csv_path = os.path.join(DATA, "A.1048576.csv")
     assert main([csv_path, "--out", out, "--alignment", "1", "--capacity", str(2 * lb)]) == 0
