@@ -71,14 +71,16 @@ def challenging(time_limit: float, tmp: str) -> list:
     """Per instance of MiniMalloc's challenging set, side by side for its two encodings -- the CSV with its times
     as published, and the trace written from it (``plan_memory.py X.csv --write-trace``: malloc/free events, event
     positions as times): the max-live bound, greedy's peak, the capacity mode at MiniMalloc's capacity (answer,
-    seconds, search nodes, plan validated) on the C core and on the Python search (the C core only when it
-    builds), the peak-minimising mode started from the capacity mode's plan (``solve_dsa`` with ``auto``: greedy,
-    search, CP-SAT if installed), and what ``plan_memory.py X --alignment 1`` ends with (``plan_flat``, no start)."""
+    seconds, search nodes, plan validated) on the planner's instance (``planner.flat_instance``: times counted in
+    runs of mallocs and frees) on the C core and on the Python search (the C core only when it builds), the same
+    search on the encoding's own times (C core), the peak-minimising mode started from the capacity mode's plan
+    (``solve_dsa`` with ``auto``: greedy, search, CP-SAT if installed), and what ``plan_memory.py X --alignment 1``
+    ends with (``plan_flat``, no start)."""
     import numpy as np
 
     from megatron_lc.planning import native
     from megatron_lc.planning.dsa import solve_dsa
-    from megatron_lc.planning.planner import plan_flat
+    from megatron_lc.planning.planner import flat_instance, plan_flat
     from megatron_lc.planning.search import fit
     from megatron_lc.planning.solvers import PlanError, Rects, best_greedy, validate
     from megatron_lc.planning.trace import Trace
@@ -94,17 +96,17 @@ def challenging(time_limit: float, tmp: str) -> list:
         for enc in ENCODINGS:
             trace = traces[enc]
             reqs = trace.requests()
-            size, lower, upper = (np.array([getattr(r, k) for r in reqs]) for k in ("size", "start", "end"))
-            inst = Rects.flat(size, lower, upper)  # the encoding's own times: CSV times or event positions
+            own = Rects.flat(*(np.array([getattr(r, k) for r in reqs]) for k in ("size", "start", "end")))
+            inst = flat_instance(trace, 1)[2]  # what the planner searches: times in runs of mallocs and frees
 
-            def capacity_mode(backend: str) -> tuple:
+            def capacity_mode(backend: str, inst=inst) -> tuple:
                 t0 = time.perf_counter()
                 r = fit(inst, cap, time_limit=time_limit, backend=backend)
                 secs = time.perf_counter() - t0
                 valid = None
                 if r.offsets is not None:
                     try:
-                        validate(list(range(len(size))), size, lower, upper, r.offsets, cap)
+                        validate(list(range(inst.n)), inst.height, inst.start, inst.end, r.offsets, cap)
                         valid = True
                     except PlanError:
                         valid = False
@@ -115,6 +117,7 @@ def challenging(time_limit: float, tmp: str) -> list:
             if native.load() is not None:
                 r, modes["capacity_mode"] = capacity_mode("native")
                 modes["capacity_mode_python"] = capacity_mode("python")[1]
+                modes["capacity_mode_own_times"] = capacity_mode("native", own)[1]
             else:
                 r, modes["capacity_mode"] = capacity_mode("python")
             valid = modes["capacity_mode"]["validated"]
@@ -132,7 +135,8 @@ def challenging(time_limit: float, tmp: str) -> list:
             modes["plan_memory"] = {"peak_bytes": plan.peak_bytes, "at_or_under_capacity": plan.peak_bytes <= cap,
                                     "status": plan.status, "solver": plan.solver,
                                     "seconds": round(time.perf_counter() - t0, 2)}
-            row[enc] = {"lower_bound_bytes": inst.lower_bound(), "greedy_peak_bytes": best_greedy(inst)[1], **modes}
+            row[enc] = {"lower_bound_bytes": inst.lower_bound(), "greedy_peak_bytes": best_greedy(inst)[1],
+                        "greedy_peak_bytes_own_times": best_greedy(own)[1], **modes}
         row["minimalloc_published"] = {"capacity_bytes": cap, "solved": True, "seconds": "not published per instance"}
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)

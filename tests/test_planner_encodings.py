@@ -1,14 +1,14 @@
 """One instance, many ways to write it: the planner's answer does not depend on the encoding. Every MiniMalloc
 challenging instance and a few of our own traces, as MiniMalloc's CSV (its times), the trace written from it
 (event positions), its times compressed to ranks, its times stretched with random gaps, and its ids permuted (rows
-shuffled): the exact search on the C core decides each one feasible at the capacity, trying the same nodes in
-every encoding, at most NODE_BUDGET of them (1 s of search: the slowest, K, tries 76,450 in 0.29 s here unloaded;
-a node count, not a clock, decides the test); the planner builds the same instance from each; the peak-minimising
-mode ends at or under the capacity within its time limit.
+shuffled): the planner builds the same instance from each (times counted in runs of mallocs and frees, items in a
+canonical order), the capacity mode answers feasible for each, the exact search on the C core decides it within
+NODE_BUDGET nodes (1 s of search: the slowest, K, tries 55,560 in ~0.2 s here; a node count, not a clock, decides
+that part), and the peak-minimising mode ends at or under the capacity within its time limit.
 
-The search reads the sections (maximal cliques of live buffers) and keys counted in them, never a time unit or an
-id (planning/sections.py); before, a trace of B answered "undecided" after 20 s where its CSV was feasible in
-0.2 s."""
+Before, the planner handed the search each encoding's own times: a trace of B answered "undecided" after 20 s
+where its CSV was feasible in 0.2 s (and the search's sections differed: a trace's frees one event apart each made
+a section of their own)."""
 import csv
 import json
 import os
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from megatron_lc.planning import native
-from megatron_lc.planning.planner import flat_instance, plan_flat
+from megatron_lc.planning.planner import flat_instance, plan_capacity, plan_flat
 from megatron_lc.planning.search import FEASIBLE, fit
-from megatron_lc.planning.solvers import Rects, validate
+from megatron_lc.planning.solvers import Rects
 from megatron_lc.planning.synth import LlamaShape, llama_iteration_trace, llama_layer_trace
 from megatron_lc.planning.trace import Trace
 from tests.test_planner import random_trace
@@ -29,7 +29,7 @@ DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     "minimalloc_challenging")
 CAPACITY = 1048576  # MiniMalloc solves each challenging instance at this capacity (the files' names)
 CHALLENGING = "ABCDEFGHIJK"
-NODE_BUDGET = 150_000  # placements; ~3.8 us each on the C core here (K: 76,450 in 0.29 s), so well within 1 s
+NODE_BUDGET = 150_000  # placements; ~4 us each on the C core here (K: 55,560 in ~0.2 s), so well within 1 s
 
 
 def csv_rows(name: str) -> list:
@@ -68,20 +68,26 @@ def raw_instance(trace: Trace) -> Rects:
     return Rects.flat([r.size for r in reqs], [r.start for r in reqs], [r.end for r in reqs])
 
 
+def capacity_of(trace: Trace) -> int:
+    return raw_instance(trace).lower_bound()
+
+
 def needs_native():
     if native.load() is None:
         pytest.skip(f"the native search core cannot be built here: {native.why_not()}")
 
 
-def assert_same_search(traces: dict, capacity: int) -> None:
-    """fit on every encoding: feasible on the C core within NODE_BUDGET nodes, a valid plan, the same nodes tried.
-    The time limit is generous so that a loaded machine cannot decide the outcome; the budget is the 1 s."""
+def assert_same_answer(traces: dict, capacity: int) -> None:
+    """Every encoding: the capacity mode answers feasible (a plan, validated against that encoding's trace); the
+    exact search on the planner's instance decides it on the C core within NODE_BUDGET nodes, the same nodes in
+    every encoding. Time limits are generous, so that a loaded machine cannot decide the outcome."""
     nodes = {}
     for name, trace in traces.items():
-        inst = raw_instance(trace)
-        r = fit(inst, capacity, time_limit=30.0, backend="native")
+        answer, plan = plan_capacity(trace, capacity, time_limit=30.0, alignment=1)
+        assert answer == FEASIBLE and plan.peak_bytes <= capacity, (name, answer)
+        plan.validate(trace)
+        r = fit(flat_instance(trace, 1)[2], capacity, time_limit=30.0, backend="native")
         assert r.status == FEASIBLE and r.nodes <= NODE_BUDGET, (name, r.status, r.nodes, r.seconds)
-        validate(list(range(inst.n)), inst.height, inst.start, inst.end, r.offsets, capacity)
         nodes[name] = r.nodes
     assert len(set(nodes.values())) == 1, nodes
 
@@ -89,7 +95,7 @@ def assert_same_search(traces: dict, capacity: int) -> None:
 @pytest.mark.parametrize("name", CHALLENGING)
 def test_challenging_instance_in_every_encoding(name, tmp_path):
     needs_native()
-    assert_same_search(encodings(csv_rows(name), tmp_path), CAPACITY)
+    assert_same_answer(encodings(csv_rows(name), tmp_path), CAPACITY)
 
 
 OWN = {"random-60": lambda: random_trace(60, 5),
@@ -103,7 +109,7 @@ def test_own_trace_in_every_encoding(name, tmp_path):
     """Our traces at their max-live bound (where the planner puts them)."""
     needs_native()
     traces = encodings(trace_rows(OWN[name]()), tmp_path)
-    assert_same_search(traces, raw_instance(traces["trace"]).lower_bound())
+    assert_same_answer(traces, capacity_of(traces["trace"]))
 
 
 @pytest.mark.parametrize("name", list(CHALLENGING) + sorted(OWN))

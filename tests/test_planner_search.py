@@ -120,15 +120,16 @@ def test_sections_and_decomposition(backend):
     assert [sorted(g.tolist()) for g, _, _ in p.partitions] == [[0, 1, 2], [3, 4]]
     assert dict(zip(*p.adj[0])) == {1: 2, 2: 2}
     assert p.byfirst.tolist() == [0, 1, 2, 3, 4] and p.pf.tolist() == [0, 2, 3, 5]
-    # keys count sections: lifetime a 2, b 1, c 1; area a 4, b 1, c 3; events (starts and ends per section: 3, 3)
-    assert p.width.tolist()[:3] == [2, 1, 1] and p.area.tolist()[:3] == [4, 1, 3] and p.events.tolist()[:3] == [6, 3, 3]
+    # lifetime and area in time units (a 4 and 8, b 1 and 1, c 3 and 9); events counted in sections (starts and
+    # ends per section: 3, 3)
+    assert p.width.tolist()[:3] == [4, 1, 3] and p.area.tolist()[:3] == [8, 1, 9] and p.events.tolist()[:3] == [6, 3, 3]
     # preorders: T is the largest of the given per-section totals (the bytes still unplaced when a part starts);
     # ties go by canonical position (first section, last section, height descending)
     items = np.array([0, 1, 2])
     assert p.rank("T", items, p.total).tolist() == [0, 2, 1]  # T: a 5, b 3, c 5 (a before c: first section)
     assert p.rank("T", items, np.array([1, 3, 2])).tolist() == [0, 2, 1]  # T: a 3, b 1, c 3
     assert p.rank("T", items, np.array([3, 1, 2])).tolist() == [1, 0, 2]  # T: a 3, b 3 (b first: ends first), c 1
-    assert p.rank("WT", items, np.array([1, 3, 2])).tolist() == [0, 2, 1]  # W: a 2, b 1, c 1; then T
+    assert p.rank("WT", items, np.array([1, 3, 2])).tolist() == [0, 2, 1]  # W: a 4, c 3, b 1
     assert p.rank("Z", items, p.total).tolist() == [1, 2, 0]  # height: c 3, a 2, b 1
     r = fit(inst, 5)
     assert r.status == FEASIBLE
@@ -136,14 +137,14 @@ def test_sections_and_decomposition(backend):
 
 
 def test_sections_read_only_the_overlap_order():
-    """The same instance with times stretched, compressed or ids permuted prepares to the same arrays (up to the
-    renumbering): the search sees no time unit and no id. MiniMalloc's CSV times and a trace's event positions give
-    one answer."""
+    """The same instance with times stretched, compressed or ids permuted prepares to the same sections, cuts and
+    events (up to the renumbering), ties in a canonical order, never by id; only lifetime and area are in the
+    instance's time unit (the planner hands the search runs of mallocs and frees)."""
     base = Rects.flat([2, 1, 3, 1, 1], [0, 1, 3, 8, 9], [4, 2, 6, 10, 11])
     stretched = Rects.flat([2, 1, 3, 1, 1], [0, 10, 37, 1000, 1001], [40, 20, 100, 1002, 5000])
     p, q = prepare(base), prepare(stretched)
-    for k in ("total", "cuts", "width", "area", "events", "canon", "first"):
-        assert getattr(p, k).tolist() == getattr(q, k).tolist(), k
+    for k in ("total", "cuts", "events", "first", "span", "partitions"):
+        assert str(getattr(p, k)) == str(getattr(q, k)), k
     perm = np.array([3, 0, 4, 2, 1])  # item k of the permuted instance is item perm[k] of base
     permuted = Rects.flat(*(np.array(v)[perm] for v in ([2, 1, 3, 1, 1], [0, 1, 3, 8, 9], [4, 2, 6, 10, 11])))
     r = prepare(permuted)
@@ -187,7 +188,7 @@ def test_backends_try_the_same_nodes(seed):
             assert (a.status, a.nodes) == (b.status, b.nodes)
             assert a.offsets is None or (a.offsets == b.offsets).all()
     if seed in (0, 1):  # published instances, each decided by a backjumping run
-        name, expect = [("J", 1559), ("G", 1116)][seed]
+        name, expect = [("J", 601), ("H", 1130)][seed]
         inst = csv_rects(os.path.join(DATA, f"{name}.1048576.csv"))
         a, b = fit(inst, 1048576, backend="python"), fit(inst, 1048576, backend="native")
         assert (a.status, a.nodes) == (b.status, b.nodes) == (FEASIBLE, expect) and (a.offsets == b.offsets).all()

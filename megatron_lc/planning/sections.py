@@ -7,12 +7,14 @@ in time exactly when their ranges intersect. Example: a [0, 4), b [1, 2), c [3, 
 b ends at 2) and {a, c} (before a ends at 4); {c} before 6 is no section (nothing started since 4, it lies in
 {a, c}): a covers 0-1, b 0, c 1.
 
-Only the overlap order and the sizes reach the search: the sections are the same for any times that order the
-starts and ends alike (event positions of a trace, MiniMalloc's times, the same stretched or compressed), and the
-preorder keys count sections, not time units: an item's *lifetime* is the number of sections it covers, its *area*
-its bytes times sections, its *events* the starts and ends in those sections. Ties go by a canonical position
-(first section, last section, height descending, area descending), so renumbering the items changes nothing but
-which of two identical items is which.
+The sections, the cuts and the *events* key (the starts and ends in an item's sections) are the same for any times
+that order the starts and ends alike (event positions of a trace, MiniMalloc's times, the same stretched or
+compressed). The *lifetime* and *area* keys are in the instance's own time unit, as MiniMalloc's: the planner gives
+the search times that count runs of mallocs and frees (``planner.flat_instance``), so that what reaches it from a
+trace is only the overlap order and the sizes; the bi-level second level keeps the trace's event positions, where a
+layer block's lifetime counts its inner events (which its rectangles do not show). Ties go by a canonical position
+(first section, last section, height descending, area descending), never by index, so renumbering the items changes
+nothing but which of two identical items is which.
 
 Per item (a request, or a bi-level skyline of several rectangles on one base): its runs ``(lo, hi, height)`` over
 sections, its span (first and last section), its height, its *reach* (height plus the background above it, so its
@@ -48,8 +50,8 @@ class Prepared:
     members: np.ndarray  # the items covering each section, section by section
     ptr: np.ndarray  # section s's members are members[ptr[s]:ptr[s + 1]]
     partitions: list  # [(items, lo, hi)]: independent section ranges and their items
-    area: np.ndarray  # item -> sum over its rectangles of height x sections covered
-    width: np.ndarray  # item -> lifetime: sections from its first to its last
+    area: np.ndarray  # item -> sum over its rectangles of height x duration
+    width: np.ndarray  # item -> lifetime (last end - first start)
     events: np.ndarray  # item -> starts and ends of rectangles in the sections from its first to its last
     canon: np.ndarray  # item -> canonical position, the preorders' last key (see the module docstring)
     # the same facts flattened for the C core (native.py): runs and neighbours as CSR (item i's are [ptr[i],
@@ -67,10 +69,9 @@ class Prepared:
 
     def rank(self, heuristic: str, items: np.ndarray, total: np.ndarray) -> np.ndarray:
         """Preorder rank (0 first) of each of ``items`` among them: by the letters of ``heuristic`` in turn, each
-        descending -- W lifetime, A area, V events (all three counted in sections), T the largest of ``total``
-        (bytes still unplaced per section) over the sections it covers, Z height -- then by canonical position.
-        Example: heights 1, 2 on [0, 4), [1, 2), [3, 6) (sections {0, 1}, {0, 2}): "WA" ranks item 0 first (two
-        sections), "Z" item 1."""
+        descending -- W lifetime, A area, V events, T the largest of ``total`` (bytes still unplaced per section)
+        over the sections it covers, Z height -- then by canonical position. Example: heights 1, 2 on [0, 4),
+        [1, 2): "WA" ranks item 0 first (longer), "Z" item 1."""
         tmax = np.array([max(int(total[lo:hi].max()) for lo, hi, _ in self.runs[i]) for i in items.tolist()],
                         dtype=np.int64).reshape(-1)
         keys = {"W": self.width[items], "A": self.area[items], "V": self.events[items], "T": tmax,
@@ -118,8 +119,12 @@ def prepare(inst: Rects) -> Prepared:
     cuts = np.cumsum(dc)[:max(S - 1, 0)]
 
     area = np.zeros(n, dtype=np.int64)
-    np.add.at(area, ri, rh * (hi - lo))
-    width = sp[:, 1] - sp[:, 0]
+    np.add.at(area, ri, rh * (re - rs))
+    first = np.full(n, np.iinfo(np.int64).max)
+    last = np.zeros(n, dtype=np.int64)
+    np.minimum.at(first, ri, rs)
+    np.maximum.at(last, ri, re)
+    width = np.where(height > 0, last - first, 0)
     ev = np.bincount(lo, minlength=S + 1) + np.bincount(hi - 1, minlength=S + 1)
     cev = np.concatenate([[0], np.cumsum(ev)])
     events = np.where(height > 0, cev[sp[:, 1]] - cev[sp[:, 0]], 0)
