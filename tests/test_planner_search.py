@@ -165,9 +165,9 @@ def test_challenging_instance_at_capacity(backend):
 
 @pytest.mark.parametrize("name", "ABCDEFGHIJK")
 def test_native_solves_the_challenging_set_at_capacity(name):
-    """The C core at MiniMalloc's capacity, 10 s each: measured 0.01-0.35 s here (1,045-76,450 nodes). H and I
-    need the parts of a decomposition preordered anew, E, G and I the backjumping runs (undecided at 3 s, after
-    0.9-3.2M nodes, without them)."""
+    """The C core at MiniMalloc's capacity on the CSV's own times, 10 s each: measured 601-32,893 nodes, at most
+    0.08 s here (the planner's order-only instance of every encoding: tests/test_planner_encodings.py). H and I need
+    the parts of a decomposition preordered anew."""
     if native.load() is None:
         pytest.skip(f"the native search core cannot be built here: {native.why_not()}")
     inst = csv_rects(os.path.join(DATA, f"{name}.1048576.csv"))
