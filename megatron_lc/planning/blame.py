@@ -16,13 +16,14 @@ from .sections import INF, Prepared
 class Blame:
     """Backjumping (conflict-directed, after Prosser's "Hybrid algorithms for the constraint satisfaction problem"):
     a failure names the frames of the stack (placements) it blames, as the bits of ``cur``; a frame whose placement
-    is not blamed is passed by, its other candidates untried. A node without candidates blames: for a section over
-    C, each unplaced item's first neighbour placed above C - (its bytes), or the first placement above that (the
-    threshold); for an item stuck under the threshold (the one with the lowest top), what made it stuck and what
-    keeps its neighbours above its top; for anything else (a failed state, a placement nothing rests on) every
-    frame. A failed placement hands its blame to its frame, with the neighbour it rested on instead of itself.
-    The blame of a node left without candidates omits what kept other items from being candidates, so a
-    backjumping run may pass a plan by: it finds plans (valid ones), it never proves there is none."""
+    is not blamed is passed by, its other candidates untried. A node without candidates blames: for a section whose
+    unplaced bytes do not fit, for each of its unplaced items the first placement of a neighbour reaching above C
+    minus those bytes, or the first placement above that offset (the threshold); for an item stuck under the
+    threshold (the one with the lowest top), what made it stuck and what keeps its neighbours above its top; for
+    anything else (a failed state, a placement nothing rests on) every frame. A failed placement hands its blame to
+    its frame, with the neighbour it rested on instead of itself. The blame of a node left without candidates omits
+    what kept other items from being candidates, so a backjumping run may pass a plan by: it finds plans (valid
+    ones), it never proves there is none."""
 
     # set by the search (search._Search) that mixes this in, besides its instance state (C, placed, minoff)
     p: Prepared
