@@ -3,7 +3,7 @@ allocator's reserved bytes / plan peak, on the same traces, side by side for the
 
     python bench/planner.py            # JSON on stdout (~2-4 minutes on 2 cores)
     python bench/planner.py --quick    # smaller traces, for a smoke run
-    python bench/planner.py --challenging [--time-limit 10]   # MiniMalloc's published hard set (~4 minutes)
+    python bench/planner.py --challenging [--time-limit 10]   # MiniMalloc's hard set, CSV and trace (~6 minutes)
 
 Traces:
 - ``tiny-L{n}[-recompute]``: captured from the tiny Llama (tests' small_config: hidden 64, 8 heads, 4 kv heads,
@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,65 +64,80 @@ def run_variant(trace, name: str, time_limit: float) -> dict:
 
 CHALLENGING = os.path.join(ROOT, "bench", "data", "minimalloc_challenging")
 MINIMALLOC_CAPACITY = 1048576  # MiniMalloc solves each instance at this capacity (the files' names, its scripts)
+ENCODINGS = ("csv", "trace")  # MiniMalloc's times as published; the trace written from the CSV (event positions)
 
 
-def challenging(time_limit: float) -> list:
-    """Per instance of MiniMalloc's challenging set (times as published, not event positions): the max-live
-    bound, greedy's peak, the capacity mode at MiniMalloc's capacity (answer, seconds, search nodes, plan
-    validated) on the C core and on the Python search (the C core only when it builds), and the peak-minimising
-    mode (``solve_dsa`` with ``auto``: greedy, search, CP-SAT if installed; started from the capacity mode's plan)."""
-    import csv
-
+def challenging(time_limit: float, tmp: str) -> list:
+    """Per instance of MiniMalloc's challenging set, side by side for its two encodings -- the CSV with its times
+    as published, and the trace written from it (``plan_memory.py X.csv --write-trace``: malloc/free events, event
+    positions as times): the max-live bound, greedy's peak, the capacity mode at MiniMalloc's capacity (answer,
+    seconds, search nodes, plan validated) on the planner's instance (``planner.flat_instance``: times counted in
+    runs of mallocs and frees) on the C core and on the Python search (the C core only when it builds), the same
+    search on the encoding's own times (C core), the peak-minimising mode started from the capacity mode's plan
+    (``solve_dsa`` with ``auto``: greedy, search, CP-SAT if installed), and what ``plan_memory.py X --alignment 1``
+    ends with (``plan_flat``, no start)."""
     import numpy as np
 
     from megatron_lc.planning import native
     from megatron_lc.planning.dsa import solve_dsa
+    from megatron_lc.planning.planner import flat_instance, plan_flat
     from megatron_lc.planning.search import fit
     from megatron_lc.planning.solvers import PlanError, Rects, best_greedy, validate
+    from megatron_lc.planning.trace import Trace
 
-    rows = []
+    rows, cap = [], MINIMALLOC_CAPACITY
     for name in sorted(os.listdir(CHALLENGING)):
         if not name.endswith(".csv"):
             continue
-        with open(os.path.join(CHALLENGING, name)) as f:
-            data = list(csv.DictReader(f))
-        size, lower, upper = (np.array([int(r[k]) for r in data]) for k in ("size", "lower", "upper"))
-        inst = Rects.flat(size, lower, upper)
-        lb = inst.lower_bound()
-        cap = MINIMALLOC_CAPACITY
-        def capacity_mode(backend: str) -> tuple:
-            t0 = time.perf_counter()
-            r = fit(inst, cap, time_limit=time_limit, backend=backend)
-            secs = time.perf_counter() - t0
-            valid = None
-            if r.offsets is not None:
-                try:
-                    validate(list(range(len(size))), size, lower, upper, r.offsets, cap)
-                    valid = True
-                except PlanError:
-                    valid = False
-            return r, {"capacity_bytes": cap, "answer": r.status, "seconds": round(secs, 2), "nodes": r.nodes,
-                       "validated": valid, "backend": backend, "load_average_1min": round(os.getloadavg()[0], 1)}
+        written = os.path.join(tmp, name[:-4] + ".jsonl")
+        Trace.load_csv(os.path.join(CHALLENGING, name)).dump(written)
+        traces = {"csv": Trace.load_csv(os.path.join(CHALLENGING, name)), "trace": Trace.load(written)}
+        row = {"instance": name.split(".")[0], "buffers": len(traces["csv"].requests())}
+        for enc in ENCODINGS:
+            trace = traces[enc]
+            reqs = trace.requests()
+            own = Rects.flat(*(np.array([getattr(r, k) for r in reqs]) for k in ("size", "start", "end")))
+            inst = flat_instance(trace, 1)[2]  # what the planner searches: times in runs of mallocs and frees
 
-        modes = {}
-        if native.load() is not None:
-            r, modes["capacity_mode"] = capacity_mode("native")
-            modes["capacity_mode_python"] = capacity_mode("python")[1]
-        else:
-            r, modes["capacity_mode"] = capacity_mode("python")
-        valid = modes["capacity_mode"]["validated"]
-        t0 = time.perf_counter()
-        # the minimiser starts from the capacity mode's plan when there is one: never above a capacity found
-        start = (r.offsets, inst.peak(r.offsets)) if valid else None
-        sol = solve_dsa(inst, solver="auto", time_limit=time_limit, start=start)  # validates its plan or raises
-        row = {"instance": name.split(".")[0], "buffers": len(size), "lower_bound_bytes": lb,
-               "greedy_peak_bytes": best_greedy(inst)[1],
-               **modes,
-               "minimise_mode": {"peak_bytes": sol.peak, "peak_over_lower_bound": round(sol.peak / lb, 4),
-                                 "status": sol.status, "solver": sol.solver,
-                                 "seconds": round(time.perf_counter() - t0, 2), "validated": True},
-               "minimalloc_published": {"capacity_bytes": cap, "solved": True,
-                                        "seconds": "not published per instance"}}
+            def capacity_mode(backend: str, inst=inst) -> tuple:
+                t0 = time.perf_counter()
+                r = fit(inst, cap, time_limit=time_limit, backend=backend)
+                secs = time.perf_counter() - t0
+                valid = None
+                if r.offsets is not None:
+                    try:
+                        validate(list(range(inst.n)), inst.height, inst.start, inst.end, r.offsets, cap)
+                        valid = True
+                    except PlanError:
+                        valid = False
+                return r, {"answer": r.status, "seconds": round(secs, 3), "nodes": r.nodes, "validated": valid,
+                           "backend": backend, "load_average_1min": round(os.getloadavg()[0], 1)}
+
+            modes = {}
+            if native.load() is not None:
+                r, modes["capacity_mode"] = capacity_mode("native")
+                modes["capacity_mode_python"] = capacity_mode("python")[1]
+                modes["capacity_mode_own_times"] = capacity_mode("native", own)[1]
+            else:
+                r, modes["capacity_mode"] = capacity_mode("python")
+            valid = modes["capacity_mode"]["validated"]
+            t0 = time.perf_counter()
+            # the minimiser starts from the capacity mode's plan when there is one: never above a capacity found
+            start = (r.offsets, inst.peak(r.offsets)) if valid else None
+            sol = solve_dsa(inst, solver="auto", time_limit=time_limit, start=start)  # validates its plan or raises
+            modes["minimise_mode"] = {"peak_bytes": sol.peak,
+                                      "peak_over_lower_bound": round(sol.peak / sol.lower_bound, 4),
+                                      "status": sol.status, "solver": sol.solver,
+                                      "seconds": round(time.perf_counter() - t0, 2), "validated": True}
+            t0 = time.perf_counter()
+            plan = plan_flat(trace, solver="auto", time_limit=time_limit, alignment=1)  # plan_memory.py's flat plan
+            plan.validate(trace)
+            modes["plan_memory"] = {"peak_bytes": plan.peak_bytes, "at_or_under_capacity": plan.peak_bytes <= cap,
+                                    "status": plan.status, "solver": plan.solver,
+                                    "seconds": round(time.perf_counter() - t0, 2)}
+            row[enc] = {"lower_bound_bytes": inst.lower_bound(), "greedy_peak_bytes": best_greedy(inst)[1],
+                        "greedy_peak_bytes_own_times": best_greedy(own)[1], **modes}
+        row["minimalloc_published"] = {"capacity_bytes": cap, "solved": True, "seconds": "not published per instance"}
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     return rows
@@ -134,7 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--challenging", action="store_true", help="MiniMalloc's challenging set instead of our traces")
     args = p.parse_args(argv)
     if args.challenging:
-        rows = challenging(args.time_limit)
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = challenging(args.time_limit, tmp)
         print(json.dumps({"bench": "planner-challenging", "time_limit": args.time_limit, "cpus": os.cpu_count(),
                           "load_average_1min": round(os.getloadavg()[0], 1), "rows": rows}, indent=1))
         return 0

@@ -6,7 +6,11 @@ status, solve seconds, and the simulated PyTorch caching allocator's reserved by
 
 ``--capacity BYTES``: is there a (flat) plan under BYTES? Prints ``"answer": "feasible" | "infeasible" |
 "undecided"`` (writes the plan when feasible). Exit codes: 0 a plan was written (with --capacity: feasible),
-1 infeasible (proved), 3 undecided within --time-limit, 2 a bad trace or option."""
+1 infeasible (proved), 3 undecided within --time-limit, 2 a bad trace or option.
+
+``--write-trace OUT.jsonl``: write the input as a JSONL trace and stop (no plan; --out not needed), e.g. a MiniMalloc
+CSV as malloc/free events in time order, frees first at one time. The planner gives the written trace the same
+answer as the CSV: it reads only the order of the events and the sizes."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("trace", help="JSONL trace, or a MiniMalloc CSV (id,lower,upper,size; name ending .csv)")
-    p.add_argument("--out", required=True, help="plan JSON to write")
+    p.add_argument("--out", help="plan JSON to write (required unless --write-trace)")
+    p.add_argument("--write-trace", metavar="OUT", help="write the input as a JSONL trace and stop")
     p.add_argument("--plot", help="draw the plan (png/pdf/svg)")
     p.add_argument("--solver", default="auto", choices=["auto", "greedy", "search", "cpsat", "mip"],
                    help="auto: greedy, the exact search when greedy is above the bound, CP-SAT (when OR-Tools is "
@@ -36,6 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--gap", type=float, default=0.0,
                    help="relative gap to the lower bound at which no solver time is spent (default 0: try to prove)")
     args = p.parse_args(argv)
+    if not args.out and not args.write_trace:
+        p.error("the following arguments are required: --out (or --write-trace)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("error: --plot needs matplotlib, which is not installed (pip install 'megatron_lc[plot]')",
               file=sys.stderr)
@@ -48,6 +55,10 @@ def main(argv=None) -> int:
 
     try:
         trace = Trace.load_csv(args.trace) if args.trace.endswith(".csv") else Trace.load(args.trace)
+        if args.write_trace:
+            trace.dump(args.write_trace)
+            print(json.dumps({"trace": args.trace, "written": args.write_trace, **trace.stats()}, indent=1))
+            return 0
         if args.capacity is not None:
             answer, plan = plan_capacity(trace, args.capacity, time_limit=args.time_limit, alignment=args.alignment)
             if plan is None:

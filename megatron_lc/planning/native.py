@@ -1,17 +1,19 @@
-"""The exact search's C core (``csrc/dsa_search.c``): built on first use with the system C compiler into the user's
-cache, keyed by the source's hash, and called through ctypes; ``search.py`` is the reference and the fallback.
+"""The exact search's C core (``csrc/dsa_search.c`` with its headers ``csrc/*.h``): built on first use with the system
+C compiler into the user's cache, keyed by the sources' hash, and called through ctypes; ``search.py`` is the
+reference and the fallback.
 
     lib = load()                  # None (and the reason in why_not()) when there is no compiler or the build fails
-    code, offsets, nodes = fit_native(lib, prepared, capacity, ("WAT", "TAW"), time_limit=10.0)
+    code, offsets, nodes = fit_native(lib, prepared, capacity, (("WAT", True), ("WAT", False)), time_limit=10.0)
 
 The library is ``$XDG_CACHE_HOME/megatron_lc/dsa_search-<sha256[:16]>.so`` (``~/.cache`` by default; a temporary
 directory when that is not writable), e.g. ``~/.cache/megatron_lc/dsa_search-3f2a9c0e1b7d4a65.so``; an edited
-source builds a new file. ``MEGATRON_LC_PLANNER_NATIVE=0`` forces the Python search; ``CC`` picks the compiler
+source or header builds a new file. ``MEGATRON_LC_PLANNER_NATIVE=0`` forces the Python search; ``CC`` picks the compiler
 (else ``cc``, then ``gcc``). Which search runs is logged once per process.
 """
 from __future__ import annotations
 
 import ctypes
+import glob
 import hashlib
 import logging
 import os
@@ -41,10 +43,14 @@ def cache_dir() -> str:
 
 
 def build(src: str = SRC, out_dir: Optional[str] = None) -> str:
-    """Compile ``src`` to ``<out_dir>/dsa_search-<hash>.so`` unless it is there; returns its path. Written to a
-    temporary name and renamed, so concurrent builds never load a half-written file."""
-    with open(src, "rb") as f:
-        tag = hashlib.sha256(f.read()).hexdigest()[:16]
+    """Compile ``src`` (with the headers beside it) to ``<out_dir>/dsa_search-<hash>.so`` unless it is there;
+    returns its path. Written to a temporary name and renamed, so concurrent builds never load a half-written file."""
+    here = os.path.dirname(os.path.abspath(src))
+    digest = hashlib.sha256()
+    for path in [src] + sorted(glob.glob(os.path.join(here, "*.h"))):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    tag = digest.hexdigest()[:16]
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise NativeUnavailable("no C compiler (cc or gcc) on PATH")
@@ -58,8 +64,8 @@ def build(src: str = SRC, out_dir: Optional[str] = None) -> str:
             os.close(fd)
         except OSError:
             continue  # not writable: the next directory
-        r = subprocess.run([cc, "-O2", "-std=c99", "-shared", "-fPIC", src, "-o", tmp], capture_output=True,
-                           text=True)
+        r = subprocess.run([cc, "-O2", "-std=c99", "-shared", "-fPIC", "-I", here, src, "-o", tmp],
+                           capture_output=True, text=True)
         if r.returncode:
             os.unlink(tmp)
             raise NativeUnavailable(f"{cc} failed on {src}: {r.stderr.strip()[:400]}")
@@ -72,7 +78,7 @@ def _bind(so: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(so)
     P, L = ctypes.POINTER(ctypes.c_longlong), ctypes.c_longlong
     lib.dsa_fit.restype = ctypes.c_int
-    lib.dsa_fit.argtypes = ([ctypes.c_int] * 2 + [P] * 20 + [ctypes.c_int, P, ctypes.c_int, P, L, ctypes.c_double]
+    lib.dsa_fit.argtypes = ([ctypes.c_int] * 2 + [P] * 23 + [ctypes.c_int, P, ctypes.c_int, P, L, ctypes.c_double]
                             + [P, P])
     return lib
 
@@ -99,10 +105,10 @@ def why_not() -> str:
     return f"{ENV}=0" if os.environ.get(ENV, "1") == "0" else (load() is None and _state["why"]) or ""
 
 
-def fit_native(lib: ctypes.CDLL, p: Prepared, capacity: int, heuristics: tuple, time_limit: float
+def fit_native(lib: ctypes.CDLL, p: Prepared, capacity: int, runs: tuple, time_limit: float
                ) -> tuple[int, np.ndarray, int]:
-    """One ``search.fit`` on the C core with the preorders ``heuristics`` (strings of the letters of
-    ``Prepared.rank``): (OK | FAIL | ABORT, item bases (valid on OK), placements tried)."""
+    """One ``search.fit`` on the C core with ``runs``, pairs (preorder: letters of ``Prepared.rank``, backjumps):
+    (OK | FAIL | ABORT, item bases (valid on OK), placements tried)."""
     def arr(a):
         a = np.ascontiguousarray(a, dtype=np.int64)
         keep.append(a)
@@ -111,16 +117,18 @@ def fit_native(lib: ctypes.CDLL, p: Prepared, capacity: int, heuristics: tuple, 
     keep: list = []  # the converted arrays live until the call returns
     span = np.array(p.span, dtype=np.int64).reshape(-1, 2)
     parts = np.array([(lo, hi) for _, lo, hi in p.partitions], dtype=np.int64).reshape(-1, 2)
-    heur = np.full((len(heuristics), 4), -1, dtype=np.int64)  # letter codes as csrc's enum Key, -1 after the last
-    for h, letters in enumerate(heuristics):
-        heur[h, :len(letters)] = ["WATZ".index(c) for c in letters]
+    heur = np.full((len(runs), 5), -1, dtype=np.int64)  # letter codes as csrc's enum Key, -1 after the last; mode
+    for h, (letters, backjumps) in enumerate(runs):
+        heur[h, :len(letters)] = ["WATZV".index(c) for c in letters]
+        heur[h, 4] = int(backjumps)
     sol = np.zeros(p.n, dtype=np.int64)
     nodes = ctypes.c_longlong(0)
     code = lib.dsa_fit(p.n, p.S, arr(p.height), arr(p.reach), arr(p.first), arr(span[:, 0]), arr(span[:, 1]),
                        arr(p.run_ptr), arr(p.run_lo), arr(p.run_hi), arr(p.run_h), arr(p.total), arr(p.cuts),
                        arr(p.adj_ptr), arr(p.adj_j), arr(p.adj_e), arr(p.members), arr(p.ptr), arr(p.byfirst),
-                       arr(p.pf), arr(p.width), arr(p.area), len(parts), arr(parts), len(heuristics), arr(heur),
-                       int(capacity), float(time_limit), arr(sol), ctypes.byref(nodes))
+                       arr(p.pf), arr(p.width), arr(p.area), arr(p.events), arr(p.canon), arr(p.adj_rev), len(parts),
+                       arr(parts), len(runs), arr(heur), int(capacity), float(time_limit), arr(sol),
+                       ctypes.byref(nodes))
     if code == NOMEM:
         raise MemoryError("the native DSA search ran out of memory")
     return code, sol, int(nodes.value)

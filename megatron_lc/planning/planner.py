@@ -30,15 +30,28 @@ from .solvers import Rects, best_greedy
 from .trace import Trace
 
 
-def plan_flat(trace: Trace, *, solver: str = "auto", time_limit: float = 10.0, alignment: int = ALIGNMENT,
-              workers: int = 2, orders=("size", "area", "lifetime", "start"), gap: float = 0.0) -> Plan:
-    """The whole trace as one DSA problem."""
+def flat_instance(trace: Trace, alignment: int) -> tuple[list, np.ndarray, Rects, np.ndarray]:
+    """The trace as one DSA instance made only of what its overlap order and sizes define: times counted in runs
+    of mallocs and frees (``Trace.overlap_times``), items sorted by (start, end, size descending, id). A trace and
+    the MiniMalloc CSV it was written from, stretched, compressed or renumbered, give the same instance (up to which
+    of two identical requests is which), so the same plan. Returns (requests in malloc order, their aligned sizes,
+    the instance, ``order``): item k of the instance is request ``order[k]``."""
     reqs = trace.requests()
     sizes = np.array([align_size(r.size, alignment) for r in reqs], dtype=np.int64)
-    inst = Rects.flat(sizes, [r.start for r in reqs], [r.end for r in reqs])
-    sol = solve_dsa(inst, solver=solver, time_limit=time_limit, workers=workers, names=[r.id for r in reqs],
+    start, end = (np.array(t, dtype=np.int64) for t in trace.overlap_times())
+    order = np.lexsort((np.array([r.id for r in reqs], dtype=np.int64), -sizes, end, start))
+    return reqs, sizes, Rects.flat(sizes[order], start[order], end[order]), order
+
+
+def plan_flat(trace: Trace, *, solver: str = "auto", time_limit: float = 10.0, alignment: int = ALIGNMENT,
+              workers: int = 2, orders=("size", "area", "lifetime", "start"), gap: float = 0.0) -> Plan:
+    """The whole trace as one DSA problem (``flat_instance``)."""
+    reqs, sizes, inst, order = flat_instance(trace, alignment)
+    sol = solve_dsa(inst, solver=solver, time_limit=time_limit, workers=workers, names=[reqs[k].id for k in order],
                     orders=orders, gap=gap)
-    return Plan({r.id: int(o) for r, o in zip(reqs, sol.offsets)}, {r.id: int(s) for r, s in zip(reqs, sizes)},
+    offsets = np.empty(len(reqs), dtype=np.int64)
+    offsets[order] = sol.offsets
+    return Plan({r.id: int(o) for r, o in zip(reqs, offsets)}, {r.id: int(s) for r, s in zip(reqs, sizes)},
                 [r.id for r in reqs], sol.peak, sol.lower_bound, sol.status, sol.solver, sol.seconds, alignment,
                 {r.id: r.tag for r in reqs if r.tag}, dict(trace.meta.get("persistent", {})),
                 {"mode": "flat", "requests": len(reqs)})
@@ -50,20 +63,20 @@ def plan_capacity(trace: Trace, capacity: int, *, time_limit: float = 10.0, alig
     bound exceeds it or the exact search proved that no plan fits, ("undecided", None) when time ran out. Greedy
     first; the exact search only when greedy does not fit."""
     t0 = time.perf_counter()
-    reqs = trace.requests()
-    sizes = np.array([align_size(r.size, alignment) for r in reqs], dtype=np.int64)
-    inst = Rects.flat(sizes, [r.start for r in reqs], [r.end for r in reqs])
+    reqs, sizes, inst, order = flat_instance(trace, alignment)
     lb = inst.lower_bound()
     if lb > capacity:
         return INFEASIBLE, None
-    off, peak, order = best_greedy(inst, lower_bound=lb, time_limit=0.3 * time_limit)
-    used = f"greedy-{order}"
+    off, peak, greedy_order = best_greedy(inst, lower_bound=lb, time_limit=0.3 * time_limit)
+    used = f"greedy-{greedy_order}"
     if peak > capacity:
         r = fit(inst, capacity, time_limit=time_limit - (time.perf_counter() - t0))
         if r.status != FEASIBLE:
             return r.status, None
         off, peak, used = r.offsets, inst.peak(r.offsets), used + "+search"
-    plan = Plan({r.id: int(o) for r, o in zip(reqs, off)}, {r.id: int(s) for r, s in zip(reqs, sizes)},
+    offsets = np.empty(len(reqs), dtype=np.int64)
+    offsets[order] = off
+    plan = Plan({r.id: int(o) for r, o in zip(reqs, offsets)}, {r.id: int(s) for r, s in zip(reqs, sizes)},
                 [r.id for r in reqs], peak, lb, "optimal" if peak == lb else "feasible", used,
                 time.perf_counter() - t0, alignment, {r.id: r.tag for r in reqs if r.tag},
                 dict(trace.meta.get("persistent", {})), {"mode": "capacity", "capacity_bytes": int(capacity)})

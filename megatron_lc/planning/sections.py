@@ -1,10 +1,20 @@
 """The arrays the exact search (``search.py``) works on, prepared once per instance with numpy.
 
-Sections: sweep the rectangles' start and end times; the set of rectangles live just before some rectangle ends is
-maximal (only starts happened since the previous end), and every time's live set lies in one of them. These
-maximal cliques are the *sections*, numbered in time order; each rectangle covers a contiguous range of them, and
-two rectangles overlap in time exactly when their ranges intersect. Example: a [0, 4), b [1, 2), c [3, 6) give the
-sections {a, b} (before b ends at 2) and {a, c} (before a ends at 4), then {c}: a covers 0-1, b 0, c 1-2.
+Sections: sweep the rectangles' start and end times; the set of rectangles live just before an end, when some rectangle
+started since the previous end, is maximal, and every time's live set lies in one of them. These maximal cliques are
+the *sections*, numbered in time order; each rectangle covers a contiguous range of them, and two rectangles overlap
+in time exactly when their ranges intersect. Example: a [0, 4), b [1, 2), c [3, 6) give the sections {a, b} (before
+b ends at 2) and {a, c} (before a ends at 4); {c} before 6 is no section (nothing started since 4, it lies in
+{a, c}): a covers 0-1, b 0, c 1.
+
+The sections, the cuts and the *events* key (the starts and ends in an item's sections) are the same for any times
+that order the starts and ends alike (event positions of a trace, MiniMalloc's times, the same stretched or
+compressed). The *lifetime* and *area* keys are in the instance's own time unit, as MiniMalloc's: the planner gives
+the search times that count runs of mallocs and frees (``planner.flat_instance``), so that what reaches it from a
+trace is only the overlap order and the sizes; the bi-level second level keeps the trace's event positions, where a
+layer block's lifetime counts its inner events (which its rectangles do not show). Ties go by a canonical position
+(first section, last section, height descending, area descending), never by index, so renumbering the items changes
+nothing but which of two identical items is which.
 
 Per item (a request, or a bi-level skyline of several rectangles on one base): its runs ``(lo, hi, height)`` over
 sections, its span (first and last section), its height, its *reach* (height plus the background above it, so its
@@ -22,6 +32,7 @@ import numpy as np
 from .solvers import Rects
 
 _CHUNK = 1 << 21  # run pairs compared per numpy step
+INF = np.iinfo(np.int64).max // 4  # above every offset
 
 
 @dataclass
@@ -39,8 +50,10 @@ class Prepared:
     members: np.ndarray  # the items covering each section, section by section
     ptr: np.ndarray  # section s's members are members[ptr[s]:ptr[s + 1]]
     partitions: list  # [(items, lo, hi)]: independent section ranges and their items
-    area: np.ndarray  # item -> sum of height x duration
+    area: np.ndarray  # item -> sum over its rectangles of height x duration
     width: np.ndarray  # item -> lifetime (last end - first start)
+    events: np.ndarray  # item -> starts and ends of rectangles in the sections from its first to its last
+    canon: np.ndarray  # item -> canonical position, the preorders' last key (see the module docstring)
     # the same facts flattened for the C core (native.py): runs and neighbours as CSR (item i's are [ptr[i],
     # ptr[i + 1])), and the items sorted by (first section, index), section s's starting at byfirst[pf[s]]
     run_ptr: np.ndarray
@@ -50,18 +63,20 @@ class Prepared:
     adj_ptr: np.ndarray
     adj_j: np.ndarray
     adj_e: np.ndarray
+    adj_rev: np.ndarray  # entry (i, j) -> the entry (j, i)
     byfirst: np.ndarray
     pf: np.ndarray
 
     def rank(self, heuristic: str, items: np.ndarray, total: np.ndarray) -> np.ndarray:
         """Preorder rank (0 first) of each of ``items`` among them: by the letters of ``heuristic`` in turn, each
-        descending -- W lifetime, A area, T the largest of ``total`` (bytes still unplaced per section) over the
-        sections it covers, Z height -- then by index. Example: heights 1, 2 on [0, 4), [1, 2): "WA" ranks item 0
-        first (longer), "Z" item 1."""
+        descending -- W lifetime, A area, V events, T the largest of ``total`` (bytes still unplaced per section)
+        over the sections it covers, Z height -- then by canonical position. Example: heights 1, 2 on [0, 4),
+        [1, 2): "WA" ranks item 0 first (longer), "Z" item 1."""
         tmax = np.array([max(int(total[lo:hi].max()) for lo, hi, _ in self.runs[i]) for i in items.tolist()],
                         dtype=np.int64).reshape(-1)
-        keys = {"W": self.width[items], "A": self.area[items], "T": tmax, "Z": self.height[items]}
-        order = np.lexsort([items] + [-keys[c] for c in reversed(heuristic)])
+        keys = {"W": self.width[items], "A": self.area[items], "V": self.events[items], "T": tmax,
+                "Z": self.height[items]}
+        order = np.lexsort([self.canon[items]] + [-keys[c] for c in reversed(heuristic)])
         rank = np.empty(len(items), dtype=np.int64)
         rank[order] = np.arange(len(items))
         return rank
@@ -74,7 +89,12 @@ def prepare(inst: Rects) -> Prepared:
     times = np.unique(np.concatenate([rs, re]))
     a, b = np.searchsorted(times, rs), np.searchsorted(times, re)
     is_sec = np.zeros(len(times), dtype=np.int64)
-    is_sec[b - 1] = 1  # the slice [times[k], times[k + 1]) just before an end is a section
+    # the slice [times[k], times[k + 1]) just before an end is a section when something started since the previous
+    # end (at or after it: ends go first at one time); else its live set is a subset of the section before
+    ends = np.unique(b)
+    started = np.concatenate([[0], np.cumsum(np.bincount(a, minlength=len(times)))])
+    since = np.concatenate([[0], ends[:-1]])
+    is_sec[ends[started[ends] > started[since]] - 1] = 1
     csum = np.concatenate([[0], np.cumsum(is_sec)])
     lo, hi = csum[a], csum[b]
     S = int(csum[-1])
@@ -105,6 +125,11 @@ def prepare(inst: Rects) -> Prepared:
     np.minimum.at(first, ri, rs)
     np.maximum.at(last, ri, re)
     width = np.where(height > 0, last - first, 0)
+    ev = np.bincount(lo, minlength=S + 1) + np.bincount(hi - 1, minlength=S + 1)
+    cev = np.concatenate([[0], np.cumsum(ev)])
+    events = np.where(height > 0, cev[sp[:, 1]] - cev[sp[:, 0]], 0)
+    canon = np.empty(n, dtype=np.int64)
+    canon[np.lexsort((np.arange(n), -area, -height, sp[:, 1], sp[:, 0]))] = np.arange(n)
 
     adj_ptr, adj_j, adj_e = _neighbours(n, ri, lo, hi, rh)
     adj = [(adj_j[a:b], adj_e[a:b]) for a, b in zip(adj_ptr[:-1].tolist(), adj_ptr[1:].tolist())]
@@ -125,8 +150,11 @@ def prepare(inst: Rects) -> Prepared:
     kept = np.flatnonzero(height > 0)
     byfirst = kept[np.lexsort((kept, sp[kept, 0]))]
     pf = np.searchsorted(sp[byfirst, 0], np.arange(S + 1)).astype(np.int64)
+    own = np.repeat(np.arange(n), np.diff(adj_ptr))  # entries are sorted by (owner, neighbour)
+    adj_rev = np.searchsorted(own * n + adj_j, adj_j * n + own).astype(np.int64)
     return Prepared(n, S, runs, span, sp[:, 0].copy(), height, reach, total, cuts, adj, members, ptr, partitions,
-                    area, width, run_ptr, lo[by_item], hi[by_item], rh[by_item], adj_ptr, adj_j, adj_e, byfirst, pf)
+                    area, width, events, canon, run_ptr, lo[by_item], hi[by_item], rh[by_item], adj_ptr, adj_j, adj_e,
+                    adj_rev, byfirst, pf)
 
 
 def _neighbours(n: int, ri, lo, hi, rh) -> tuple:

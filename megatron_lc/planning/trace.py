@@ -71,7 +71,7 @@ class Trace:
     events: list = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # free-form description (model, seq length, ...); not part of a line
     # the time of each event when the source had times (MiniMalloc's CSV): requests keep their own lifetimes
-    # instead of event positions -- the same conflicts, but the search's preorders (lifetime, area) are the source's
+    # instead of event positions (plots show them); the planner reads only their order (``overlap_times``)
     times: Optional[list] = None
 
     # ---- I/O -----------------------------------------------------------------------------------------------
@@ -148,6 +148,19 @@ class Trace:
                 by_id[e.id].end = t
         return out
 
+    def overlap_times(self) -> tuple[list, list]:
+        """Each request's ``[start, end)`` (``requests()`` order) counted in runs of consecutive mallocs or frees:
+        all that the overlap order defines, so a trace, the MiniMalloc CSV it was written from and that CSV with its
+        times stretched or compressed give the same. Example: malloc 1, malloc 2, free 1, malloc 3 are the runs
+        {m1, m2} 0, {f1} 1, {m3} 2: 1 on [0, 1), 2 on [0, 3) (never freed: one past the last run), 3 on [2, 3)."""
+        run, prev, start, end = -1, None, {}, {}
+        for e in self.events:
+            if e.op != prev:
+                run, prev = run + 1, e.op
+            (start if e.op == "malloc" else end)[e.id] = run
+        ids = [e.id for e in self.events if e.op == "malloc"]
+        return [start[i] for i in ids], [end.get(i, run + 1) for i in ids]
+
     def blocks(self) -> list:
         """Maximal runs of consecutive events with the same ``(layer, phase)`` (events outside layers excluded)."""
         out = []
@@ -175,7 +188,8 @@ class Trace:
 
     @classmethod
     def load_csv(cls, path: str) -> "Trace":
-        """MiniMalloc's input format: a header ``id,lower,upper,size``, one buffer a line (integer ids)."""
+        """MiniMalloc's input format: a header ``id,lower,upper,size``, one buffer a line (integer ids). Written as
+        a trace, ``Trace.load_csv("B.1048576.csv").dump("B.jsonl")``, it is the same instance to the planner."""
         with open(path) as f:
             return cls.from_intervals((r["id"], r["lower"], r["upper"], r["size"]) for r in csv.DictReader(f))
 

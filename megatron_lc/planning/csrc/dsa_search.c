@@ -4,101 +4,15 @@
  * Same semantics, node for node: candidates (min offset, preorder rank) in the same order, the same spatial
  * inference, dominance, hatless cut, decomposition (each part ranked anew among its own items when it starts)
  * and failed-state table (keys: 128-bit hashes of the unplaced items, their min offsets and ranks, plus the
- * canonical threshold), the same node limits doubling per round. Only the deadline differs (a node is ~100x cheaper
- * here).
+ * canonical threshold), the same backjumps (dsa_blame.h; planning/blame.py), the same node limits doubling per
+ * round. Only the deadline differs (a node is ~100x cheaper here).
  *
  * A node's unplaced items are never copied: they are exactly the unplaced items whose first section lies in the
  * node's section range [lo, hi), a contiguous run of the items sorted by (first section, index) ("byfirst").
  * Example: items 0..2 with first sections 1, 0, 1 give byfirst = 1, 0, 2 and pf = {0, 1, 3}: a node over sections
  * [1, 2) scans byfirst[1:3], i.e. items 0 and 2, skipping the placed ones.
  */
-#define _POSIX_C_SOURCE 199309L /* clock_gettime */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-
-typedef long long i64;
-typedef uint64_t u64;
-
-enum { OK = 0, FAIL = 1, NEW = 2, ABORT = 3, NOMEM = -1 };
-
-typedef struct {
-    int n, S;
-    const i64 *height, *first, *span_lo, *span_hi, *run_ptr, *run_lo, *run_hi, *run_h;
-    const i64 *adj_ptr, *adj_j, *adj_e, *members, *ptr, *byfirst, *pf;
-    const i64 *width, *area;
-    i64 C, *ub, *minoff, *total, *cuts, *sol;
-    i64 *rank;                     /* each item's rank in the preorder of the part it belongs to */
-    const i64 *heur;               /* this run's preorder: up to 4 letter codes (Key), -1 after the last */
-    struct Keyed *keyed;           /* scratch for ranking a part */
-    char *placed;
-    i64 *arena; size_t top, cap;   /* cands (o, rank, item), undo (item, old), parts (lo, hi), saved ranks
-                                      (item, old): LIFO */
-} Ctx;
-
-enum Key { KEY_W, KEY_A, KEY_T, KEY_Z };  /* lifetime, area, largest unplaced section total, height */
-
-struct Keyed { i64 k[4]; i64 item; };
-
-typedef struct {
-    int is_and, lo, hi;
-    size_t mark;                   /* arena top when the frame was made: restored when it is popped */
-    /* node */
-    size_t cand_at, cand_end, undo_at; int ncand, k, nundo, hatless; i64 j, o; u64 key0, key1;
-    /* and */
-    int nparts, next; i64 last_o, last_r;
-} Frame;
-
-typedef struct { u64 *keys; size_t cap, cnt; } Set;  /* open addressing, (k0, k1) pairs, (0, 0) = empty */
-
-static u64 mix(u64 x) {
-    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
-    return x;
-}
-
-static int set_has(const Set *s, u64 a, u64 b) {
-    if (!s->cap) return 0;
-    for (size_t i = a & (s->cap - 1);; i = (i + 1) & (s->cap - 1)) {
-        if (s->keys[2 * i] == a && s->keys[2 * i + 1] == b) return 1;
-        if (!s->keys[2 * i] && !s->keys[2 * i + 1]) return 0;
-    }
-}
-
-static int set_add(Set *s, u64 a, u64 b) {
-    if (2 * (s->cnt + 1) > s->cap) {  /* keep the load under 1/2 */
-        Set g = {calloc(2 * (s->cap ? 2 * s->cap : 1024), sizeof(u64)), s->cap ? 2 * s->cap : 1024, 0};
-        if (!g.keys) return NOMEM;
-        for (size_t i = 0; i < s->cap; i++)
-            if (s->keys[2 * i] || s->keys[2 * i + 1]) set_add(&g, s->keys[2 * i], s->keys[2 * i + 1]);
-        free(s->keys);
-        *s = g;
-    }
-    size_t i = a & (s->cap - 1);
-    while (s->keys[2 * i] || s->keys[2 * i + 1]) {
-        if (s->keys[2 * i] == a && s->keys[2 * i + 1] == b) return OK;
-        i = (i + 1) & (s->cap - 1);
-    }
-    s->keys[2 * i] = a; s->keys[2 * i + 1] = b; s->cnt++;
-    return OK;
-}
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-/* room for ``slots`` more values on the arena; NOMEM when it cannot grow */
-static int reserve(Ctx *c, size_t slots) {
-    if (c->top + slots <= c->cap) return OK;
-    size_t cap = c->cap ? c->cap : 1 << 16;
-    while (cap < c->top + slots) cap *= 2;
-    i64 *a = realloc(c->arena, cap * sizeof(i64));
-    if (!a) return NOMEM;
-    c->arena = a; c->cap = cap;
-    return OK;
-}
+#include "dsa_blame.h"
 
 static int cmp_cand(const void *x, const void *y) {  /* (offset, rank), both ascending */
     const i64 *a = x, *b = y;
@@ -106,11 +20,11 @@ static int cmp_cand(const void *x, const void *y) {  /* (offset, rank), both asc
     return a[1] < b[1] ? -1 : (a[1] > b[1]);
 }
 
-static int cmp_keyed(const void *x, const void *y) {  /* keys descending, then item ascending */
+static int cmp_keyed(const void *x, const void *y) {  /* keys descending, then canonical position ascending */
     const struct Keyed *a = x, *b = y;
     for (int q = 0; q < 4; q++)
         if (a->k[q] != b->k[q]) return a->k[q] > b->k[q] ? -1 : 1;
-    return a->item < b->item ? -1 : (a->item > b->item);
+    return a->canon < b->canon ? -1 : (a->canon > b->canon);
 }
 
 /* Rank the unplaced items of sections [lo, hi) among themselves by this run's preorder, T from the bytes still
@@ -127,9 +41,9 @@ static int rank_part(Ctx *c, int lo, int hi) {
         for (int q2 = 0; q2 < 4; q2++) {
             i64 code = c->heur[q2];
             e->k[q2] = code == KEY_W ? c->width[i] : code == KEY_A ? c->area[i] : code == KEY_T ? tmax
-                     : code == KEY_Z ? c->height[i] : 0;
+                     : code == KEY_Z ? c->height[i] : code == KEY_V ? c->events[i] : 0;
         }
-        e->item = i;
+        e->item = i; e->canon = c->canon[i];
     }
     qsort(c->keyed, (size_t)m, sizeof *c->keyed, cmp_keyed);
     if (reserve(c, 2 * (size_t)m) != OK) return NOMEM;
@@ -159,7 +73,10 @@ static int make_node(Ctx *c, Set *failed, Frame *f, int lo, int hi, i64 lo_o, i6
     h0 = mix(h0 ^ (u64)lo_o) ^ mix((u64)lo_r + 0x632be59bd9b4e019ULL);
     h1 = mix(h1 + (u64)cnt) ^ mix((u64)lo_o * 0x85ebca6bULL + (u64)lo_r);
     f->key0 = h0; f->key1 = h1;
-    if (set_has(failed, h0, h1)) return OK;
+    if (set_has(failed, h0, h1)) {
+        if (c->cbj) blame_all(c, c->sp - 1);
+        return OK;
+    }
     /* spatial inference: a section's unplaced items stack above their lowest min offset and above lo_o */
     i64 tmax = 0;
     for (int s = lo; s < hi; s++) {
@@ -171,7 +88,20 @@ static int make_node(Ctx *c, Set *failed, Frame *f, int lo, int hi, i64 lo_o, i6
             i64 i = c->members[m];
             if (!c->placed[i] && c->minoff[i] < floor) floor = c->minoff[i];
         }
-        if ((floor > lo_o ? floor : lo_o) + tot > c->C) return OK;
+        if ((floor > lo_o ? floor : lo_o) + tot > c->C) {
+            if (c->cbj) {  /* each unplaced item is above C - tot: by a neighbour, or by the threshold */
+                i64 D = c->C - tot;
+                int thr = -2;
+                memset(c->cur, 0, sizeof(u64) * (size_t)c->nw);
+                for (i64 m = c->ptr[s]; m < c->ptr[s + 1]; m++) {
+                    i64 i = c->members[m];
+                    if (c->placed[i]) continue;
+                    if (c->minoff[i] > D) blame(c, raiser(c, i, D + 1));
+                    else if (thr == -2) blame(c, thr = passed(c, D));
+                }
+            }
+            return OK;
+        }
     }
     /* dominance: nothing at or above the lowest top an unplaced item reaches at its min offset */
     i64 mintop = INT64_MAX;
@@ -188,6 +118,7 @@ static int make_node(Ctx *c, Set *failed, Frame *f, int lo, int hi, i64 lo_o, i6
         if (mo < lo_o || (mo == lo_o && rk <= lo_r)) continue;  /* canonical order after the last placement */
         out[3 * nc] = mo; out[3 * nc + 1] = rk; out[3 * nc + 2] = i; nc++;
     }
+    if (!nc && c->cbj) blame_stuck(c, lo, hi, lo_o, lo_r);
     qsort(out, (size_t)nc, 3 * sizeof(i64), cmp_cand);
     c->top += 3 * (size_t)nc;
     f->ncand = nc; f->cand_end = c->top;
@@ -260,13 +191,15 @@ static int child(Ctx *c, Set *failed, Frame *f, Frame *nf) {
 }
 
 /* One depth-first search with the preorder ``c->heur``: OK (c->sol holds the bases), FAIL or ABORT (node limit
- * or deadline) or NOMEM. search.py: _Search.run(), the same events travelling down the same stack. */
+ * or deadline) or NOMEM. search.py: _Search.run(), the same events travelling down the same stack. With
+ * ``c->cbj`` a failure that does not blame a frame's placement passes it by (backjumping). */
 static int run(Ctx *c, Frame *st, const i64 *parts, int nparts, Set *failed, i64 limit, double deadline,
                i64 *nodes) {
     memset(c->placed, 0, (size_t)c->n);
     memset(c->minoff, 0, (size_t)c->n * sizeof(i64));
     memset(c->rank, 0, (size_t)c->n * sizeof(i64));
     c->top = 0;
+    c->st = st;
     *nodes = 0;
     if (reserve(c, 2 * (size_t)nparts) != OK) return NOMEM;
     memcpy(c->arena, parts, 2 * (size_t)nparts * sizeof(i64));
@@ -277,6 +210,7 @@ static int run(Ctx *c, Frame *st, const i64 *parts, int nparts, Set *failed, i64
     int ev = OK;  /* an and-frame starts its next part on OK */
     while (sp) {
         Frame *f = &st[sp - 1];
+        int b = sp - 1;
         if (f->is_and) {
             if (ev == FAIL || f->next == f->nparts) {  /* a part failed, or all are solved: the event goes down */
                 for (size_t q = c->top; q > f->mark + 2 * (size_t)f->nparts; q -= 2)  /* the parts' old ranks */
@@ -287,7 +221,9 @@ static int run(Ctx *c, Frame *st, const i64 *parts, int nparts, Set *failed, i64
             int lo = (int)c->arena[f->mark + 2 * f->next], hi = (int)c->arena[f->mark + 2 * f->next + 1];
             f->next++;
             if (rank_part(c, lo, hi) != OK) return NOMEM;
+            c->sp = sp;
             if (make_node(c, failed, &st[sp], lo, hi, f->last_o, f->last_r) != OK) return NOMEM;
+            if (c->cbj) memset(c->cs + (size_t)sp * c->nw, 0, sizeof(u64) * (size_t)c->nw);
             if (!st[sp].ncand) { ev = FAIL; continue; }
             sp++; ev = NEW;
             continue;
@@ -300,25 +236,43 @@ static int run(Ctx *c, Frame *st, const i64 *parts, int nparts, Set *failed, i64
         }
         if (ev == FAIL) {
             int hatless = f->hatless;
+            if (c->cbj && !blamed(c, b)) { unplace(c, f); c->top = f->mark; sp--; continue; }  /* jump over */
+            if (c->cbj) take_blame(c, b, f->j, f->o);
             unplace(c, f);
-            if (hatless) { c->top = f->mark; sp--; continue; }  /* nothing rests on it: no sibling helps */
+            if (hatless) {  /* nothing rests on it: no sibling helps */
+                if (c->cbj) blame_all(c, b - 1);
+                c->top = f->mark; sp--;
+                continue;
+            }
         }
-        int got = -1;  /* what follows the current placement: 0 done, 1 node, 2 decomposition */
+        int got = -1;  /* what follows the current placement: 0 done, 1 node, 2 decomposition; -2 jump over,
+                          -3 a placement nothing rests on failed (blame: every frame below) */
         while (f->k < f->ncand) {
             const i64 *cd = c->arena + f->cand_at + 3 * f->k++;
             if (++*nodes >= limit || ((*nodes & 127) == 0 && now() > deadline)) return ABORT;
             i64 j = cd[2], o = cd[0];
             if (place(c, f, j, o) != OK) return NOMEM;
+            c->pframe[j] = b;
+            c->sp = sp;
             got = child(c, failed, f, &st[sp]);
             if (got < 0) return NOMEM;
+            if (c->cbj && got > 0) memset(c->cs + (size_t)sp * c->nw, 0, sizeof(u64) * (size_t)c->nw);
             if (got != 1 || st[sp].ncand) break;
             int hatless = f->hatless;
+            if (c->cbj && !blamed(c, b)) { unplace(c, f); got = -2; break; }
+            if (c->cbj) take_blame(c, b, j, o);
             unplace(c, f);
             got = -1;
-            if (hatless) break;
+            if (hatless) {
+                if (c->cbj) blame_all(c, b - 1);
+                got = -3;
+                break;
+            }
         }
+        if (got == -2) { c->top = f->mark; sp--; ev = FAIL; continue; }
         if (f->j < 0) {  /* no candidate left: this state fails whenever it comes back */
             if (set_add(failed, f->key0, f->key1) != OK) return NOMEM;
+            if (c->cbj && got != -3) memcpy(c->cur, c->cs + (size_t)b * c->nw, sizeof(u64) * (size_t)c->nw);
             c->top = f->mark; sp--;
             ev = FAIL;
             continue;
@@ -330,22 +284,25 @@ static int run(Ctx *c, Frame *st, const i64 *parts, int nparts, Set *failed, i64
     return ev == OK ? OK : FAIL;
 }
 
-/* The restart loop of search.fit: preorders in turn, the node limit doubling each round (starting from 2n),
- * until one run is complete or ``time_limit`` seconds pass. Returns OK (``sol``), FAIL (proved infeasible),
- * ABORT (undecided) or NOMEM; ``nodes_out`` counts the placements tried. Arrays as in sections.Prepared, flattened
- * by planning/native.py, plus each item's lifetime and area; ``heur`` is H x 4 letter codes (enum Key, -1 after
- * the last: "WAT" is KEY_W, KEY_A, KEY_T, -1), ``parts`` the (lo, hi) section ranges of the partitions. */
+/* The restart loop of search.fit: runs in turn, the node limit doubling each round (starting from 2n), until one
+ * is complete or ``time_limit`` seconds pass. Returns OK (``sol``), FAIL (proved infeasible: a run without
+ * backjumping failed), ABORT (undecided) or NOMEM; ``nodes_out`` counts the placements tried. A backjumping run
+ * that fails is not tried again (it proves nothing). Arrays as in sections.Prepared, flattened by
+ * planning/native.py; ``heur`` is H x 5: up to 4 letter codes (enum Key, -1 after the last: "WAT" is KEY_W, KEY_A,
+ * KEY_T, -1), then 1 for a backjumping run, 0 for a plain one; ``parts`` the (lo, hi) section ranges of the
+ * partitions. */
 int dsa_fit(int n, int S, const i64 *height, const i64 *reach, const i64 *first, const i64 *span_lo,
             const i64 *span_hi, const i64 *run_ptr, const i64 *run_lo, const i64 *run_hi, const i64 *run_h,
             const i64 *total, const i64 *cuts, const i64 *adj_ptr, const i64 *adj_j, const i64 *adj_e,
             const i64 *members, const i64 *ptr, const i64 *byfirst, const i64 *pf, const i64 *width,
-            const i64 *area, int nparts, const i64 *parts, int H, const i64 *heur, i64 capacity, double time_limit,
-            i64 *sol, i64 *nodes_out) {
+            const i64 *area, const i64 *events, const i64 *canon, const i64 *adj_rev, int nparts, const i64 *parts, int H,
+            const i64 *heur, i64 capacity, double time_limit, i64 *sol, i64 *nodes_out) {
     double deadline = now() + time_limit;
     Ctx c = {.n = n, .S = S, .height = height, .first = first, .span_lo = span_lo, .span_hi = span_hi,
              .run_ptr = run_ptr, .run_lo = run_lo, .run_hi = run_hi, .run_h = run_h, .adj_ptr = adj_ptr,
              .adj_j = adj_j, .adj_e = adj_e, .members = members, .ptr = ptr, .byfirst = byfirst, .pf = pf,
-             .width = width, .area = area, .C = capacity};
+             .width = width, .area = area, .events = events, .canon = canon, .C = capacity,
+             .adj_rev = adj_rev};
     int rc = NOMEM;
     c.ub = malloc(sizeof(i64) * (size_t)(n + 1));
     c.minoff = malloc(sizeof(i64) * (size_t)(n + 1));
@@ -357,27 +314,36 @@ int dsa_fit(int n, int S, const i64 *height, const i64 *reach, const i64 *first,
     c.keyed = malloc(sizeof(struct Keyed) * (size_t)(n + 1));
     Frame *st = malloc(sizeof(Frame) * (size_t)(2 * n + 4));
     Set *failed = calloc((size_t)H, sizeof(Set));
+    char *dropped = calloc((size_t)H + 1, 1);
+    c.nw = (2 * n + 4 + 63) / 64;
+    c.cs = calloc((size_t)c.nw * (size_t)(2 * n + 5), sizeof(u64));
+    c.cur = calloc((size_t)c.nw, sizeof(u64));
+    c.pframe = calloc((size_t)n + 1, sizeof(i64));
     *nodes_out = 0;
-    if (!c.ub || !c.minoff || !c.total || !c.cuts || !c.placed || !c.rank || !c.keyed || !st || !failed) goto out;
+    if (!c.ub || !c.minoff || !c.total || !c.cuts || !c.placed || !c.rank || !c.keyed || !st || !failed || !dropped
+        || !c.cs || !c.cur || !c.pframe) goto out;
     for (int i = 0; i < n; i++) c.ub[i] = capacity - reach[i];
     i64 limit = n;
     rc = ABORT;
-    while (now() < deadline) {
+    for (int active = H; active && now() < deadline;) {
         limit *= 2;
         for (int h = 0; h < H; h++) {
+            if (dropped[h]) continue;
             memcpy(c.total, total, sizeof(i64) * (size_t)S);
             if (S > 1) memcpy(c.cuts, cuts, sizeof(i64) * (size_t)(S - 1));
-            c.heur = heur + 4 * (size_t)h;
+            c.heur = heur + 5 * (size_t)h;
+            c.cbj = heur[5 * (size_t)h + 4] == 1;
             i64 nodes = 0;
             int r = run(&c, st, parts, nparts, &failed[h], limit, deadline, &nodes);
             *nodes_out += nodes;
+            if (r == FAIL && c.cbj) { dropped[h] = 1; active--; continue; }
             if (r != ABORT) { rc = r; goto out; }
             if (now() > deadline) break;
         }
     }
 out:
     if (failed) for (int h = 0; h < H; h++) free(failed[h].keys);
-    free(failed); free(st); free(c.keyed); free(c.rank); free(c.placed); free(c.cuts); free(c.total); free(c.minoff); free(c.ub);
-    free(c.arena);
+    free(failed); free(dropped); free(st); free(c.keyed); free(c.rank); free(c.placed); free(c.cuts); free(c.total);
+    free(c.minoff); free(c.ub); free(c.arena); free(c.cs); free(c.cur); free(c.pframe);
     return rc;
 }
