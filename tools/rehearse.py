@@ -127,6 +127,11 @@ def main(argv=None) -> int:
             json.dump(report, f, indent=1)
     if args.plot:
         plot(results, summary, args.plot)
+    sent = summary["layer0_attention_bytes"]
+    if sent:
+        print("layer 0 attention sent per step by a rank: " + ", ".join(
+            f"{k} {sent['rehearsed'].get(k, 0) / GIB:.2f} GiB (formula {sent['formula'][k] / GIB:.2f})"
+            for k in ("fwd", "bwd")))
     print(summary_line(summary))
     return 0 if summary["fits"] and not summary["violations"] else 1
 

@@ -5,7 +5,10 @@ and its picture.
 """
 from __future__ import annotations
 
-from ..config import Config
+import torch
+
+from ..attention.cp_bytes import cp_attention_bytes
+from ..config import Config, resolve_execution, resolve_layout
 from ..estimate import estimate
 from ..units import GIB
 
@@ -24,7 +27,29 @@ def summarize(cfg: Config, hw, world: int, ranks: dict) -> dict:
             "estimator_host_per_rank_bytes": est.memory.host_per_rank,
             "difference": (peak - est.memory.peak) / est.memory.peak if est.memory.peak else None,
             "max_host_bytes": host, "device_capacity_bytes": hw.device_bytes, "fits": peak <= hw.device_bytes,
-            "violations": sum(len(r.get("violations", [])) for r in ranks.values())}
+            "violations": sum(len(r.get("violations", [])) for r in ranks.values()),
+            "layer0_attention_bytes": attention_bytes(cfg, world, ranks)}
+
+
+def attention_bytes(cfg: Config, world: int, ranks: dict) -> dict:
+    """Bytes one rank sent in layer 0's context-parallel attention in the last step, rehearsed (the largest over
+    the ranks) beside the formula of ``attention/cp_bytes.py`` (ring, Ulysses, hybrid; None otherwise)."""
+    layout = resolve_layout(cfg, world)
+    if layout.cp == 1 or layout.cp_comm_type not in ("p2p", "a2a", "a2a+p2p"):
+        return {}
+    m = cfg.model
+    elem = resolve_execution(cfg, torch.device("cuda")).compute_dtype.itemsize
+    formula = cp_attention_bytes(layout.cp_comm_type, cfg.data.seq_length, layout.micro_batch_size, layout.heads,
+                                 layout.kv_heads, m.kv_channels, layout.cp, layout.ulysses, elem)
+    formula = {k: v * layout.num_micro_batches for k, v in formula.items()}
+    seen = {}
+    for r in ranks.values():
+        for key, n in r["comm_bytes_per_step"].items():
+            tag, op = key.split("/", 1)
+            if tag == "layer0.attn":
+                phase = "bwd" if op.endswith("bwd") else "fwd"
+                seen[phase] = max(seen.get(phase, 0), n)
+    return {"rehearsed": seen, "formula": formula}
 
 
 def summary_line(s: dict) -> str:
