@@ -32,8 +32,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Check the config for ``--nproc-per-node`` ranks, then run them with torchrun's launcher (standalone)."""
     from megatron_lc.config import load_config, resolve_layout
+    from megatron_lc.data import with_tokenizer_vocab
 
-    resolve_layout(load_config(args.config, args.overrides), args.nproc_per_node)  # ConfigError: nothing spawned
+    cfg = with_tokenizer_vocab(load_config(args.config, args.overrides))  # model.vocab_size from the tokenizer
+    resolve_layout(cfg, args.nproc_per_node)  # ConfigError or DataError: nothing spawned
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     from megatron_lc.config import ConfigError, load_config
-    from megatron_lc.data import DataError
+    from megatron_lc.data import DataError, with_tokenizer_vocab
     from megatron_lc.training.faults import TrainingError
     from megatron_lc.training.runtime import env_world, setup_logging
 
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
         if args.nproc_per_node is not None:
             return launch(args, argv)
         setup_logging(rank)
-        cfg = load_config(args.config, args.overrides)
+        cfg = with_tokenizer_vocab(load_config(args.config, args.overrides))  # model.vocab_size unset: the tokenizer's
         from megatron_lc.training.entry import run
 
         run(cfg)
