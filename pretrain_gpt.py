@@ -34,7 +34,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     from megatron_lc.config import load_config, resolve_layout
     from megatron_lc.data import with_tokenizer_vocab
 
-    cfg = with_tokenizer_vocab(load_config(args.config, args.overrides))  # model.vocab_size from the tokenizer
+    cfg = with_tokenizer_vocab(load_config(args.config, args.overrides), warn=False)  # the ranks say it
     resolve_layout(cfg, args.nproc_per_node)  # ConfigError or DataError: nothing spawned
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -77,7 +77,8 @@ def main(argv=None) -> int:
         if args.nproc_per_node is not None:
             return launch(args, argv)
         setup_logging(rank)
-        cfg = with_tokenizer_vocab(load_config(args.config, args.overrides))  # model.vocab_size unset: the tokenizer's
+        # model.vocab_size unset: the tokenizer's
+        cfg = with_tokenizer_vocab(load_config(args.config, args.overrides), warn=rank == 0)
         from megatron_lc.training.entry import run
 
         run(cfg)

@@ -158,7 +158,7 @@ def test_imported_llama_trains_on_its_own_tokenizer(toks, tmp_path):
         f"data.tokenizer_model={tmp_path / 'imp'}", f"data.data_path={tmp_path / 'c'}",
         f"checkpoint.load={tmp_path / 'imp'}", "checkpoint.finetune=true", "train.lr=0"]))
     trainer = Trainer(cfg, Topology())
-    batch = trainer.setup.microbatches(0)[0]
+    batch = trainer.microbatches(0)[0]
     with torch.no_grad():
         logits = hf(input_ids=batch["tokens"]).logits
     ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item()

@@ -5,9 +5,9 @@ by length x depth, under the config's parallel layout (tp, ring / Ulysses / hybr
     torchrun --nproc-per-node 8 tools/eval_long.py --config configs/llama3_8b_extend/stage3_1m.yaml \\
         --load runs/llama3_8b_extend/stage3_1m --out eval_1m.json --lengths 65536 262144 1048576 --depths 0 0.5 1
 
-* Held-out samples (``--documents N``, sequences of ``data.seq_length`` tokens): the last N samples of the first
-  epoch of the config's data (``seen_in_training`` says whether the checkpoint has consumed them), or the first N of
-  a separate ``--data-path`` prefix (.bin/.idx, tokenized like the training data). Their per-token losses are
+* Held-out samples (``--documents N``, sequences of ``data.seq_length`` tokens): the first N samples of the valid
+  split of the config's data (``data.split``: documents training never reads), or of a separate ``--data-path``
+  prefix (.bin/.idx, tokenized like the training data; all of it is the held-out split). Their per-token losses are
   averaged by position bucket (``--bucket-edges``, default 0, 1K, 4K, 16K, ... cut at the sequence length).
 * Passkey (``--lengths``, ``--depths``, ``--trials`` keys of ``--key-digits`` digits per cell): a filler prompt with
   the key at the depth, then the question; a key counts when the model's argmax at every answer token is the key's
@@ -40,8 +40,7 @@ from megatron_lc.data import DataError, build_dataset  # noqa: E402
 from megatron_lc.data.tokenizer import SentencePieceTokenizer  # noqa: E402
 from megatron_lc.parallel.topology import Topology  # noqa: E402
 from megatron_lc.training.checkpoint import load_checkpoint  # noqa: E402
-from megatron_lc.training.evaluate import (bucket_edges, default_bucket_edges, evaluate_positions,  # noqa: E402
-                                           held_out_sample_ids)
+from megatron_lc.training.evaluate import bucket_edges, default_bucket_edges, evaluate_positions  # noqa: E402
 from megatron_lc.training.passkey import PasskeyPrompt, check_passkey, evaluate_passkey  # noqa: E402
 from megatron_lc.training.runtime import env_world, init_distributed, setup_logging, shutdown  # noqa: E402
 from megatron_lc.training.setup import build_and_calibrate  # noqa: E402
@@ -82,7 +81,8 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"checkpoint.load={args.load}")
     out += ["checkpoint.save=", "checkpoint.finetune=false", "train.global_batch_size="]
     if args.data_path is not None:
-        out += [f"data.data_path={args.data_path}", "data.mock_data=false", "data.prepare_demo_data=false"]
+        out += [f"data.data_path={args.data_path}", "data.mock_data=false", "data.prepare_demo_data=false",
+                "data.split=0,1,0"]  # the whole file is the held-out (valid) split
     return out
 
 
@@ -126,7 +126,7 @@ def _evaluate(cfg: Config, args: argparse.Namespace, layout: Layout, topo: Topol
     lengths = default_bucket_edges(s)[1:] if args.lengths is None else args.lengths  # 1K, 4K, ... seq_length
     seed = cfg.train.seed if args.seed is None else args.seed
     # everything that can be wrong with the input, before the (possibly long) model build
-    dataset = build_dataset(cfg) if args.documents else None
+    dataset = build_dataset(cfg, [0, args.documents, 0]).valid if args.documents else None
     prompt = passkey_prompt(cfg) if lengths else None
     if prompt is not None:
         check_passkey(prompt, lengths, args.depths, args.trials, args.key_digits, seed, s)
@@ -143,18 +143,13 @@ def _evaluate(cfg: Config, args: argparse.Namespace, layout: Layout, topo: Topol
     with execution.autocast():
         if dataset is not None:
             t0 = time.perf_counter()
-            ids = held_out_sample_ids(dataset, args.documents, args.data_path is not None)
+            ids = list(range(args.documents))  # the valid split's first samples: never trained on
             loss = evaluate_positions(model, dataset, ids, cfg.data, layout, topo, device, edges)
             source = (args.data_path if args.data_path is not None else "mock data" if cfg.data.mock_data else
-                      f"the end of the first epoch of {cfg.data.files(cfg.model.vocab_size)[0]}")
+                      f"the valid split (data.split {cfg.data.split}) of {cfg.data.files(cfg.model.vocab_size)[0]}")
             out["position_loss"] = {"source": source, "samples": len(ids), "sample_ids": ids,
-                                    "seen_in_training": args.data_path is None and bool(ids)
-                                    and meta["consumed_samples"] > min(ids), **loss.summary()}
+                                    "seen_in_training": False, **loss.summary()}
             seconds["position_loss"] = time.perf_counter() - t0
-            if out["position_loss"]["seen_in_training"]:
-                log.warning("the checkpoint has consumed %d samples: the held-out samples from %d on were seen in "
-                            "training (evaluate on a separate file with --data-path)", meta["consumed_samples"],
-                            min(ids))
         if prompt is not None:
             t0 = time.perf_counter()
             pk = evaluate_passkey(model, prompt, lengths, args.depths, args.trials, args.key_digits, seed, s,

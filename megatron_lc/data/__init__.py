@@ -7,23 +7,24 @@ import dataclasses
 import logging
 
 from ..config import Config
-from .dataset import MockDataset, PackedDataset, make_batch, microbatch_sample_ids
+from .dataset import MockDataset, make_batch, microbatch_sample_ids
 from .errors import DataError
+from .gpt import DataSplits, build_splits
 from .indexed import open_indexed
 from .tokenizer import build_tokenizer
 
-__all__ = ["build_dataset", "build_tokenizer", "DataError", "make_batch", "microbatch_sample_ids",
-           "with_tokenizer_vocab"]
+__all__ = ["build_dataset", "build_tokenizer", "DataError", "DataSplits", "make_batch", "microbatch_sample_ids",
+           "split_sizes", "with_tokenizer_vocab"]
 
 log = logging.getLogger("megatron_lc")
 
 
-def with_tokenizer_vocab(cfg: Config, tokenizer=None) -> Config:
+def with_tokenizer_vocab(cfg: Config, tokenizer=None, warn: bool = True) -> Config:
     """``cfg`` with ``model.vocab_size`` the tokenizer's when unset (then padded to ``make_vocab_size_divisible_by``
     like Megatron's); a set size smaller than the tokenizer's is a one-line DataError, a larger one is said once.
     Called where a run starts (``pretrain_gpt.py``, ``tools/eval_long.py``), before the layout. Example: a Llama-3
     tokenizer (128256 ids) and no ``model.vocab_size`` -> 128256; a 2K tokenizer with ``model.vocab_size: 8000`` ->
-    8000 and a warning that 6000 rows are never an input."""
+    8000 and a warning that 6000 rows are never an input (``warn``: said by this process; one rank says it)."""
     d = cfg.data
     if tokenizer is None:
         if not (d.follows_tokenizer or (d.tokenizer_type == "NullTokenizer" and d.vocab_size is not None)):
@@ -34,7 +35,7 @@ def with_tokenizer_vocab(cfg: Config, tokenizer=None) -> Config:
     if m.vocab_size is None:
         return dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=tok.vocab_size))
     check_vocab(tok, m.vocab_size)
-    if tok.vocab_size < m.vocab_size:
+    if tok.vocab_size < m.vocab_size and warn:
         log.warning("model.vocab_size (%d) is larger than the tokenizer's vocabulary (%d): %d embedding rows are never "
                     "an input (unset model.vocab_size to follow the tokenizer)", m.vocab_size, tok.vocab_size,
                     m.vocab_size - tok.vocab_size)
@@ -48,15 +49,31 @@ def check_vocab(tok, vocab_size: int) -> None:
                         f"model.vocab_size ({vocab_size}): unset model.vocab_size to follow the tokenizer")
 
 
-def build_dataset(cfg: Config):
-    """The dataset for ``cfg.data`` (files checked before training starts)."""
+def split_sizes(cfg: Config, global_batch_size: int, iteration: int = 0, consumed: int = 0) -> list[int]:
+    """Samples the run reads per split (train, valid, test; 0: not built): the training samples up to
+    ``train.train_iters`` -- from a checkpoint at (``iteration``, ``consumed`` samples), whatever global batch size
+    it was written with -- and ``eval_iters`` global batches of the valid split when ``train.eval_interval`` is set,
+    of the test split with ``test_at_end``. Example: 3 steps of 8 samples, resumed with 4 samples a step to
+    ``train_iters`` 5: 24 + 2 x 4 = 32 training samples.
+
+    Validation reads the same valid samples every time, so its losses compare across steps and resumes."""
+    t = cfg.train
+    train = max(t.train_iters * global_batch_size, consumed + max(t.train_iters - iteration, 0) * global_batch_size)
+    return [max(train, 1), t.eval_iters * global_batch_size if t.eval_interval else 0,
+            t.eval_iters * global_batch_size if t.test_at_end else 0]
+
+
+def build_dataset(cfg: Config, sizes: list[int]) -> DataSplits:
+    """The run's samples per split (``sizes``: ``split_sizes``), files checked before anything is built. Mock data:
+    ``MockDataset`` streams; else megatron-core's blended GPTDataset splits (``gpt.py``). Every rank calls this."""
     d = cfg.data
     if d.mock_data:
-        return MockDataset(d.seq_length, cfg.model.vocab_size, cfg.train.seed)
-    data_path = d.files(cfg.model.vocab_size)[0]
-    if data_path is None:
+        return DataSplits(*[MockDataset(d.seq_length, cfg.model.vocab_size, cfg.train.seed, i) if n else None
+                            for i, n in enumerate(sizes)])
+    blend = d.blend(cfg.model.vocab_size)
+    if blend is None:
         raise DataError("data.data_path is not set (or set data.mock_data: true for random tokens)")
-    indexed = open_indexed(data_path)  # the files first: a missing file is named before the tokenizer's needs
+    indexed = [open_indexed(p) for p in blend[0]]  # the files first: a missing one is named before the tokenizer
     tok = build_tokenizer(d, cfg.model.vocab_size)
     check_vocab(tok, cfg.model.vocab_size)
-    return PackedDataset(indexed, d.seq_length, cfg.train.seed, tok.eod)
+    return build_splits(cfg, tok, sizes, indexed)
