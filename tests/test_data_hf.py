@@ -114,7 +114,10 @@ def test_model_vocab_follows_the_tokenizer(toks, caplog):
     assert null.model.vocab_size == 256  # ids 0..254 and the end-of-document id 255
 
 
-def test_training_runs_on_hf_tokenized_data(toks, tmp_path):
+def test_training_runs_on_hf_tokenized_data_and_exports_its_tokenizer(toks, tmp_path):
+    """Train 2 steps on Llama-3-style data, then tools/convert_to_hf.py: AutoTokenizer loads the export and encodes
+    like the run, config.json's bos / eos ids are the tokenizer's; ``--tokenizer`` takes a bare tokenizer.json; a
+    ``--tokenizer`` that is no tokenizer is one line and writes nothing."""
     from megatron_lc.training.loop import Trainer
 
     paragraphs = [p for t in stdlib_texts() for p in t.split("\n\n") if p.strip()]  # short documents
@@ -123,12 +126,34 @@ def test_training_runs_on_hf_tokenized_data(toks, tmp_path):
                      tmp_path / "c", "--append-eod")
     assert out.returncode == 0, out.stderr[-2000:]
     cfg = with_tokenizer_vocab(load_config(None, SMALL + [f"data.tokenizer_model={toks['llama3']}",
-                                                          f"data.data_path={tmp_path / 'c'}"]))
+                                                          f"data.data_path={tmp_path / 'c'}",
+                                                          f"checkpoint.save={tmp_path / 'run'}"]))
     trainer = Trainer(cfg, Topology())
     samples = np.stack([trainer.setup.dataset[k] for k in range(32)])
     assert samples.max() < 600 and (samples == 1).sum() > 3  # Llama-3's <|end_of_text|> ends the documents
     losses = trainer.train().losses
     assert len(losses) == 2 and all(np.isfinite(losses)) and abs(losses[0] - np.log(600)) < 0.5
+
+    def export(*extra):
+        return subprocess.run([sys.executable, "tools/convert_to_hf.py", tmp_path / "run", *extra], cwd=ROOT,
+                              capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+
+    assert export(tmp_path / "hf").returncode == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tok.encode(TEXT, add_special_tokens=False) == HuggingFaceTokenizer(toks["llama3"]).encode(TEXT)
+    hf_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"], hf_cfg["vocab_size"]) == (0, 1, 600)
+    assert transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").config.eos_token_id == 1
+    (tmp_path / "bare").mkdir()
+    shutil.copy(os.path.join(toks["llama3"], "tokenizer.json"), tmp_path / "bare" / "tokenizer.json")
+    assert export(tmp_path / "hf2", "--tokenizer", tmp_path / "bare" / "tokenizer.json").returncode == 0
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf2").eos_token == "<|end_of_text|>"
+    (tmp_path / "notes.txt").write_text("not a tokenizer")
+    bad = export(tmp_path / "hf3", "--tokenizer", tmp_path / "notes.txt")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path / 'notes.txt'}: not a SentencePiece model")
+    assert not (tmp_path / "hf3").exists()
 
 
 def test_imported_llama_trains_on_its_own_tokenizer(toks, tmp_path):

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_lc.config import ConfigError, DataConfig  # noqa: E402
 from megatron_lc.data import DataError, build_tokenizer  # noqa: E402
 from megatron_lc.data.indexed import write_indexed  # noqa: E402
+from megatron_lc.data.tokenizer import tokenizer_type_of  # noqa: E402
 
 _TOKENIZER = None  # each worker process's tokenizer (set by _init_worker)
 _APPEND_EOD = False
@@ -76,8 +77,7 @@ def data_config(tokenizer_type: str | None, tokenizer_model: str | None, vocab_s
     if tokenizer_type is None:
         if tokenizer_model is None:
             raise DataError("--tokenizer-model is required (or --tokenizer-type NullTokenizer --vocab-size N)")
-        hf = os.path.isdir(tokenizer_model) or os.path.basename(tokenizer_model) == "tokenizer.json"
-        tokenizer_type = "HuggingFaceTokenizer" if hf else "SentencePieceTokenizer"
+        tokenizer_type = tokenizer_type_of(tokenizer_model)
     return DataConfig(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model, vocab_size=vocab_size)
 
 

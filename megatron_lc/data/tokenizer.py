@@ -146,6 +146,18 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
+def tokenizer_type_of(path: str) -> str:
+    """The tokenizer type a path names: a directory or a ``tokenizer.json`` is Hugging Face's, anything else a
+    SentencePiece model (what ``tools/preprocess_data.py`` and ``tools/convert_to_hf.py`` assume without
+    ``--tokenizer-type``).
+
+    >>> tokenizer_type_of("runs/llama3_import/tokenizer.json"), tokenizer_type_of("data/sp.model")
+    ('HuggingFaceTokenizer', 'SentencePieceTokenizer')
+    """
+    hf = os.path.isdir(path) or os.path.basename(path) == "tokenizer.json"
+    return "HuggingFaceTokenizer" if hf else "SentencePieceTokenizer"
+
+
 def build_tokenizer(d: DataConfig, vocab_size: Optional[int]):
     """The run's tokenizer (``vocab_size``: the model's, which names the demo's files), or None for mock data
     without one (its end-of-document id is then ``vocab_size - 1``: ``dataset.MockDataset``)."""
