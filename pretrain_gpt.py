@@ -13,8 +13,6 @@ Exit codes: 0 done, 2 a config or data error, 3 training could not go on (traini
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 import time
 
@@ -33,35 +31,11 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Check the config for ``--nproc-per-node`` ranks, then run them with torchrun's launcher (standalone)."""
     from megatron_lc.config import load_config, resolve_layout
     from megatron_lc.data import with_tokenizer_vocab
+    from megatron_lc.training.launcher import launch as launch_ranks
 
     cfg = with_tokenizer_vocab(load_config(args.config, args.overrides), warn=False)  # the ranks say it
     resolve_layout(cfg, args.nproc_per_node)  # ConfigError or DataError: nothing spawned
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    worker = []
-    skip = False
-    for a in argv:  # the workers get every argument but --nproc-per-node
-        if skip:
-            skip = False
-        elif a == "--nproc-per-node":
-            skip = True
-        elif not a.startswith("--nproc-per-node="):
-            worker.append(a)
-    logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # the ranks report their own errors
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for N > 1, set here instead of its banner
-    try:
-        run(get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(args.nproc_per_node), __file__,
-                                          *worker]))
-    except ChildFailedError as e:
-        # the root cause: the first rank that exited by itself (the launcher then stops the others with SIGTERM)
-        exited = [(f.timestamp, r, f.exitcode) for r, f in e.failures.items() if f.exitcode > 0]
-        if exited:
-            return min(exited)[2]
-        rank, failure = min(e.failures.items())  # every failed rank was killed: it could not say anything itself
-        print(f"error: rank {rank} was killed by signal {-failure.exitcode}", file=sys.stderr)
-        return 1
-    return 0
+    return launch_ranks(__file__, argv, args.nproc_per_node)
 
 
 def main(argv=None) -> int:

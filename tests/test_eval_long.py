@@ -244,5 +244,5 @@ def test_cli_missing_checkpoint_is_one_line(tiny_checkpoint, tmp_path):
     out = eval_cli("--config", config, "--load", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r.json"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert [ln for ln in out.stderr.splitlines() if "error" in ln.lower()] == [
-        f"error: checkpoint.load ({tmp_path / 'nowhere'}) does not exist"]
+        f"error: --load {tmp_path / 'nowhere'}: no such directory"]
     assert not (tmp_path / "r.json").exists()

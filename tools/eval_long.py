@@ -35,11 +35,12 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from megatron_lc.config import Config, ConfigError, Layout, load_config, resolve_execution  # noqa: E402
-from megatron_lc.data import DataError, build_dataset  # noqa: E402
-from megatron_lc.data.tokenizer import SentencePieceTokenizer  # noqa: E402
+from megatron_lc.config import Config, ConfigError, Layout, load_config, resolve_execution, resolve_layout  # noqa
+from megatron_lc.data import DataError, build_dataset, build_tokenizer, with_tokenizer_vocab  # noqa: E402
 from megatron_lc.parallel.topology import Topology  # noqa: E402
 from megatron_lc.training.checkpoint import load_checkpoint  # noqa: E402
+from megatron_lc.training.checkpoint_dir import find_latest, is_hf_model_dir  # noqa: E402
+from megatron_lc.training.launcher import launch  # noqa: E402
 from megatron_lc.training.evaluate import bucket_edges, default_bucket_edges, evaluate_positions  # noqa: E402
 from megatron_lc.training.passkey import PasskeyPrompt, check_passkey, evaluate_passkey  # noqa: E402
 from megatron_lc.training.runtime import env_world, init_distributed, setup_logging, shutdown  # noqa: E402
@@ -70,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=1, help="keys per (length, depth)")
     p.add_argument("--key-digits", type=int, default=5)
     p.add_argument("--seed", type=int, default=None, help="of the keys (default: train.seed)")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="start N local ranks after checking the config for them (torchrun's launcher), as "
+                        "pretrain_gpt.py does")
     return p.parse_args(argv)
 
 
@@ -87,12 +91,13 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def passkey_prompt(cfg: Config) -> PasskeyPrompt:
-    """English text with the config's SentencePiece model (or the demo's), token ids without one."""
+    """English text through the run's tokenizer (SentencePiece or Hugging Face, or the demo's); token ids for mock
+    data without a tokenizer and for NullTokenizer."""
     d = cfg.data
     tokenizer_model = d.files(cfg.model.vocab_size)[1]
-    if d.mock_data or d.tokenizer_type != "SentencePieceTokenizer" or tokenizer_model is None:
+    if d.tokenizer_type == "NullTokenizer" or tokenizer_model is None:
         return PasskeyPrompt.token_ids(cfg.model.vocab_size)
-    return PasskeyPrompt.from_tokenizer(SentencePieceTokenizer(tokenizer_model), tokenizer_model)
+    return PasskeyPrompt.from_tokenizer(build_tokenizer(d, cfg.model.vocab_size), tokenizer_model)
 
 
 def layout_summary(layout: Layout) -> dict:
@@ -102,8 +107,17 @@ def layout_summary(layout: Layout) -> dict:
 
 
 def check_args(args: argparse.Namespace, cfg: Config) -> None:
-    if cfg.checkpoint.load is None:
+    """The arguments' mistakes, before any layout arithmetic or process group: the checkpoint first."""
+    load = cfg.checkpoint.load
+    if load is None:
         raise ConfigError("no checkpoint to evaluate: pass --load CKPT_DIR (or set checkpoint.load)")
+    if not os.path.isdir(load):
+        raise ConfigError(f"--load {load}: no such directory")
+    if is_hf_model_dir(load):
+        raise ConfigError(f"--load {load} is a Hugging Face model directory; import it first: python "
+                          f"tools/convert_from_hf.py {load} OUT_DIR")
+    if find_latest(load) is None:
+        raise ConfigError(f"--load {load} holds no megatron_lc checkpoint (no iter_*/meta.json)")
     if args.documents < 0 or args.trials < 1 or args.key_digits < 1:
         raise ConfigError(f"--documents ({args.documents}) must be >= 0, --trials ({args.trials}) and --key-digits "
                           f"({args.key_digits}) >= 1")
@@ -133,7 +147,11 @@ def _evaluate(cfg: Config, args: argparse.Namespace, layout: Layout, topo: Topol
     torch.manual_seed(cfg.train.seed)
     execution = resolve_execution(cfg, device)
     model, _ = build_and_calibrate(cfg, layout, topo, execution)
+    newest = find_latest(cfg.checkpoint.load)
     meta = load_checkpoint(cfg, topo, model, None)  # the weights only, resharded to this layout's tp
+    if os.path.abspath(meta["path"]) != os.path.abspath(newest):  # checkpoint.load_fallback took an older one
+        raise ConfigError(f"the newest checkpoint {newest} does not load, and eval_long evaluates only the newest: "
+                          f"pass --load {meta['path']} to evaluate that older one")
     model.eval()
     log.info("evaluating %s (iteration %d) at tp=%d cp=%d (%s) dp=%d, %d tokens per sample", meta["path"],
              meta["iteration"], layout.tp, layout.cp, layout.cp_comm_type, layout.dp, s)
@@ -219,12 +237,16 @@ def write(results: dict, out: str, png: str | None) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     rank = env_world()[0]
     setup_logging(rank)
     try:
-        cfg = load_config(args.config, eval_overrides(args))
+        cfg = with_tokenizer_vocab(load_config(args.config, eval_overrides(args)), warn=False)
         check_args(args, cfg)
+        if args.nproc_per_node is not None:
+            resolve_layout(cfg, args.nproc_per_node)  # a layout mistake: one line, nothing spawned
+            return launch(os.path.abspath(__file__), argv, args.nproc_per_node)
         results = evaluate(cfg, args)
     except (ConfigError, DataError) as e:
         if rank != 0:  # every rank fails the same way: rank 0 speaks for all (as pretrain_gpt.py)
