@@ -89,3 +89,19 @@ def record_full_batches(rank, world, data_path, cache, overrides):
     state = trainer.train()
     return seen, state.consumed_samples
 
+
+
+def valid_losses(rank, world, data_path, cache, layouts):
+    """For each layout (overrides): the valid loss of the freshly built model (initialisation does not depend on
+    the layout) and its token count, evaluated by the Validator under that layout."""
+    from megatron_lc.training.loop import Trainer
+
+    out = []
+    for overrides in layouts:
+        cfg = config(data_path, cache, ["train.eval_interval=1", "train.eval_iters=3"] + list(overrides))
+        layout = resolve_layout(cfg, world)
+        topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
+        trainer = Trainer(cfg, topo, layout=layout)
+        rec = trainer.validator.evaluate("valid", 0)
+        out.append((rec["loss"], rec["tokens"]))
+    return out

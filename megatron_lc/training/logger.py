@@ -71,6 +71,20 @@ class MetricsLogger:
         if step == 1 or step % self.cfg.logging.log_interval == 0 or step == self.cfg.train.train_iters:
             log.info(format_line(record))
 
+    def log_eval(self, record: dict) -> None:
+        """A validation / test record (``validate.Validator``): a line of the metrics file (its ``eval`` key tells it
+        from the step records), ``valid/loss`` and ``valid/perplexity`` in wandb, and the console."""
+        if self.rank != 0:
+            return
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({f"{record['eval']}/{k}": record[k] for k in ("loss", "perplexity")}, step=record["step"])
+        log.info("%s at step %d | %s loss %.4f | perplexity %.3f | %d samples, %d tokens | %.2fs", record["eval"],
+                 record["step"], record["eval"], record["loss"], record["perplexity"], record["samples"],
+                 record["tokens"], record["seconds"])
+
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()

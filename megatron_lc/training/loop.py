@@ -25,6 +25,7 @@ from .logger import MetricsLogger
 from .metrics import pairs_per_sample, peak_flops, peak_memory_bytes, step_counts, step_metrics
 from .optimizer import clip_grad_norm, lr_at, set_lr, sync_gradients
 from .setup import setup_training
+from .validate import Validator
 
 log = logging.getLogger("megatron_lc")
 
@@ -55,6 +56,7 @@ class Trainer:
             self.state.iteration = s.resumed["iteration"]
             self.state.consumed_samples = s.resumed["consumed_samples"]
         self.metrics = MetricsLogger(cfg, topo.rank, s.resumed)
+        self.validator = Validator(s)  # train.eval_interval / eval_iters / test_at_end
         self.peak, source = peak_flops(cfg, self.execution)
         self.mfu_valid = True
         self.pairs: Optional[float] = None
@@ -149,6 +151,9 @@ class Trainer:
                 self.metrics.log_step(rec)
                 self.skips.update(step, rec["skipped"], rec["loss"], rec["grad_norm"])
                 self.state.skipped_steps = self.skips.total
+                if self.validator.due(step):
+                    with collective_errors(c, self.topo.rank, f"the validation after step {step}"):
+                        self.metrics.log_eval(self.validator.evaluate("valid", step))
                 if rec["stop"]:
                     self.state.stop_reason = rec["stop"]
                     log.warning("%s: stopping after step %d%s", rec["stop"], step,
@@ -158,6 +163,10 @@ class Trainer:
                     with collective_errors(c, self.topo.rank, f"the checkpoint save of step {step}"):
                         self.save()
                     last_saved = self.state.iteration
+            if self.state.stop_reason is None:  # a stopped run exits promptly
+                with collective_errors(c, self.topo.rank, "the validation at the end"):
+                    for record in self.validator.at_end(self.state.iteration):
+                        self.metrics.log_eval(record)
             if c.checkpoint.save and last_saved != self.state.iteration:
                 with collective_errors(c, self.topo.rank, f"the checkpoint save of step {self.state.iteration}"):
                     self.save()
