@@ -97,6 +97,42 @@ def parse_split(split: str) -> list[float]:
     return [v / sum(values) for v in values]
 
 
+MIXING_KEYS = ("min_length", "upsample_length", "upsample_factor")
+
+
+def parse_length_mixing(mixing: Optional[dict], prefixes: list[str]) -> dict[str, dict]:
+    """``data.length_mixing`` checked against the blend's ``prefixes``: ``{prefix or "*": {"min_length": N,
+    "upsample_length": L, "upsample_factor": k}}`` -> the rule of each prefix (``"*"``: every prefix not named).
+
+    >>> parse_length_mixing({"*": {"min_length": 1024}, "books": {"upsample_length": 32768, "upsample_factor": 4}},
+    ...                     ["web", "books"])
+    {'web': {'min_length': 1024}, 'books': {'upsample_length': 32768, 'upsample_factor': 4}}
+    """
+    if not mixing:
+        return {}
+    if not isinstance(mixing, dict):
+        raise ConfigError(f"data.length_mixing: expected a mapping of prefix -> rule, got {mixing!r}")
+    unknown = [k for k in mixing if k != "*" and k not in prefixes]
+    if unknown:
+        raise ConfigError(f"data.length_mixing names {unknown[0]!r}, which is not a prefix of data.data_path "
+                          f"({', '.join(prefixes) or 'none'}; \"*\" is every prefix)")
+    out = {}
+    for key, rule in mixing.items():
+        where = f"data.length_mixing[{key!r}]"
+        if not isinstance(rule, dict) or not rule:
+            raise ConfigError(f"{where}: expected a mapping with {', '.join(MIXING_KEYS)}, got {rule!r}")
+        bad = [k for k in rule if k not in MIXING_KEYS]
+        if bad:
+            raise ConfigError(f"{where}: unknown key {bad[0]!r}; valid: {', '.join(MIXING_KEYS)}")
+        for k, v in rule.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{where}.{k} ({v!r}) must be an integer >= 1")
+        if ("upsample_length" in rule) != ("upsample_factor" in rule):
+            raise ConfigError(f"{where}: upsample_length and upsample_factor go together")
+        out[key] = dict(rule)
+    return {p: out[p] if p in out else out["*"] for p in prefixes if p in out or "*" in out}
+
+
 @dataclass
 class DataConfig:
     seq_length: int = 512
@@ -118,6 +154,11 @@ class DataConfig:
     # vocab_size itself, so the tokenizer has vocab_size + 1 ids
     vocab_size: Optional[int] = None
     mock_data: bool = False  # random tokens, no files (Megatron's --mock-data)
+    # long-context mixing of the train split, per prefix of data_path (or "*": every other one): keep only documents
+    # of at least min_length tokens; repeat those of at least upsample_length tokens upsample_factor times (their
+    # tokens as stored). E.g. {"data/books": {"upsample_length": 32768, "upsample_factor": 4}, "*": {"min_length":
+    # 1024}}. The valid and test splits keep every document. tools/data_stats.py shows the lengths of a corpus
+    length_mixing: Optional[dict] = None
     # packed documents (Megatron's names): positions restart after each end-of-document token; a token attends
     # only to its own document (every attention path, every layout); no loss on end-of-document input tokens
     reset_position_ids: bool = False
@@ -144,6 +185,8 @@ class DataConfig:
         if blend is not None and len(blend[0]) == 1 and blend[1] is None:
             self.data_path = blend[0][0]
         parse_split(self.split)
+        check(not self.length_mixing or blend is not None, "data.length_mixing needs data.data_path")
+        parse_length_mixing(self.length_mixing, blend[0] if blend else [])
 
     def files(self, vocab_size: Optional[int]) -> tuple[Optional[str], Optional[str]]:
         """(data path, tokenizer model) this run reads: the demo's for ``prepare_demo_data``, else the configured

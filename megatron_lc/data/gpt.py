@@ -37,6 +37,7 @@ import numpy as np
 import torch.distributed as dist
 
 from ..config import Config
+from ..config.data import parse_length_mixing
 from .errors import DataError
 
 log = logging.getLogger("megatron_lc")
@@ -105,16 +106,43 @@ class EodDocuments:
         return part
 
 
+def mixed_documents(lengths: np.ndarray, documents: np.ndarray, rule: dict) -> np.ndarray:
+    """The train split's ``documents`` after a ``data.length_mixing`` rule (``lengths``: every document's tokens as
+    stored): those shorter than ``min_length`` dropped, those of at least ``upsample_length`` repeated
+    ``upsample_factor`` times (each copy is shuffled like any document).
+
+    >>> mixed_documents(np.array([5, 50, 500]), np.arange(3), {"min_length": 10, "upsample_length": 100,
+    ...                                                        "upsample_factor": 3}).tolist()
+    [1, 2, 2, 2]
+    """
+    n = lengths[documents]
+    keep = n >= rule.get("min_length", 0)
+    reps = np.where(n >= rule.get("upsample_length", np.inf), rule.get("upsample_factor", 1), 1)
+    return np.repeat(documents[keep], reps[keep]).astype(documents.dtype)
+
+
 def _document_dataset_class():
-    _, gpt = _megatron_datasets()
+    builder, gpt = _megatron_datasets()
+    train = builder.Split.train
 
     class DocumentDataset(gpt.GPTDataset):
-        """megatron-core's GPTDataset over ``EodDocuments``."""
+        """megatron-core's GPTDataset over ``EodDocuments``; the train split's documents after the prefix's
+        ``data.length_mixing`` rule (``config.length_mixing``, part of the index cache's key)."""
+
+        def __init__(self, low_level, dataset_path, indices, num_samples, index_split, config):
+            rule = config.length_mixing.get(dataset_path)
+            if rule and index_split == train:
+                indices = mixed_documents(np.asarray(low_level.indexed.sequence_lengths), indices, rule)
+            super().__init__(low_level, dataset_path, indices, num_samples, index_split, config)
 
         @staticmethod
         def build_low_level_dataset(dataset_path, config):
             return EodDocuments(gpt.GPTDataset.build_low_level_dataset(dataset_path, config),
                                 config.tokenizer.eod, config.path_to_cache)
+
+        @staticmethod
+        def _key_config_attributes():
+            return gpt.GPTDataset._key_config_attributes() + ["length_mixing"]
 
     return DocumentDataset
 
@@ -192,6 +220,15 @@ def build_splits(cfg: Config, tokenizer, sizes: list[int], indexed: list) -> Dat
             if size and w > 0 and split_documents(len(ds.sequence_lengths), fractions)[SPLITS.index(name)] == 0:
                 raise DataError(f"the {name} split of {p} is empty: data.split {d.split!r} gives none of its "
                                 f"{len(ds.sequence_lengths)} documents to {name}")
+    mixing = parse_length_mixing(d.length_mixing, prefixes)
+    for p, ds in zip(prefixes, indexed):  # checked on every rank: the builder runs on rank 0 first
+        if p in mixing and sizes[0]:
+            lengths = np.asarray(ds.sequence_lengths)
+            n_train = split_documents(len(lengths), fractions)[0]
+            if not len(mixed_documents(lengths, np.arange(n_train), mixing[p])):
+                raise DataError(f"data.length_mixing leaves no document in the train split of {p}: none of its "
+                                f"{n_train} has {mixing[p]['min_length']} tokens or more (the longest has "
+                                f"{int(lengths[:n_train].max()) if n_train else 0})")
     kept = [(p, w) for p, w in zip(prefixes, weights) if w > 0]  # a zero weight: the prefix is not read
     cache = d.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "index_cache")
     builder_mod, gpt = _megatron_datasets()
@@ -203,6 +240,7 @@ def build_splits(cfg: Config, tokenizer, sizes: list[int], indexed: list) -> Dat
     for i, size in enumerate(sizes):
         if not size:  # a split the run does not read is not built
             config.split_matrix[i] = None
+    config.length_mixing = mixing  # DocumentDataset's rule per prefix, and part of its cache key
     with _single_process_rank(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron-core's pad-id warnings: our samples are never padded
         built = builder_mod.BlendedMegatronDatasetBuilder(
