@@ -59,8 +59,42 @@ def llama2_tokenizer(path, vocab_size: int = 500) -> str:
 
 
 def write_jsonl(path, texts, key: str = "text") -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(str(path))), exist_ok=True)
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(str(path), "wt", encoding="utf-8") as f:
         for t in texts:
             f.write(json.dumps({key: t}) + "\n")
     return str(path)
+
+
+def tiny_llama3(path, vocab_size: int = 1024) -> str:
+    """A random tiny Llama-3-shaped ``LlamaForCausalLM`` (2 layers, hidden 64, GQA 4/2, RoPE base 500000) with
+    ``llama3_tokenizer``'s tokenizer, saved together as a Hugging Face model directory: a stand-in for a downloaded
+    Llama-3 (README "Your own data")."""
+    import torch
+    import transformers
+
+    tok_dir = llama3_tokenizer(path, vocab_size)
+    tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return str(path)
+
+
+if __name__ == "__main__":  # the README's stand-ins: a tiny Llama-3 and a corpus, made here
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    usage = "usage: python tests/data_util.py tiny-llama3 DIR | corpus OUT.jsonl.gz"
+    if len(sys.argv) != 3 or sys.argv[1] not in ("tiny-llama3", "corpus"):
+        sys.exit(usage)
+    if sys.argv[1] == "tiny-llama3":
+        print(tiny_llama3(sys.argv[2]))
+    else:
+        from megatron_lc.data.demo import read_documents, stdlib_source_files
+
+        print(write_jsonl(sys.argv[2], read_documents(stdlib_source_files())))

@@ -118,7 +118,7 @@ class Progress:
     def __call__(self, ids_iter):
         for ids in ids_iter:
             self.bar.update(len(ids))
-            self.documents += 1
+            self.documents += len(ids) > 0  # an empty document is not written
             if self.documents % 256 == 0:
                 self.bar.set_postfix(docs=self.documents, refresh=False)
             yield ids
