@@ -177,6 +177,15 @@ def test_imported_llama_trains_on_its_own_tokenizer(toks, tmp_path):
                       tmp_path / "c", "--append-eod").returncode == 0
     import yaml
 
+    from megatron_lc.config import resolve_layout
+
+    # the README's stage-1 config: the import's model section + configs/own_data/llama3_stage1_cpu.yaml
+    stage1 = tmp_path / "stage1.yaml"
+    stage1.write_text((tmp_path / "imp" / "model.yaml").read_text()
+                      + open(os.path.join(ROOT, "configs", "own_data", "llama3_stage1_cpu.yaml")).read())
+    readme = with_tokenizer_vocab(load_config(str(stage1), [f"data.tokenizer_model={tmp_path / 'imp'}"]))
+    assert readme.model.vocab_size == 600 and readme.data.tokenizer_type == "HuggingFaceTokenizer"
+    assert resolve_layout(readme, 2).dp == 2 and readme.train.eval_interval == 10
     model = yaml.safe_load(open(tmp_path / "imp" / "model.yaml"))["model"]
     sets = [f"model.{k}={json.dumps(v)}" for k, v in model.items()]
     cfg = with_tokenizer_vocab(load_config(None, SMALL[5:] + sets + [
