@@ -102,7 +102,17 @@ def _zero(opt) -> bool:
 
 def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, consumed_samples: int,
                     extra: Optional[dict] = None) -> str:
-    """Write the checkpoint of ``iteration`` atomically; every rank must call this. Returns its directory."""
+    """Write the checkpoint of ``iteration`` atomically; every rank must call this. Returns its directory.
+    (``async_checkpoint.py`` runs the same three parts with the state written in the background.)"""
+    tmp, final = begin_save(cfg, topo, iteration)
+    state, has_optim = save_state(model, opt, topo)
+    sharded_state.write(tmp, state)
+    return finish_save(cfg, topo, opt, tmp, final, iteration, consumed_samples, has_optim, extra)
+
+
+def begin_save(cfg: Config, topo: Topology, iteration: int) -> tuple[str, str]:
+    """A fresh ``iter_N.tmp`` (leftovers of earlier saves removed) and this rank's RNG state in it; returns
+    (tmp, final) directories. Every rank calls it."""
     save = cfg.checkpoint.save
     final = iter_dir(save, iteration)
     tmp = final + ".tmp"
@@ -112,15 +122,27 @@ def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, con
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier(topo)
+    atomic_torch_save(rng_state(), os.path.join(tmp, f"rng_rank{topo.rank:05d}.pt"))
+    return tmp, final
+
+
+def save_state(model, opt, topo: Topology) -> tuple[dict, bool]:
+    """(the DCP state to write: weights and AdamW states by layout-free key, whether it holds AdamW states)."""
     state = ShardedState(model, topo)
     optim = state.optimizer_state(opt)
-    sharded_state.write(tmp, {**state.model_state(), **optim})
-    atomic_torch_save(rng_state(), os.path.join(tmp, f"rng_rank{topo.rank:05d}.pt"))
+    return {**state.model_state(), **optim}, bool(optim)
+
+
+def finish_save(cfg: Config, topo: Topology, opt, tmp: str, final: str, iteration: int, consumed_samples: int,
+                has_optim: bool, extra: Optional[dict] = None) -> str:
+    """After every rank has written its files into ``tmp``: checksums, ``meta.json``, the rename to ``final``,
+    ``latest_checkpointed_iteration.txt``, pruning. Every rank calls it."""
+    save = cfg.checkpoint.save
     _barrier(topo)
     files = {}
     for share in all_gather_objects(_digests(tmp, topo)):
         files.update(share)
-    has_optim = any(all_gather_objects(bool(optim)))  # no AdamW state before the first step (or every step skipped)
+    has_optim = any(all_gather_objects(has_optim))  # no AdamW state before the first step (or every step skipped)
     if topo.rank == 0:
         meta = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
                 "world_size": topo.world_size, "tp": topo.tp, "cp": topo.cp, "dp": topo.dp,

@@ -18,6 +18,7 @@ import torch
 from ..config import Config, Layout
 from ..parallel.collectives import all_reduce
 from ..parallel.topology import Axis, Topology
+from .async_checkpoint import AsyncCheckpointer
 from .checkpoint import save_checkpoint
 from .faults import SkipCounter, StopControl, collective_errors
 from .batches import microbatches
@@ -57,6 +58,7 @@ class Trainer:
             self.state.consumed_samples = s.resumed["consumed_samples"]
         self.metrics = MetricsLogger(cfg, topo.rank, s.resumed)
         self.validator = Validator(s)  # train.eval_interval / eval_iters / test_at_end
+        self.async_checkpoints = AsyncCheckpointer(cfg, topo) if cfg.checkpoint.async_save else None
         self.peak, source = peak_flops(cfg, self.execution)
         self.mfu_valid = True
         self.pairs: Optional[float] = None
@@ -126,7 +128,9 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def save(self) -> None:
-        if self.cfg.checkpoint.save:
+        if self.cfg.checkpoint.save and self.async_checkpoints is not None:  # written in the background
+            self.async_checkpoints.save(self.model, self.optimizer, self.state.iteration, self.state.consumed_samples)
+        elif self.cfg.checkpoint.save:
             path = save_checkpoint(self.cfg, self.topo, self.model, self.optimizer, self.state.iteration,
                                    self.state.consumed_samples)
             log.info("saved checkpoint %s", path)
@@ -170,6 +174,13 @@ class Trainer:
             if c.checkpoint.save and last_saved != self.state.iteration:
                 with collective_errors(c, self.topo.rank, f"the checkpoint save of step {self.state.iteration}"):
                     self.save()
+            if self.async_checkpoints is not None:  # the exit waits for the save in flight
+                with collective_errors(c, self.topo.rank, "the last checkpoint save"):
+                    self.async_checkpoints.wait()
+        except BaseException:
+            if self.async_checkpoints is not None:
+                self.async_checkpoints.abandon()
+            raise
         finally:
             self.stop.uninstall()
             self.metrics.close()
