@@ -4,17 +4,21 @@
     torchrun --nproc-per-node N pretrain_gpt.py --config X.yaml [--set k=v ...]  # any launcher (SLURM: scripts/slurm)
     python pretrain_gpt.py --config X.yaml                                        # one process
 
-With ``--nproc-per-node`` this script is the launcher: it checks the config and the layout for N ranks before it
-starts anything (a mistake is one line, nothing spawned), then runs torchrun's own launcher in this process and ends
-with the exit code of the first rank that failed -- whose one-line error the rank printed -- without the launcher's
-traceback. Under a bare ``torchrun``, rank 0 prints the error line and torchrun adds its own failure report.
-Exit codes: 0 done, 2 a config or data error, 3 training could not go on (training/faults.py).
+With ``--nproc-per-node`` this script is the launcher (``training/launcher.py``): it checks the config and the
+layout for N ranks before it starts anything (a mistake is one line, nothing spawned), forwards SIGTERM, SIGINT and
+SIGUSR1 to the ranks, waits ``--shutdown-grace`` seconds for their checkpoint, and ends with their exit code.
+An error is one line, said once: rank 0 says it; another rank says its own only when it differs from rank 0's
+(agreed through the rendezvous store, ``training/entry.py``). Ctrl-C stops like SIGTERM (the step finishes, a
+checkpoint is saved, exit 0); a second Ctrl-C stops at once without saving (exit 130).
+Exit codes: 0 done or stopped with a checkpoint, 2 a config or data error, 3 training could not go on
+(training/faults.py: non-finite steps, a failed save, a stuck or lost rank), 130 interrupted, 128 + N killed by
+signal N.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-import time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -23,19 +27,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value; repeatable, e.g. --set train.train_iters=5")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                   help="start N local ranks after checking the config for them (torchrun's launcher)")
+                   help="start N local ranks after checking the config for them (training/launcher.py)")
+    p.add_argument("--shutdown-grace", type=float, default=600.0, metavar="S",
+                   help="with --nproc-per-node: seconds to wait for the ranks' checkpoint after a forwarded signal")
     return p.parse_args(argv)
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Check the config for ``--nproc-per-node`` ranks, then run them with torchrun's launcher (standalone)."""
+    """Check the config for ``--nproc-per-node`` ranks, then run them (``training/launcher.py``)."""
     from megatron_lc.config import load_config, resolve_layout
     from megatron_lc.data import with_tokenizer_vocab
-    from megatron_lc.training.launcher import launch as launch_ranks
+    from megatron_lc.training.launcher import launch_local, worker_args
 
     cfg = with_tokenizer_vocab(load_config(args.config, args.overrides), warn=False)  # the ranks say it
     resolve_layout(cfg, args.nproc_per_node)  # ConfigError or DataError: nothing spawned
-    return launch_ranks(__file__, argv, args.nproc_per_node)
+    return launch_local(args.nproc_per_node, os.path.abspath(__file__), worker_args(argv), args.shutdown_grace)
 
 
 def main(argv=None) -> int:
@@ -43,13 +49,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_lc.config import ConfigError, load_config
     from megatron_lc.data import DataError, with_tokenizer_vocab
-    from megatron_lc.training.faults import TrainingError
+    from megatron_lc.training.faults import TrainingError, out_of_host_memory
+    from megatron_lc.training.launcher import follow_launcher
     from megatron_lc.training.runtime import env_world, setup_logging
 
     rank = env_world()[0]
     try:
         if args.nproc_per_node is not None:
             return launch(args, argv)
+        follow_launcher()
         setup_logging(rank)
         # model.vocab_size unset: the tokenizer's
         cfg = with_tokenizer_vocab(load_config(args.config, args.overrides), warn=rank == 0)
@@ -57,16 +65,25 @@ def main(argv=None) -> int:
 
         run(cfg)
     except (ConfigError, DataError) as e:
-        if rank != 0:
-            # the same config and files on every rank: rank 0 fails the same way, exits first and speaks for all (the
-            # launcher stops this rank meanwhile); a rank still alive after the wait failed alone and says why
-            time.sleep(2.0)
-        print(f"{'' if rank == 0 else f'[rank {rank}] '}error: {e}", file=sys.stderr, flush=True)
+        # said already by entry.run when the ranks could agree on it; before that (the config, the layout) every
+        # rank fails the same way and rank 0 speaks for all
+        if not getattr(e, "said", False) and rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    except TrainingError as e:  # divergence, a stuck or lost rank (megatron_lc/training/faults.py)
+    except TrainingError as e:  # divergence, a failed save, a stuck or lost rank (megatron_lc/training/faults.py)
         if rank == 0 or e.per_rank:
             print(f"error: {e}", file=sys.stderr)
         return 3
+    except (MemoryError, RuntimeError) as e:  # a failed host allocation is one line per rank that had it
+        message = out_of_host_memory(e)
+        if message is None:
+            raise
+        print(f"error: {f'rank {rank}: ' if env_world()[1] > 1 else ''}{message}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:  # Ctrl-C outside the training steps (during setup): nothing to save
+        if rank == 0:
+            print("error: interrupted (Ctrl-C) before training began: stopped without saving", file=sys.stderr)
+        return 130
     return 0
 
 

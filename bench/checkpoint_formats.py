@@ -37,7 +37,9 @@ def save_format2(path: str, cfg, topo, model, opt, iteration: int, consumed: int
     import torch.distributed as dist
 
     from megatron_lc.parallel.topology import Axis
-    from megatron_lc.training.checkpoint import _gather, file_digest, rng_state
+    from megatron_lc.parallel.collectives import all_gather_objects
+    from megatron_lc.training.checkpoint import file_digest
+    from megatron_lc.training.checkpoint_data import rng_state
 
     tmp = path + ".tmp"
     if topo.rank == 0:
@@ -53,7 +55,7 @@ def save_format2(path: str, cfg, topo, model, opt, iteration: int, consumed: int
     written.append(f"rng_rank{topo.rank:05d}.pt")
     torch.save(rng_state(), os.path.join(tmp, written[-1]))
     files = {}
-    for mine in _gather({n: file_digest(os.path.join(tmp, n)) for n in written}):
+    for mine in all_gather_objects({n: file_digest(os.path.join(tmp, n)) for n in written}):
         files.update(mine)
     if topo.rank == 0:
         meta = {"format_version": 2, "iteration": iteration, "consumed_samples": consumed,
@@ -74,6 +76,8 @@ def rank_bench(rank, world, repeats, extra):
     from megatron_lc.config import load_config, resolve_layout
     from megatron_lc.parallel.topology import Topology
     from megatron_lc.training import checkpoint as ck
+    from megatron_lc.parallel.collectives import all_gather_objects
+    from megatron_lc.training.checkpoint_save import save_checkpoint
     from megatron_lc.training.loop import Trainer
 
     cfg = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml"),
@@ -86,7 +90,7 @@ def rank_bench(rank, world, repeats, extra):
     times = {k: [] for k in ("dcp_save", "dcp_load", "format2_save", "format2_load")}
     sizes = {}
     base = tempfile.mkdtemp(prefix="ckbench") if rank == 0 else None
-    base = ck._gather(base)[0]
+    base = all_gather_objects(base)[0]
 
     def timed(key, fn):
         if world > 1:
@@ -100,7 +104,7 @@ def rank_bench(rank, world, repeats, extra):
     for i in range(repeats):
         run = copy.deepcopy(cfg)
         run.checkpoint.save = os.path.join(base, f"dcp{i}")
-        timed("dcp_save", lambda: ck.save_checkpoint(run, topo, model, opt, 1, 1))
+        timed("dcp_save", lambda: save_checkpoint(run, topo, model, opt, 1, 1))
         run.checkpoint.load = run.checkpoint.save
         timed("dcp_load", lambda: ck.load_checkpoint(run, topo, model, opt))
         old = os.path.join(base, f"f2_{i}", "iter_0000001")

@@ -67,3 +67,24 @@ def host_math_fault(rank, world) -> dict:
     faulty = cpu_loss()
     report = rehearse_rank(rehearsal_config(load_config(TINY, sets), 1, 100.0), 0, 1, 1, 1)["violations"]
     return {"clean": clean, "faulty": faulty, "clean_rehearsal": clean_rehearsal, "violations": report}
+
+
+def rehearsal_vs_real(rank, world, names) -> dict:
+    """Calibration cases of the estimator (``tests/estimate_cases.py``) at one rank: the tracker's peak of the real
+    CPU run and of its rehearsal (fake tensors, the fake process group, the same CPU execution), device and host
+    together (on the CPU one memory)."""
+    import tempfile
+
+    from megatron_lc.config import resolve_execution
+    from megatron_lc.estimate.measure import measure_training_peak
+    from tests import estimate_cases
+
+    cases = {c[0]: c[2] for c in estimate_cases.CASES}
+    out = {}
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = rehearsal_config(load_config(TINY, estimate_cases.base_overrides(tmp) + cases[name]), 2, 100.0)
+        real = measure_training_peak(cfg, Topology(), steps=2)["peak_bytes"]
+        fake = rehearse_rank(cfg, 0, 1, 1, 2, execution=resolve_execution(cfg, torch.device("cpu")))
+        out[name] = {"real": real, "rehearsed": fake["total_peak_bytes"], "violations": fake["violations"]}
+    return out

@@ -2,12 +2,17 @@
 the library has no fault-injection switch).
 
     python -m tests.faults_driver HOOK [pretrain_gpt.py arguments...]
+    python -m tests.faults_driver HOOK eval_long [tools/eval_long.py arguments...]
 
 Hooks:
     none                   plain run
     hang_in_save:N:MARKER  the save of iteration N writes its first file, touches MARKER, then sleeps (to be killed)
     hang_at_step:N:RANK    rank RANK sleeps for 10 minutes before step N (a rank that never joins a collective)
     marker_after_step:N:MARKER   touch MARKER once step N is done (to send a signal mid-run)
+    rank1_fails_first:MARKER     rank 1 touches MARKER when it is about to say its error; rank 0 builds its
+                                 dataset only after that (an order of failures that timing rarely gives)
+    eval_rank1_fails_first:MARKER   the same for tools/eval_long.py: rank 0 checks the passkey arguments only
+                                 after rank 1 is about to say its error
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ def install(hook: str) -> None:
     if kind == "none":
         return
     if kind == "hang_in_save":
-        from megatron_lc.training import checkpoint
+        from megatron_lc.training import checkpoint_save as checkpoint
 
         iteration, marker = int(args[0]), args[1]
         original = checkpoint.atomic_torch_save
@@ -57,12 +62,61 @@ def install(hook: str) -> None:
             return rec
 
         Trainer.train_step = patched
+    elif kind == "rank1_fails_first":
+        from megatron_lc.training import entry, setup
+
+        marker, rank = args[0], int(os.environ.get("RANK", 0))
+        if rank == 1:
+            original_say = entry.say_once
+
+            def say_once(*a):
+                _touch(marker)
+                original_say(*a)
+
+            entry.say_once = say_once
+        elif rank == 0:
+            original_build = setup.build_dataset
+
+            def build_dataset(*a):
+                while not os.path.exists(marker):
+                    time.sleep(0.05)
+                return original_build(*a)
+
+            setup.build_dataset = build_dataset
+    elif kind == "eval_rank1_fails_first":
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        import eval_long
+        from megatron_lc.training import entry
+
+        marker, rank = args[0], int(os.environ.get("RANK", 0))
+        if rank == 1:
+            original_say = entry.say_once
+
+            def say_once(*a):
+                _touch(marker)
+                original_say(*a)
+
+            entry.say_once = say_once
+        elif rank == 0:
+            original_check = eval_long.check_passkey
+
+            def check_passkey(*a):
+                while not os.path.exists(marker):
+                    time.sleep(0.05)
+                return original_check(*a)
+
+            eval_long.check_passkey = check_passkey
     else:
         raise SystemExit(f"unknown hook {hook}")
 
 
 def main() -> int:
     install(sys.argv[1])
+    if sys.argv[2:3] == ["eval_long"]:
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        import eval_long
+
+        return eval_long.main(sys.argv[3:])
     import pretrain_gpt
 
     return pretrain_gpt.main(sys.argv[2:])

@@ -73,8 +73,8 @@ KILLED = textwrap.dedent("""
 
     start = async_checkpoint.AsyncCheckpointer.save
 
-    def save_then_die(self, model, opt, iteration, consumed):
-        path = start(self, model, opt, iteration, consumed)
+    def save_then_die(self, model, opt, iteration, *args):
+        path = start(self, model, opt, iteration, *args)
         if iteration == 4:  # staged, written in the background or not yet: never finished
             os.kill(os.getpid(), signal.SIGKILL)
         return path
@@ -96,7 +96,7 @@ def test_killed_while_a_save_is_in_flight(tmp_path, caplog):
     cfg = small_config(sets + [f"checkpoint.load={save}"])
     trainer = Trainer(cfg, Topology())
     assert trainer.setup.resumed["iteration"] == 2
-    assert f"{save / 'iter_0000004.tmp'}: a checkpoint save that did not finish" in caplog.text
+    assert f"{save / 'iter_0000004.tmp'}: a save that did not finish, ignored (the next save removes it)" in caplog.text
     state = trainer.train()
     assert state.iteration == 6 and complete_iterations(str(save)) == [2, 4, 6]
     assert not (save / "iter_0000004.tmp").exists()

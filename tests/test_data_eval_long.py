@@ -82,6 +82,39 @@ def test_an_older_checkpoint_than_the_newest_is_refused(run, tmp_path):
     assert not (tmp_path / "r.json").exists()
 
 
+def test_an_error_of_every_rank_is_said_once_under_nproc_per_node(run, tmp_path):
+    """Both ranks refuse the older checkpoint after the process group exists: rank 0 says it, rank 1 reads rank 0's
+    outcome from the launcher's store and stays silent (no clock decides; before, rank 1 added its own line)."""
+    import shutil
+
+    config, save = run
+    copy = tmp_path / "run"
+    shutil.copytree(save, copy)
+    data = copy / "iter_0000004" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:1000])
+    out = eval_long("--config", config, "--load", copy, "--out", tmp_path / "r.json", "--lengths", "--documents", "2",
+                    "--nproc-per-node", "2")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert [ln for ln in out.stderr.splitlines() if "error:" in ln] == [
+        f"error: the newest checkpoint {copy / 'iter_0000004'} does not load, and eval_long evaluates only the "
+        f"newest: pass --load {copy / 'iter_0000002'} to evaluate that older one"], out.stderr[-2000:]
+
+
+def test_rank_1_failing_first_stays_silent(run, tmp_path):
+    """Rank 1 reaches the error (a passkey length past data.seq_length) before rank 0 (a test hook orders them with a
+    marker file): rank 1 waits for rank 0's outcome in the launcher's store, finds the same line and stays silent."""
+    config, save = run
+    cmd = [sys.executable, "-m", "tests.launch_driver", "2", f"eval_rank1_fails_first:{tmp_path / 'rank1'}",
+           "eval_long", "--config", str(config), "--load", str(save), "--out", str(tmp_path / "r.json"),
+           "--documents", "0", "--lengths", "4096"]
+    out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    lines = [ln for ln in out.stderr.splitlines() if "error:" in ln]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "4096" in lines[0], out.stderr[-2000:]
+    assert (tmp_path / "rank1").exists()
+
+
 def test_passkey_prompt_through_a_hugging_face_tokenizer(tmp_path):
     tok = HuggingFaceTokenizer(llama3_tokenizer(tmp_path / "tok"))
     prompt = PasskeyPrompt.from_tokenizer(tok, "tok")

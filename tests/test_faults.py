@@ -1,5 +1,6 @@
 """Faults with real processes: signals (SIGTERM / SIGUSR1, one rank or through torchrun), a save killed with
 SIGKILL, a rank that never joins a collective, broken data files. Each case runs pretrain_gpt.py in subprocesses."""
+import logging
 import os
 import signal
 import subprocess
@@ -72,7 +73,8 @@ def test_torchrun_forwards_sigusr1_to_workers(tmp_path):
     assert find_latest(ck).endswith(f"iter_{done:07d}")
 
 
-def test_save_killed_midway_leaves_previous_checkpoint_and_resume_uses_it(tmp_path):
+def test_save_killed_midway_leaves_previous_checkpoint_and_resume_uses_it(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="megatron_lc")
     ck, mfile = tmp_path / "ck", tmp_path / "m.jsonl"
     marker = tmp_path / "in_save"
     common = ["train.train_iters=6", "train.global_batch_size=4", "checkpoint.save_interval=2",
@@ -86,7 +88,9 @@ def test_save_killed_midway_leaves_previous_checkpoint_and_resume_uses_it(tmp_pa
     finally:
         kill_all(procs)
     assert code == -signal.SIGKILL
-    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000004.tmp", "latest_checkpointed_iteration.txt"]
+    # run.lock: the killed run's lock (its flock died with it; the next pretrain_gpt.py run takes it over)
+    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000004.tmp", "latest_checkpointed_iteration.txt",
+                                      "run.lock"]
     assert os.listdir(ck / "iter_0000004.tmp")  # something was written before the kill
     assert find_latest(str(ck)).endswith("iter_0000002")
 
@@ -98,11 +102,14 @@ def test_save_killed_midway_leaves_previous_checkpoint_and_resume_uses_it(tmp_pa
                                            f"logging.metrics_file={tmp_path / 'r.jsonl'}"]), Topology())
     assert resumed.state.iteration == 2 and resumed.state.consumed_samples == 8
     losses = resumed.train().losses
+    # said: the resume ignored the unfinished save, the next save removed it
+    assert f"{ck / 'iter_0000004.tmp'}: a save that did not finish, ignored (the next save removes it)" in caplog.text
+    assert f"removed {ck / 'iter_0000004.tmp'}: a save that did not finish" in caplog.text
     # tolerance: the killed subprocess and this process may use different thread counts (fp32 sums in another
     # order, ~1e-7 relative); a resume from any other iteration or data position differs by > 1e-3
     np.testing.assert_allclose(losses[:2], [killed[2]["loss"], killed[3]["loss"]], rtol=LOSS_RTOL)
     assert len(losses) == 4
-    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000006", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000006", "latest_checkpointed_iteration.txt", "run.lock"]
     # ... and the save of iteration 6 removed the leftover iter_0000004.tmp
 
 

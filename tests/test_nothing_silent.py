@@ -15,6 +15,7 @@ import torch
 
 from megatron_lc.config import load_config
 from megatron_lc.config.data import demo_files
+from megatron_lc.data import DataError
 from megatron_lc.parallel.topology import Topology
 from megatron_lc.training.loop import Trainer
 from tests.parity import small_config
@@ -147,9 +148,10 @@ def test_broken_newest_checkpoint_falls_back_to_the_older_one(tmp_path, damage, 
     state = train(tmp_path, f"checkpoint.load={tmp_path / 'run'}", "checkpoint.save_interval=2", iters=6)
     assert state.iteration == 6 and len(state.losses) == 4  # steps 3-6 after resuming at 2
     assert f"because {why}" in caplog.text and "an older checkpoint" in caplog.text
-    if damage == "truncate-data":  # the damaged checkpoint was re-saved at iteration 4 by the resumed run
-        assert (newest / "meta.json").exists()
-    assert before.keys() <= listing(newest).keys() or damage == "truncate-data"
+    # the damaged checkpoint is set aside, as it was, and said; the resumed run saved iteration 4 anew
+    corrupt = tmp_path / "run" / "iter_0000004.corrupt"
+    assert f"set aside {newest} as {corrupt}: it does not load" in caplog.text
+    assert listing(corrupt) == before and (newest / "meta.json").exists()
 
 
 def test_checksums_are_written_and_checked(tmp_path):
@@ -310,3 +312,50 @@ def test_exported_safetensors_have_their_siblings_permissions(tmp_path):
     convert_to_hf.write_safetensors({"w": torch.zeros(4)}, str(tmp_path), 1 << 30)
     (tmp_path / "config.json").write_text("{}")
     assert os.stat(tmp_path / "model.safetensors").st_mode & 0o777 == os.stat(tmp_path / "config.json").st_mode & 0o777
+
+
+# ---- data files ------------------------------------------------------------------------------------------------------
+def test_token_ids_past_the_vocabulary_name_the_file_and_position(tmp_path):
+    from megatron_lc.data.indexed import write_indexed
+
+    prefix = str(tmp_path / "corpus")
+    write_indexed(prefix, [list(range(100)), [5] * 30 + [300] + [5] * 69])  # 300: past model.vocab_size 256
+    # NullTokenizer: the files' ids below data.vocab_size, its end-of-document id 255 (model.vocab_size 256)
+    cfg = small_config(TINY + ["train.train_iters=20", "data.mock_data=false", f"data.data_path={prefix}",
+                               "data.tokenizer_type=NullTokenizer", "data.vocab_size=255",
+                               f"logging.metrics_file={tmp_path}/m.jsonl"])
+    with pytest.raises(DataError) as e:
+        Trainer(cfg, Topology()).train()
+    assert str(e.value) == (f"{prefix}.bin: token id 300 at token 130 (document 1, position 30) is outside the "
+                            f"vocabulary (model.vocab_size 256): the file was made with another tokenizer, or "
+                            f"model.vocab_size is too small")
+
+
+def test_a_short_index_is_one_line_without_megatron_core_traceback(tmp_path):
+    from megatron_lc.data.indexed import write_indexed
+
+    prefix = str(tmp_path / "corpus")
+    write_indexed(prefix, [list(range(50)), list(range(70))])
+    with open(prefix + ".idx", "r+b") as f:
+        f.truncate(40)
+    out = pretrain(*TINY, "checkpoint.save=null", "data.mock_data=false", "data.prepare_demo_data=false",
+                   f"data.data_path={prefix}", "data.tokenizer_type=NullTokenizer")
+    assert_one_error(out, f"{prefix}.idx: cannot be read (ValueError: buffer is smaller than requested size)")
+    assert "Exception ignored" not in out.stderr
+
+
+def test_out_of_host_memory_is_one_line_with_the_bytes_and_a_hint(tmp_path):
+    """An address-space limit (16 GiB) stands in for a small host: a model whose embedding alone needs 32 GiB."""
+    script = tmp_path / "limited.py"
+    script.write_text(f"import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (16 << 30, resource.RLIM_INFINITY))"
+                      f"\nsys.path.insert(0, {ROOT!r})\nimport pretrain_gpt\nsys.exit(pretrain_gpt.main(sys.argv[1:]))\n")
+    cmd = [sys.executable, str(script), "--config", "configs/tiny_cpu.yaml"]
+    for s in TINY + ["model.vocab_size=131072", "model.hidden_size=65536", "checkpoint.save=null"]:
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=300)
+    (line,) = error_lines(out.stderr)
+    assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert re.fullmatch(r"error: out of host memory: an allocation of \d+ bytes \(\d+\.\d GiB\) failed; pick a layout "
+                        r"that needs less .* python tools/estimate.py --config CONFIG --hardware HW --auto lists "
+                        r"layouts with their host memory", line), line

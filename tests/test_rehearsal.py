@@ -12,7 +12,38 @@ from tests.dist import run_dist
 def test_a_host_tensor_in_device_math_is_reported_by_the_rehearsal_only():
     got = run_dist(1, cases.host_math_fault)[0]
     assert got["clean_rehearsal"] == []
-    sites = {v["site"].rsplit(":", 1)[0] for v in got["violations"]}
-    assert got["violations"] and "megatron_lc/model/norm.py" in sites, got["violations"]
-    assert all(v["kind"] == "host pool used in device math" for v in got["violations"])
+    # the host copy is also read without waiting for its offload's event: the stream check may report that too
+    host = [v for v in got["violations"] if v["kind"] == "host pool used in device math"]
+    sites = {v["site"].split(":", 1)[0] for v in host}
+    assert host and "megatron_lc/model/norm.py" in sites, got["violations"]
     assert got["faulty"] == got["clean"]  # on the CPU the same memory: the ordinary run cannot see it
+
+
+CALIBRATION = ["plain", "small-vocab", "gpt-layernorm-gelu", "recompute-full", "mst", "memo-alpha0",
+               "memo-alpha1-mst", "ckpt-offload", "ckpt-offload-chunks", "recompute-full-chunks",
+               "memo-alpha0-chunks"]
+
+
+def test_the_rehearsed_peak_equals_the_real_runs_on_the_estimators_calibration_cases():
+    """The same tracker on a real CPU run and on its rehearsal under fake tensors: within 3% (measured: equal to
+    the byte on these cases); the fake run's allocations are the real run's, so a larger difference is a storage
+    the fake path makes or keeps that the real one does not."""
+    got = run_dist(1, cases.rehearsal_vs_real, CALIBRATION)[0]
+    assert len(got) >= 10
+    for name, r in got.items():
+        assert abs(r["rehearsed"] / r["real"] - 1) <= 0.03, (name, r)
+        assert r["violations"] == [], (name, r["violations"])
+
+
+def test_every_layout_family_rehearses_on_8_ranks_to_the_end_of_2_steps():
+    """The tiny model at 8 simulated ranks in every layout family (ring, Ulysses, hybrid, FPDT with offload, tp2+SP,
+    Memo, MsT, FSDP2 with and without CPU offload, host checkpoints in chunks), ranks 0 and 7: both steps to their
+    optimizer step, setup never above the step, no violation of stream order or host memory."""
+    got = run_dist(1, cases.rehearse_families, list(cases.FAMILIES))[0]
+    for name, ranks in got.items():
+        for rank, r in ranks.items():
+            dev = r["device"]
+            assert len(r["seconds"]["steps"]) == 2 and dev["peak_moment"].startswith("step"), (name, rank, dev)
+            assert 0 < dev["setup_peak_bytes"] <= dev["peak_bytes"], (name, rank, dev)
+            assert r["violations"] == [], (name, rank, r["violations"])
+            assert r["comm_bytes_per_step"], (name, rank)

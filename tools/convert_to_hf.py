@@ -140,8 +140,10 @@ def _size(text: str) -> int:
 
 
 def convert(checkpoint: str, out: str, dtype: str = "float32", keep_padded_vocab: bool = False,
-            max_shard_size: str = "5GB", tokenizer: str | None = None) -> str:
-    """Write the HF directory ``out`` for ``checkpoint`` (a save dir or one ``iter_N`` dir); returns the iter dir."""
+            max_shard_size: str = "5GB", tokenizer: str | None = None, trust_pickle: bool = False) -> str:
+    """Write the HF directory ``out`` for ``checkpoint`` (a save dir or one ``iter_N`` dir); returns the iter dir.
+    The checkpoint is read as data (``training/checkpoint_data.py``); ``trust_pickle`` is this call's alone,
+    never the checkpoint's own config (its meta.json could say anything)."""
     from megatron_lc.training.checkpoint_dir import find_latest, read_meta
 
     path = find_latest(checkpoint) if os.path.isdir(checkpoint) else None
@@ -153,7 +155,7 @@ def convert(checkpoint: str, out: str, dtype: str = "float32", keep_padded_vocab
     if data.get("prepare_demo_data") and (data.get("data_path") or data.get("tokenizer_model")):
         # checkpoints from before the demo files were keyed by vocabulary name both: those paths are the files
         saved = dict(saved, data=dict(data, prepare_demo_data=False))
-    cfg = Config.from_dict(saved)
+    cfg = Config.from_dict(dict(saved, checkpoint=dict(saved.get("checkpoint", {}), trust_pickle=trust_pickle)))
     check_exportable(cfg.model)
     tok = run_tokenizer(cfg, tokenizer)  # before anything is written
     state = to_hf(load_full_state(path, cfg, meta), cfg.model, keep_padded_vocab)
@@ -174,9 +176,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--tokenizer", help="a Hugging Face tokenizer directory or tokenizer.json, or a SentencePiece "
                    ".model (default: the checkpoint's data.tokenizer_model)")
+    p.add_argument("--trust-pickle", action="store_true", help="also unpickle checkpoint files that hold more than "
+                   "data (an older format): only for a checkpoint you trust (checkpoint.trust_pickle)")
     a = p.parse_args(argv)
     try:
-        path = convert(a.checkpoint, a.out, a.dtype, a.keep_padded_vocab, a.max_shard_size, a.tokenizer)
+        path = convert(a.checkpoint, a.out, a.dtype, a.keep_padded_vocab, a.max_shard_size, a.tokenizer,
+                       a.trust_pickle)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

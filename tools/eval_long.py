@@ -40,7 +40,8 @@ from megatron_lc.data import DataError, build_dataset, build_tokenizer, with_tok
 from megatron_lc.parallel.topology import Topology  # noqa: E402
 from megatron_lc.training.checkpoint import load_checkpoint  # noqa: E402
 from megatron_lc.training.checkpoint_dir import find_latest, is_hf_model_dir  # noqa: E402
-from megatron_lc.training.launcher import launch  # noqa: E402
+from megatron_lc.training.entry import errors_said_once, setup_done  # noqa: E402
+from megatron_lc.training.launcher import follow_launcher, launch_local, worker_args  # noqa: E402
 from megatron_lc.training.evaluate import bucket_edges, default_bucket_edges, evaluate_positions  # noqa: E402
 from megatron_lc.training.passkey import PasskeyPrompt, check_passkey, evaluate_passkey  # noqa: E402
 from megatron_lc.training.runtime import env_world, init_distributed, setup_logging, shutdown  # noqa: E402
@@ -48,6 +49,7 @@ from megatron_lc.training.setup import build_and_calibrate  # noqa: E402
 
 log = logging.getLogger("megatron_lc")
 DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+GRACE_S = 60.0  # --nproc-per-node: how long a forwarded Ctrl-C may take to end the ranks (nothing is saved)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--key-digits", type=int, default=5)
     p.add_argument("--seed", type=int, default=None, help="of the keys (default: train.seed)")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                   help="start N local ranks after checking the config for them (torchrun's launcher), as "
+                   help="start N local ranks after checking the config for them (training/launcher.py), as "
                         "pretrain_gpt.py does")
     return p.parse_args(argv)
 
@@ -129,7 +131,8 @@ def evaluate(cfg: Config, args: argparse.Namespace) -> dict:
     """Every rank runs this; returns the results (the same on every rank)."""
     layout, topo, device = init_distributed(cfg)
     try:
-        return _evaluate(cfg, args, layout, topo, device)
+        with errors_said_once(cfg, topo.rank):  # an error every rank meets is said by rank 0 alone
+            return _evaluate(cfg, args, layout, topo, device)
     finally:
         shutdown()
 
@@ -240,19 +243,26 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     rank = env_world()[0]
+    follow_launcher()  # a rank of --nproc-per-node: ended with its launcher
     setup_logging(rank)
     try:
         cfg = with_tokenizer_vocab(load_config(args.config, eval_overrides(args)), warn=False)
         check_args(args, cfg)
         if args.nproc_per_node is not None:
             resolve_layout(cfg, args.nproc_per_node)  # a layout mistake: one line, nothing spawned
-            return launch(os.path.abspath(__file__), argv, args.nproc_per_node)
+            return launch_local(args.nproc_per_node, os.path.abspath(__file__), worker_args(argv), GRACE_S,
+                                saves=False)
         results = evaluate(cfg, args)
     except (ConfigError, DataError) as e:
-        if rank != 0:  # every rank fails the same way: rank 0 speaks for all (as pretrain_gpt.py)
-            time.sleep(2.0)
-        print(f"{'' if rank == 0 else f'[rank {rank}] '}error: {e}", file=sys.stderr, flush=True)
+        # said already when the ranks could agree on it (evaluate); before the process group every rank fails the
+        # same way and rank 0 speaks for all (as pretrain_gpt.py)
+        if not getattr(e, "said", False) and rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (forwarded to every rank by the launcher): nothing to keep
+        if rank == 0:
+            print("error: interrupted (Ctrl-C): stopped without results", file=sys.stderr, flush=True)
+        return 130
     if rank == 0:
         try:
             write(results, args.out, args.png)

@@ -1,10 +1,13 @@
 """`train:` section: optimisation and schedule."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 from .base import check
+
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -45,4 +48,15 @@ class TrainConfig:
         check(self.eval_interval is None or self.eval_interval >= 1,
               f"train.eval_interval ({self.eval_interval}) must be >= 1 (unset: no validation)")
         check(self.eval_iters >= 1, f"train.eval_iters ({self.eval_iters}) must be >= 1")
-        check(self.lr >= 0 and self.min_lr >= 0, f"train.lr ({self.lr}) and train.min_lr ({self.min_lr}) must be >= 0")
+        for name in ("lr", "min_lr", "weight_decay", "clip_grad"):  # finite in the fp32 the optimizer computes in
+            value = getattr(self, name)
+            check(0 <= value <= FLOAT32_MAX, f"train.{name} ({value}) must be a finite number >= 0")
+        check(self.adam_eps > 0 and math.isfinite(self.adam_eps), f"train.adam_eps ({self.adam_eps}) must be > 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            check(0 <= value < 1, f"train.{name} ({value}) must be in [0, 1)")
+        check(self.global_batch_size is None or self.global_batch_size >= 1,
+              f"train.global_batch_size ({self.global_batch_size}) must be >= 1")
+        check(self.lr_warmup_iters >= 0, f"train.lr_warmup_iters ({self.lr_warmup_iters}) must be >= 0")
+        check(self.lr_decay_iters is None or self.lr_decay_iters >= 1,
+              f"train.lr_decay_iters ({self.lr_decay_iters}) must be >= 1")

@@ -18,7 +18,9 @@ and split, blended across prefixes by ``BlendedDataset`` with the weights of ``d
 
 What is ours and why: ``EodDocuments`` (megatron-core's GPTDataset reads documents as the files hold them), the split
 adapter ``SplitSamples`` (our batches carry document ids for the attention masks, which GPTDataset does not make:
-``dataset.document_fields`` computes them from the tokens), and ``_single_process_rank``: megatron-core 0.16's
+``dataset.document_fields`` computes them from the tokens), the vocabulary check of every read
+(``indexed.CheckedTokens``: a token id outside ``model.vocab_size`` is one line naming the file and the position,
+not an IndexError in the embedding), and ``_single_process_rank``: megatron-core 0.16's
 ``BlendedDataset`` asks ``torch.distributed.get_rank()`` on a cache miss, which fails in a run without a process
 group (one CPU process), so the build answers rank 0 there.
 """
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from ..config import Config
 from ..config.data import parse_length_mixing
 from .errors import DataError
+from .indexed import CheckedTokens
 
 log = logging.getLogger("megatron_lc")
 SPLITS = ("train", "valid", "test")
@@ -137,8 +140,10 @@ def _document_dataset_class():
 
         @staticmethod
         def build_low_level_dataset(dataset_path, config):
-            return EodDocuments(gpt.GPTDataset.build_low_level_dataset(dataset_path, config),
-                                config.tokenizer.eod, config.path_to_cache)
+            indexed = gpt.GPTDataset.build_low_level_dataset(dataset_path, config)
+            # every read checked against the model's vocabulary (a file made with another tokenizer: one line)
+            return EodDocuments(CheckedTokens(indexed, dataset_path, config.model_vocab_size), config.tokenizer.eod,
+                                config.path_to_cache)
 
         @staticmethod
         def _key_config_attributes():
@@ -241,6 +246,7 @@ def build_splits(cfg: Config, tokenizer, sizes: list[int], indexed: list) -> Dat
         if not size:  # a split the run does not read is not built
             config.split_matrix[i] = None
     config.length_mixing = mixing  # DocumentDataset's rule per prefix, and part of its cache key
+    config.model_vocab_size = cfg.model.vocab_size  # the token ids DocumentDataset reads must be below it
     with _single_process_rank(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron-core's pad-id warnings: our samples are never padded
         built = builder_mod.BlendedMegatronDatasetBuilder(

@@ -41,8 +41,32 @@ def write_indexed(prefix: str, documents, dtype=np.int32) -> int:
     return total
 
 
-def open_indexed(prefix: str):
-    """Open ``prefix.bin/.idx`` with megatron-core, after checking that the pair is complete and consistent."""
+class CheckedTokens:
+    """An ``IndexedDataset`` whose reads are checked against the vocabulary (two compares per token read): a token
+    id outside ``[0, vocab_size)`` -- a file made with another tokenizer -- is a ``DataError`` naming the file and
+    where, instead of an IndexError deep in the embedding."""
+
+    def __init__(self, ds, prefix: str, vocab_size: int):
+        self.ds, self.prefix, self.vocab_size = ds, prefix, vocab_size
+
+    def __getattr__(self, name):
+        return getattr(self.ds, name)
+
+    def get(self, doc: int, offset: int = 0, length=None) -> np.ndarray:
+        tokens = self.ds.get(doc, offset=offset, length=length)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            i = int(np.flatnonzero((tokens < 0) | (tokens >= self.vocab_size))[0])
+            first = int(self.ds.index.sequence_pointers[doc]) // np.dtype(self.ds.index.dtype).itemsize
+            raise DataError(f"{self.prefix}.bin: token id {int(tokens[i])} at token {first + offset + i} (document "
+                            f"{doc}, position {offset + i}) is outside the vocabulary (model.vocab_size "
+                            f"{self.vocab_size}): the file was made with another tokenizer, or model.vocab_size is "
+                            f"too small")
+        return tokens
+
+
+def open_indexed(prefix: str, vocab_size=None):
+    """Open ``prefix.bin/.idx`` with megatron-core, after checking that the pair is complete and consistent; with
+    ``vocab_size``, every read is checked against it (``CheckedTokens``)."""
     for ext in (".bin", ".idx"):
         if not os.path.isfile(prefix + ext):
             raise DataError(f"data file not found: {prefix + ext} (data.data_path is the prefix of a .bin/.idx pair; "
@@ -52,8 +76,13 @@ def open_indexed(prefix: str):
     if magic != b"MMIDIDX\x00\x00":
         raise DataError(f"{prefix}.idx: wrong header {magic!r} (expected a Megatron MMIDIDX index)")
     mod = _indexed_module()
+    class Quiet(mod.IndexedDataset):  # a failed constructor leaves no fields: no __del__ traceback after our line
+        def __del__(self):
+            if hasattr(self, "index"):
+                super().__del__()
+
     try:
-        ds = mod.IndexedDataset(prefix, mmap=True)
+        ds = Quiet(prefix, mmap=True)
     except Exception as e:  # noqa: BLE001 - megatron raises AssertionError/ValueError on bad indices
         raise DataError(f"{prefix}.idx: cannot be read ({type(e).__name__}: {e})") from None
     lengths = np.asarray(ds.sequence_lengths, dtype=np.int64)
@@ -65,7 +94,7 @@ def open_indexed(prefix: str):
     if actual != expected:
         raise DataError(f"{prefix}.bin: size {actual} bytes does not match its index ({expected} bytes expected); "
                         f"the file is truncated or belongs to another index")
-    return ds
+    return ds if vocab_size is None else CheckedTokens(ds, prefix, vocab_size)
 
 
 def document_lengths(prefix: str) -> np.ndarray:

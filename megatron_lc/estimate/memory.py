@@ -6,7 +6,8 @@ The peak is the largest of four moments of a steady-state step (step >= 2, optim
 * ``head backward``: the same with the saved softmax turned into its gradient;
 * ``layer backward``: the last layer's backward (all layers' kept tensors still alive, its recompute and grads) or the
   first layer's (every layer's grads), whichever is larger;
-* ``optimizer``: parameters + full gradients + states + sync/clip/AdamW temporaries (no activations).
+* ``optimizer``: parameters + full gradients + states + sync/clip/AdamW temporaries (no activations);
+* ``setup``: before step 1, the calibrations' probes on the sharded model (``setup_bytes``), below the step.
 
 The static part: fp32 parameters (the framework keeps fp32 master weights; ``train.bf16`` autocasts on GPU),
 fp32 gradients (allocated in backward; present in the forward too when there are several micro-batches),
@@ -86,6 +87,24 @@ def solve_alpha(s_input: float, s_attn: float, s_others: float, pcie_bytes_per_s
     alpha = min(1.0, by_bw, by_host)
     why = "alpha = 1" if alpha == 1.0 else ("PCIe bandwidth" if by_bw <= by_host else "host memory")
     return max(0.0, alpha), why
+
+
+def setup_bytes(cfg: Config, x: Dims, ms: dict, full: float, shared: float, rounding: float, on_host: float,
+                step_backward: float) -> float:
+    """What setup holds at its peak (``training/setup.py``): the parameters (FSDP2: the shards and one gathered
+    layer -- sharding comes before anything large lands on the device), no gradient and no optimizer state yet,
+    and the largest probe: Memo's calibration runs layer 0 with every token kept (its whole skeletal set and its
+    forward's working set; the rounding buffers are allocated after it), FPDT's runs one block forward and backward
+    (that layer's backward), ``memory.plan: auto`` traces a micro-batch's forward and backward."""
+    mem = cfg.memory
+    probe = rounding
+    if mem.activation_offload == "memo":
+        probe = max(probe, full + T.layer_forward(cfg, x))
+    if x.fpdt and mem.fpdt_offload:
+        probe = max(probe, full + T.layer_backward(cfg, x))
+    if mem.plan == "auto":
+        probe = max(probe, step_backward)
+    return ms["params"] + shared + on_host + probe
 
 
 def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: float,
@@ -247,6 +266,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
             copies_first + all_grads + acts["first layer backward"] * scale,
             copies_first + all_but_one + acts["second layer backward"] * scale),
         "optimizer": static + ms["grads"] + rounding + on_host + T.optimizer_step(x, ms["numels"], ms["state_numel"]),
+        "setup": setup_bytes(cfg, x, ms, full, shared, rounding, on_host, acts["layer backward"] * scale + bwd_grads),
     }
     peak_phase = max(phases, key=phases.get)
     parts = {"parameters": ms["params"], "gradients": ms["grads"],

@@ -1,8 +1,8 @@
 """Capturing memory request traces (the job profiler of Memo §4.3.2).
 
-CPU (any device, really): ``DispatchTracer`` is a ``TorchDispatchMode``; every tensor storage an op creates is a
-malloc (its ``nbytes``), and a ``weakref.finalize`` on the storage emits the free when the storage dies. Layer and
-phase marks come from module hooks (forward) and tensor gradient hooks (backward):
+Any device, real or fake tensors: ``tracker.DispatchTracer``, the live-bytes tracker (a ``TorchDispatchMode``: each
+storage keyed by identity, a malloc when an op creates it or a resize gives it bytes, a free when it dies or is
+resized to 0). Layer and phase marks come from module hooks (forward) and tensor gradient hooks (backward):
 
     layer i forward pre-hook  -> mark (i, "fwd");   layer i forward hook -> mark none
     grad of layer i's output  -> mark (i, "bwd");   grad of layer i's input -> mark none (if still (i, "bwd"))
@@ -12,8 +12,8 @@ A layer re-run during backward (activation recompute) is marked (i, "bwd"), part
     trace = capture_iteration(model, batch)          # one micro-batch forward + backward, all layers
     trace = capture_layer(model.layers[0], x, rope)  # one layer's forward + backward (§4.3.2: identical layers)
 
-Not seen by the tracer: storages grown in place (``resize_`` on an ``out=`` tensor), allocations made by C++ code
-that does not go through the dispatcher, and the allocator's own rounding (sizes are exact ``nbytes``).
+Not seen by the tracker: allocations made by C++ code that does not go through the dispatcher, scratch an op frees
+inside itself, and the allocator's own rounding (sizes are exact ``nbytes``).
 
 GPU: ``trace_from_snapshot`` converts ``torch.cuda.memory._snapshot()`` device traces recorded with
 ``torch.cuda.memory._record_memory_history`` (sizes rounded by the allocator) -- the conversion is tested on a
@@ -22,114 +22,13 @@ synthetic snapshot; ``record_cuda_iteration`` (the recording itself) was never e
 from __future__ import annotations
 
 import contextlib
-import time
-import weakref
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..memory.arena import Arena
 from .trace import Event, Trace
-
-
-def _data_ptr(st: torch.UntypedStorage) -> Optional[int]:
-    """The storage's address; None for a storage without data (FSDP2's parameters while it builds them)."""
-    try:
-        return st.data_ptr()
-    except RuntimeError:
-        return None
-
-
-class DispatchTracer(TorchDispatchMode):
-    """Records storages created while active. ``mark`` is the current (layer, phase) or None; ``phase`` the
-    iteration's phase ("fwd" / "bwd") stamped on events outside layers. ``device_type``: record only storages of
-    that device (``"cuda"``: the pinned host buffers of the offload techniques are not device memory); None: all
-    (the CPU twin, where host and device memory are one)."""
-
-    def __init__(self, device_type: Optional[str] = None):
-        super().__init__()
-        self.device_type = device_type
-        self.events: list = []
-        self.mark: Optional[tuple] = None
-        self.phase: Optional[str] = "fwd"
-        self.active = False
-        self._ids: dict = {}  # id(storage object) -> trace id, while the storage lives
-        self._ignored: set = set()
-        self._next = 0
-        self.mark_log: list = []  # (time_us, layer, phase) at every mark change (for the GPU snapshot route)
-
-    def set_mark(self, mark: Optional[tuple]) -> None:
-        self.mark = mark
-        self.mark_log.append((time.time_ns() // 1000, *(mark if mark is not None else (None, None))))
-
-    def __enter__(self):
-        self.active = True
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self.active = False
-        return super().__exit__(*exc)
-
-    def _event(self, op: str, rid: int, size: int, tag: Optional[str] = None) -> None:
-        layer, phase = self.mark if self.mark is not None else (None, self.phase)
-        self.events.append(Event(op, rid, size, layer, phase, tag))
-
-    def _freed(self, key: int, rid: int, size: int) -> None:
-        self._ids.pop(key, None)
-        if self.active and rid not in self._ignored:
-            self._event("free", rid, size)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = set()
-        for a in tree_flatten((args, kwargs))[0]:
-            if isinstance(a, torch.Tensor) and a.layout == torch.strided:
-                inputs.add(_data_ptr(a.untyped_storage()))
-            elif isinstance(a, torch.UntypedStorage):
-                inputs.add(_data_ptr(a))
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
-                continue
-            if self.device_type is not None and t.device.type != self.device_type:
-                continue
-            st = t.untyped_storage()
-            n = st.nbytes()
-            if n == 0 or id(st) in self._ids or _data_ptr(st) in inputs:
-                continue
-            rid = self._next
-            self._next += 1
-            self._ids[id(st)] = rid
-            self._event("malloc", rid, n)
-            weakref.finalize(st, self._freed, id(st), rid, n)
-        return out
-
-    def request_id(self, tensor: torch.Tensor) -> Optional[int]:
-        """The trace id of ``tensor``'s storage while it lives (None: not created under this tracer)."""
-        return self._ids.get(id(tensor.untyped_storage()))
-
-    def tag(self, tensor: torch.Tensor, tag: str) -> None:
-        """Name the storage of ``tensor`` (just created under this tracer) as framework buffer ``tag``."""
-        rid = self.request_id(tensor)
-        if rid is None:
-            return
-        for e in reversed(self.events):
-            if e.id == rid and e.op == "malloc":
-                e.tag = tag
-                return
-
-    def forget(self, tensor: torch.Tensor) -> None:
-        """Leave the storage of ``tensor`` out of the trace (its malloc is removed, its free will be dropped)."""
-        rid = self.request_id(tensor)
-        if rid is not None and rid not in self._ignored:
-            self._ignored.add(rid)
-            self.events = [e for e in self.events if e.id != rid]
-
-    def trace(self, meta: Optional[dict] = None) -> Trace:
-        t = Trace(list(self.events), dict(meta or {}))
-        t.validate("captured trace")
-        return t
+from .tracker import DispatchTracer
 
 
 def _mark_layers(tracer: DispatchTracer, layers) -> list:

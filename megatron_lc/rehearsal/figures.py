@@ -49,7 +49,7 @@ def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict
     built = {e.id for e in events[build[0]:build[1]] if e.op == "malloc"}
     live = {"device": 0, "host": 0}
     series, sizes = [], {}
-    best = {"device": (0, -1), "host": (0, -1)}
+    best = {"device": (0, -1), "host": (0, -1), "total": (0, -1)}
     setup_end = next((i for i, label in moments.log if label.startswith("step 0")), len(events))
     setup_best = (0, -1)
     for i, e in enumerate(events):
@@ -65,9 +65,9 @@ def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict
         else:
             live[side] -= sizes.pop(e.id, 0)
         series.append(live["device"])
-        for s in live:
-            if live[s] > best[s][0]:
-                best[s] = (live[s], i)
+        for s, n in (*live.items(), ("total", live["device"] + live["host"])):
+            if n > best[s][0]:
+                best[s] = (n, i)
         if i < setup_end and live["device"] > setup_best[0]:
             setup_best = (live["device"], i)
     peak, at = best["device"]
@@ -87,12 +87,12 @@ def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict
                        "setup_peak_bytes": setup_best[0], "setup_peak_moment": moments.at(max(setup_best[1], 0)),
                        "end_bytes": live["device"], "breakdown_at_peak": breakdown},
             "host": {"peak_bytes": best["host"][0], "end_bytes": live["host"]},
+            "total_peak_bytes": best["total"][0],  # device and host together: what a CPU run's tracker sees
             "series": _thin(series, moments)}
 
 
 def _thin(series: list, moments: Moments) -> dict:
-    """About ``SERIES_POINTS`` points of the device series (each the max of its stretch) and the moments' starts."""
+    """About ``SERIES_POINTS`` points of the device series (each the max of its stretch) and every moment's start."""
     step = max(1, len(series) // SERIES_POINTS)
     points = [[i, max(series[i:i + step])] for i in range(0, len(series), step)]
-    marks = [[i, label] for i, label in moments.log if " layer " not in label or " layer 0 " in label]
-    return {"events": len(series), "points": points, "marks": marks}
+    return {"events": len(series), "points": points, "marks": [[i, label] for i, label in moments.log]}

@@ -14,25 +14,17 @@ on a GPU run; FSDP2's CPU-offloaded shards, which torch moves itself).
 """
 from __future__ import annotations
 
-import traceback
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..device import storage_id
+from ..device.op_access import site
 
 aten = torch.ops.aten
 COPIES = {aten.copy_.default, aten._to_copy.default, aten.copy.default}
 METADATA = {torch.ops.prim.device.default, aten.sym_size.default, aten.sym_size.int, aten.sym_stride.default,
             aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default, aten.is_pinned.default}
-
-
-def _site() -> str:
-    for frame in reversed(traceback.extract_stack()):
-        if "/megatron_lc/" in frame.filename and "/rehearsal/" not in frame.filename:
-            return f"megatron_lc/{frame.filename.split('/megatron_lc/', 1)[1]}:{frame.lineno}"
-    return "(outside megatron_lc)"
 
 
 class HostMathCheck(TorchDispatchMode):
@@ -51,12 +43,11 @@ class HostMathCheck(TorchDispatchMode):
             if host:
                 for a in tree_leaves((args, kwargs)):
                     if isinstance(a, torch.Tensor) and a.layout == torch.strided and storage_id(a) in host:
-                        self._report(func, a)
+                        self._report(func, a, str(site()))  # (here: site() skips dispatch modes)
                         break
         return func(*args, **kwargs)
 
-    def _report(self, func, a: torch.Tensor) -> None:
-        where = _site()
+    def _report(self, func, a: torch.Tensor, where: str) -> None:
         v = self._seen.get((str(func), where))
         if v is None:
             v = self._seen[(str(func), where)] = {

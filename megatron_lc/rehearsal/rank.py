@@ -24,8 +24,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..config import Config, Execution, load_config, resolve_execution, resolve_layout
+from ..device.stream_check import StreamCheck
 from ..parallel.topology import Topology
-from ..planning.capture import DispatchTracer
+from ..planning.tracker import DispatchTracer
 from ..training.loop import Trainer
 from .figures import classify, rank_figures
 from .host_check import HostMathCheck
@@ -64,11 +65,14 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
         topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
         tracer = DispatchTracer()
         host_math = HostMathCheck([])
+        execution = execution or stand_in_execution(cfg)
         seconds = {}
-        with FakeTensorMode(), tracer, host_math:
+        # the stream-order check is the device adapter every runtime binds to: entered inside the fake mode, before
+        # the build
+        with FakeTensorMode(), tracer, host_math, StreamCheck(execution.device) as streams:
             moments = Moments(tracer.events)
             t0 = time.perf_counter()
-            trainer = Trainer(cfg, topo, layout=layout, execution=execution or stand_in_execution(cfg),
+            trainer = Trainer(cfg, topo, layout=layout, execution=execution,
                               stage=lambda name: moments.set(f"setup {name}"))
             trainer.reads_values = False  # fake tensors have no values (training/loop.py)
             host_math.pools.append(trainer.ctx.host_pool)
@@ -88,7 +92,9 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
         out.update(rank_figures(trace, moments, parts, host))
         out["host"].update(host_figures(trainer))
         out["comm_bytes_per_step"] = {f"{tag}/{op}": n for (tag, op), n in sorted(topo.comm.bytes.items())}
-        out["violations"] = host_math.violations
+        out["violations"] = host_math.violations + [
+            {"kind": v.kind, "buffer": v.buffer, "site": str(v.second), "first_site": str(v.first), "text": str(v)}
+            for v in streams.violations]
         return out
 
 

@@ -46,11 +46,9 @@ def plot(ranks: dict, summary: dict, path: str) -> None:
         pts = r["series"]["points"]
         ax.plot([p[0] for p in pts], [p[1] / GIB for p in pts], label=f"rank {rank}", lw=1)
     first = ranks[min(ranks)]
-    for i, label in first["series"]["marks"]:
-        if label == "setup" or label.endswith("mb 0 forward") or label.endswith("optimizer"):
-            ax.axvline(i, color="grey", lw=0.5, ls=":")
-            ax.text(i, 0, label.replace("step ", "s").replace(" mb 0 forward", " fwd"), rotation=90, fontsize=6,
-                    va="bottom")
+    for i, label in phase_starts(first["series"]["marks"]):
+        ax.axvline(i, color="grey", lw=0.5, ls=":")
+        ax.text(i, 0, label, rotation=90, fontsize=6, va="bottom")
     ax.axhline(summary["device_capacity_bytes"] / GIB, color="red", lw=0.8, label="usable device memory")
     ax.axhline(summary["estimator_peak_bytes"] / GIB, color="black", lw=0.8, ls="--", label="estimator peak")
     ax.set_xlabel("allocation events (setup, then each step)")
@@ -58,3 +56,20 @@ def plot(ranks: dict, summary: dict, path: str) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def phase_starts(marks: list) -> list:
+    """The first event of setup and of each step's forward, backward and optimizer: [(index, short label)]."""
+    out, seen = [], set()
+    for i, label in marks:
+        words = label.split()
+        if words[0] == "setup":
+            key = "setup"
+        elif "optimizer" in words:
+            key = f"step {words[1]} optimizer"
+        else:
+            key = f"step {words[1]} {'backward' if 'backward' in words else 'forward'}"
+        if key not in seen:
+            seen.add(key)
+            out.append((i, key))
+    return out

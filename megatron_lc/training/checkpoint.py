@@ -34,20 +34,18 @@ import hashlib
 import json
 import logging
 import os
-import random
 import shutil
 from typing import Optional
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError
 from ..parallel.collectives import all_gather_objects
 from ..parallel.topology import Axis, Topology
 from . import sharded_state
-from .checkpoint_dir import (LATEST, atomic_torch_save, atomic_write_text, checkpoints_newest_first, is_hf_model_dir,
-                             iter_dir, prune, read_meta, remove_leftovers, same_dir)
+from .checkpoint_data import DataOnlyReader, UntrustedCheckpointError, load_torch_file, set_rng_state
+from .checkpoint_dir import (LATEST, atomic_write_text, checkpoints_newest_first, is_hf_model_dir, iter_dir, read_meta,
+                             same_dir, set_aside, unfinished_saves)
 from .reshard import check_tp_change, merged_model_state, model_state_for, optimizer_state_for
 from .sharded_state import ShardedState
 
@@ -81,86 +79,8 @@ def _barrier(topo: Topology) -> None:
         dist.barrier()
 
 
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _zero(opt) -> bool:
     return type(opt).__name__ == "ZeroRedundancyOptimizer"
-
-
-def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, consumed_samples: int,
-                    extra: Optional[dict] = None) -> str:
-    """Write the checkpoint of ``iteration`` atomically; every rank must call this. Returns its directory.
-    (``async_checkpoint.py`` runs the same three parts with the state written in the background.)"""
-    tmp, final = begin_save(cfg, topo, iteration)
-    state, has_optim = save_state(model, opt, topo)
-    sharded_state.write(tmp, state)
-    return finish_save(cfg, topo, opt, tmp, final, iteration, consumed_samples, has_optim, extra)
-
-
-def begin_save(cfg: Config, topo: Topology, iteration: int) -> tuple[str, str]:
-    """A fresh ``iter_N.tmp`` (leftovers of earlier saves removed) and this rank's RNG state in it; returns
-    (tmp, final) directories. Every rank calls it."""
-    save = cfg.checkpoint.save
-    final = iter_dir(save, iteration)
-    tmp = final + ".tmp"
-    if topo.rank == 0:
-        os.makedirs(save, exist_ok=True)
-        remove_leftovers(save)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier(topo)
-    atomic_torch_save(rng_state(), os.path.join(tmp, f"rng_rank{topo.rank:05d}.pt"))
-    return tmp, final
-
-
-def save_state(model, opt, topo: Topology) -> tuple[dict, bool]:
-    """(the DCP state to write: weights and AdamW states by layout-free key, whether it holds AdamW states)."""
-    state = ShardedState(model, topo)
-    optim = state.optimizer_state(opt)
-    return {**state.model_state(), **optim}, bool(optim)
-
-
-def finish_save(cfg: Config, topo: Topology, opt, tmp: str, final: str, iteration: int, consumed_samples: int,
-                has_optim: bool, extra: Optional[dict] = None) -> str:
-    """After every rank has written its files into ``tmp``: checksums, ``meta.json``, the rename to ``final``,
-    ``latest_checkpointed_iteration.txt``, pruning. Every rank calls it."""
-    save = cfg.checkpoint.save
-    _barrier(topo)
-    files = {}
-    for share in all_gather_objects(_digests(tmp, topo)):
-        files.update(share)
-    has_optim = any(all_gather_objects(has_optim))  # no AdamW state before the first step (or every step skipped)
-    if topo.rank == 0:
-        meta = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
-                "world_size": topo.world_size, "tp": topo.tp, "cp": topo.cp, "dp": topo.dp,
-                "zero": _zero(opt), "optimizer": has_optim, "config": cfg.to_dict(), "files": files,
-                **(extra or {})}
-        atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-        if os.path.isdir(final):  # re-saving the same iteration: move the old one aside first
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        atomic_write_text(os.path.join(save, LATEST), str(iteration))
-        prune(save, cfg.checkpoint.keep_last)
-    _barrier(topo)
-    return final
 
 
 def write_model_checkpoint(save: str, cfg: Config, full: dict, extra: Optional[dict] = None) -> str:
@@ -196,6 +116,8 @@ def full_weights(path: str, meta: dict, cfg: Config) -> dict:
         if meta.get("format_version", 1) >= 3:
             return sharded_state.full_model_state(path, cfg)
         return merged_model_state(path, cfg, meta["tp"])
+    except ConfigError:
+        raise
     except Exception as e:  # DCP / torch.load failures: one line
         raise ConfigError(f"checkpoint {path} does not load ({type(e).__name__}: "
                           f"{str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''})") from None
@@ -283,13 +205,12 @@ def _load_v2(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> 
         if load_optim:
             name = names[-1]
             if _zero(opt):
-                opt.optim.load_state_dict(torch.load(os.path.join(path, name), map_location="cpu",
-                                                     weights_only=False))
+                opt.optim.load_state_dict(load_torch_file(os.path.join(path, name), c.trust_pickle))
             else:
                 opt.load_state_dict(optimizer_state_for(path, cfg, tp, topo, _param_names(model, opt)))
         if restore_rng:
             name = rng_file
-            set_rng_state(torch.load(os.path.join(path, name), map_location="cpu", weights_only=False))
+            set_rng_state(load_torch_file(os.path.join(path, name), c.trust_pickle))
     except (RuntimeError, OSError, EOFError, ValueError, KeyError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -307,12 +228,28 @@ def _wants(meta: dict, cfg: Config, topo: Topology, opt) -> tuple[bool, Optional
     return load_optim, (rng_file if restore else None)
 
 
+def _check_v3_files(path: str, meta: dict, cfg: Config, topo: Topology) -> tuple[Optional[str], Optional[str]]:
+    """(refusal, problem) of this rank's share of the files and, on rank 0, of DCP's metadata read as data."""
+    problem = _check_files(path, meta, _share(list(meta["files"]), topo))
+    if problem is None and topo.rank == 0:
+        try:
+            DataOnlyReader(path, cfg.checkpoint.trust_pickle).read_metadata()
+        except UntrustedCheckpointError as e:
+            return str(e), None
+        except (OSError, EOFError) as e:
+            return None, f"{os.path.join(path, '.metadata')} does not load ({e})"
+    return None, problem
+
+
 def _load_v3(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> Optional[str]:
     """Load a DCP checkpoint (collective: every rank calls it); returns why it could not, the same on every rank,
     or None. Every file is checked first, each by one rank; then DCP reads the pieces of this layout."""
     load_optim, rng_file = _wants(meta, cfg, topo, opt)
-    problems = [p for p in all_gather_objects(_check_files(path, meta, _share(list(meta["files"]), topo)))
-                if p is not None]
+    outcomes = all_gather_objects(_check_v3_files(path, meta, cfg, topo))  # agreed before DCP's collectives
+    refused = [r for r, _ in outcomes if r is not None]
+    if refused:
+        raise UntrustedCheckpointError(refused[0])
+    problems = [p for _, p in outcomes if p is not None]
     if problems:
         return problems[0]
     state = ShardedState(model, topo)
@@ -321,15 +258,25 @@ def _load_v3(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> 
         optim, install = state.optimizer_targets(opt)
         target.update(optim)
     try:
-        sharded_state.read(path, target)
-    except Exception as e:  # DCP wraps every rank's failure (CheckpointException); the message names the key
+        sharded_state.read(path, target, trust_pickle=cfg.checkpoint.trust_pickle)
+    except UntrustedCheckpointError:
+        raise  # raised on every rank (DCP shares each rank's failure)
+    except Exception as e:  # the first failed rank's own error, on every rank; the message names the key
         first = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         return f"{path} does not load ({type(e).__name__}: {first[:160]})"
     if load_optim:
         state.install(opt, install)
-    if rng_file is not None:
-        set_rng_state(torch.load(os.path.join(path, rng_file), map_location="cpu", weights_only=False))
+    if rng_file is not None:  # after the last collective of this load: a refusal here is agreed in load_checkpoint
+        set_rng_state(load_torch_file(os.path.join(path, rng_file), cfg.checkpoint.trust_pickle))
     return None
+
+
+def _refusal_or_problem(load_format, *args) -> tuple[Optional[str], Optional[str]]:
+    """(why a file was refused as more than data, why the checkpoint does not load): one of them or neither."""
+    try:
+        return None, load_format(*args)
+    except UntrustedCheckpointError as e:
+        return str(e), None
 
 
 def _stage_notices(meta: dict, cfg: Config, topo: Topology) -> None:
@@ -349,7 +296,7 @@ def _stage_notices(meta: dict, cfg: Config, topo: Topology) -> None:
     if c.finetune:
         said.append(f"checkpoint.finetune: iteration {meta['iteration']} -> 0, the data position and the schedule "
                     f"start again")
-        meta["iteration"] = meta["consumed_samples"] = 0
+        meta["iteration"] = meta["consumed_samples"] = meta["skipped_in_a_row"] = meta["skipped_steps"] = 0
     if said and topo.rank == 0:
         log.info("checkpoint %s: %s", meta["path"], "; ".join(said))
 
@@ -373,20 +320,47 @@ def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
             log.info("no checkpoint in %s yet: starting from scratch", load)
             return None
         raise ConfigError(f"checkpoint.load ({load}) holds no megatron_lc checkpoint (no iter_*/meta.json)")
+    if topo.rank == 0:
+        for left in unfinished_saves(load):
+            log.info("%s: a save that did not finish, ignored (the next save removes it)", left)
     failed = []
     for path in candidates:
-        meta = read_meta(path)
-        check_compatible(meta, cfg, topo, path, _zero(opt), opt is not None)
-        load_format = _load_v3 if meta.get("format_version", 1) >= 3 else _load_v2
-        problems = [p for p in all_gather_objects(load_format(path, meta, cfg, topo, model, opt)) if p is not None]
+        meta, problem = _read_meta(path)
+        problems = [p for p in all_gather_objects(problem) if p is not None]
+        if not problems:
+            check_compatible(meta, cfg, topo, path, _zero(opt), opt is not None)
+            load_format = _load_v3 if meta.get("format_version", 1) >= 3 else _load_v2
+            outcomes = all_gather_objects(_refusal_or_problem(load_format, path, meta, cfg, topo, model, opt))
+            refused = [r for r, _ in outcomes if r is not None]
+            if refused:  # a file that is more than data: every rank stops, whatever the other checkpoints hold
+                raise UntrustedCheckpointError(refused[0])
+            problems = [p for _, p in outcomes if p is not None]
         if not problems:
             if failed:
-                log.warning("resumed from %s, an older checkpoint, because %s", path, "; ".join(failed))
+                log.warning("resumed from %s, an older checkpoint, because %s", path,
+                            "; ".join(why for _, why in failed))
+                _set_aside(failed, cfg, topo)
             meta["path"] = path
             _stage_notices(meta, cfg, topo)
             return meta
-        failed.append(problems[0])
+        failed.append((path, problems[0]))
         if not cfg.checkpoint.load_fallback:
             raise ConfigError(f"cannot resume: {problems[0]} (checkpoint.load_fallback: true resumes from the newest "
                               f"older checkpoint that loads)")
-    raise ConfigError(f"cannot resume: no checkpoint in {load} loads ({'; '.join(failed)})")
+    raise ConfigError(f"cannot resume: no checkpoint in {load} loads ({'; '.join(why for _, why in failed)})")
+
+
+def _read_meta(path: str) -> tuple[Optional[dict], Optional[str]]:
+    try:
+        return read_meta(path), None
+    except ConfigError as e:
+        return None, str(e)
+
+
+def _set_aside(failed: list, cfg: Config, topo: Topology) -> None:
+    """Rename the newer checkpoints that did not load (rank 0, when this run saves into their directory: a later
+    save of the same iteration would replace them), said in the log."""
+    if topo.rank == 0 and same_dir(cfg.checkpoint.load, cfg.checkpoint.save):
+        for path, _ in failed:
+            log.warning("set aside %s as %s: it does not load (kept for inspection; delete it when done)", path,
+                        set_aside(path))

@@ -44,22 +44,69 @@ def iter_dir(save: str, iteration: int) -> str:
     return os.path.join(save, f"iter_{iteration:07d}")
 
 
+def saved_after_an_update(path: str) -> bool:
+    """Whether checkpoint ``path`` was saved after a step that updated the weights (its meta.json's
+    ``skipped_in_a_row`` is 0 or absent); an unreadable meta.json: no."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return not json.load(f).get("skipped_in_a_row")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def newest_good_checkpoint(save: str) -> Optional[str]:
+    """The newest complete checkpoint of ``save`` saved after a step that updated the weights, or None."""
+    dirs = complete_checkpoints(save)
+    return next((dirs[it] for it in sorted(dirs, reverse=True) if saved_after_an_update(dirs[it])), None)
+
+
 def prune(save: str, keep_last: Optional[int]) -> None:
+    """Keep the newest ``keep_last`` checkpoints saved after a step that updated the weights, and every checkpoint
+    newer than the oldest of them; remove the older ones. So checkpoints saved during a run of skipped steps never
+    push a good one out. Example, keep_last 2, iterations 1-5 where 3-5 were saved while steps were skipped:
+    nothing is removed (the two good ones are 1 and 2)."""
     if not keep_last:
         return
     dirs = complete_checkpoints(save)
-    for it in sorted(dirs)[:-keep_last]:
-        shutil.rmtree(dirs[it], ignore_errors=True)
+    good = [it for it in sorted(dirs) if saved_after_an_update(dirs[it])]
+    if len(good) <= keep_last:
+        return
+    for it in sorted(dirs):
+        if it < good[-keep_last]:
+            shutil.rmtree(dirs[it], ignore_errors=True)
 
 
-def remove_leftovers(save: str) -> None:
-    """Remove ``iter_*.tmp`` of saves that were killed, and ``.old`` copies whose iteration is complete again."""
-    for name in os.listdir(save):
+def remove_leftovers(save: str) -> list[str]:
+    """Remove ``iter_*.tmp`` of saves that did not finish, and ``.old`` copies whose iteration is complete again;
+    returns the removed ``.tmp`` directories. Only a run holding the directory's lock (``save_lock.py``) saves, so
+    these are never another live run's files."""
+    removed = []
+    for name in sorted(os.listdir(save)):
         path = os.path.join(save, name)
         if re.fullmatch(r"iter_\d{7}\.tmp", name):
             shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
         elif re.fullmatch(r"iter_\d{7}\.old", name) and os.path.isfile(os.path.join(path[:-4], "meta.json")):
             shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def unfinished_saves(save: str) -> list[str]:
+    """``iter_*.tmp`` directories of saves that did not finish (ignored by a resume)."""
+    if not os.path.isdir(save):
+        return []
+    return [os.path.join(save, n) for n in sorted(os.listdir(save)) if re.fullmatch(r"iter_\d{7}\.tmp", n)]
+
+
+def set_aside(path: str) -> str:
+    """Rename a checkpoint that does not load to ``<path>.corrupt`` (``.corrupt.1`` ... if taken), so that no later
+    save overwrites it and no resume picks it; returns the new name."""
+    new, n = path + ".corrupt", 0
+    while os.path.exists(new):
+        n += 1
+        new = f"{path}.corrupt.{n}"
+    os.replace(path, new)
+    return new
 
 
 def complete_checkpoints(save: str) -> dict[int, str]:
@@ -118,8 +165,15 @@ def check_save_dir(cfg: Config) -> None:
 
 
 def read_meta(path: str) -> dict:
+    """``path``'s meta.json; unreadable, truncated or not an object: a ``ConfigError`` naming it."""
+    f = os.path.join(path, "meta.json")
     try:
-        with open(os.path.join(path, "meta.json")) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"checkpoint {path}: meta.json unreadable ({e})") from None
+        with open(f) as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{f} is unreadable or truncated ({e})") from None
+    missing = [k for k in ("iteration", "consumed_samples", "world_size", "tp", "cp", "dp", "config")
+               if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ConfigError(f"{f} is incomplete (no {', '.join(missing)})")
+    return meta

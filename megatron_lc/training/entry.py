@@ -1,16 +1,37 @@
-"""``run(cfg)``: what ``pretrain_gpt.py`` does after parsing the config."""
+"""``run(cfg)``: what ``pretrain_gpt.py`` does after parsing the config; ``errors_said_once`` and ``setup_done``:
+how its ranks -- and ``tools/eval_long.py``'s -- say an error.
+
+An error is said once, by construction: every rank fails the same way on a bad config or a missing file, so rank 0
+says it and the others stay silent -- but a rank that fails alone (a file missing on one node) must say why. The
+ranks agree through the rendezvous store (torchrun's, or ``launcher.py``'s; it outlives every rank): rank 0 prints
+its error line and then posts it under ``megatron_lc/outcome/0`` (or posts "" once its setup is done); another
+rank that fails reads rank 0's outcome and prints its own line only if it differs. No rank waits on a clock to
+decide; a rank waits for rank 0's outcome up to ``parallel.distributed_timeout_minutes`` (rank 0 stuck in a
+collective with the failed rank), then speaks.
+
+    rank 0: error: data file not found: x.bin ...     (printed, then posted)
+    rank 1: the same error, reads rank 0's: silent
+"""
 from __future__ import annotations
 
+import contextlib
+import datetime
 import logging
+import sys
+from typing import Optional
 
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import Config, ConfigError
+from ..data import DataError
 from ..data.demo import prepare_demo_data
 from .loop import Trainer, TrainState
 from .runtime import init_distributed, shutdown
+from .save_lock import lock_save_dir
 
 log = logging.getLogger("megatron_lc")
+
+OUTCOME = "megatron_lc/outcome/0"
 
 
 def prepare_data(cfg: Config, rank: int) -> None:
@@ -25,14 +46,65 @@ def prepare_data(cfg: Config, rank: int) -> None:
         dist.barrier()
 
 
+def _store() -> Optional[dist.Store]:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.distributed_c10d._get_default_store()
+    return None
+
+
+def say_once(e: Exception, rank: int, cfg: Config) -> None:
+    """Print ``e``'s one line if this rank is the one to say it (see module doc); marks ``e.said``."""
+    store = _store()
+    if rank == 0 or store is None:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if store is not None:
+            store.set(OUTCOME, str(e))
+    else:
+        try:
+            store.wait([OUTCOME], datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+            same = store.get(OUTCOME).decode() == str(e)
+        except (RuntimeError, dist.DistError):  # rank 0 never answered, or its store is gone
+            same = False
+        if not same:
+            print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+    e.said = True
+
+
+def setup_done(rank: int) -> None:
+    """Rank 0 is set up: an error from now on is each rank's own (posted as an empty outcome)."""
+    if rank == 0 and _store() is not None:
+        _store().set(OUTCOME, "")
+
+
+@contextlib.contextmanager
+def errors_said_once(cfg: Config, rank: int):
+    """Around a rank's work once the process group exists: a ``ConfigError`` / ``DataError`` is said once
+    (``say_once``) and re-raised; anything else on rank 0 is posted by name, so no rank waits for its outcome."""
+    try:
+        yield
+    except (ConfigError, DataError) as e:
+        say_once(e, rank, cfg)
+        raise
+    except BaseException as e:
+        if rank == 0 and _store() is not None:
+            _store().set(OUTCOME, f"{type(e).__name__}")
+        raise
+
+
 def run(cfg: Config) -> TrainState:
     layout, topo, device = init_distributed(cfg)
+    lock = None
     try:
-        log.info("%s | layout tp=%d cp=%d (ring %d x ulysses %d, %s) dp=%d | model %.2fM params",
-                 topo.describe(), topo.tp, topo.cp, topo.ring, topo.ulysses, cfg.parallel.cp_comm_type, topo.dp,
-                 cfg.model.num_parameters() / 1e6)
-        prepare_data(cfg, topo.rank)
-        trainer = Trainer(cfg, topo, device, layout)
-        return trainer.train()
+        with errors_said_once(cfg, topo.rank):
+            lock = lock_save_dir(cfg.checkpoint.save, topo.rank)  # one run per save directory, for the run's life
+            log.info("%s | layout tp=%d cp=%d (ring %d x ulysses %d, %s) dp=%d | model %.2fM params",
+                     topo.describe(), topo.tp, topo.cp, topo.ring, topo.ulysses, cfg.parallel.cp_comm_type, topo.dp,
+                     cfg.model.num_parameters() / 1e6)
+            prepare_data(cfg, topo.rank)
+            trainer = Trainer(cfg, topo, device, layout)
+            setup_done(topo.rank)
+            return trainer.train()
     finally:
+        if lock is not None:
+            lock.release()
         shutdown()

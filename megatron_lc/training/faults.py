@@ -1,8 +1,9 @@
 """Faults a week-long run must survive: preemption signals, a time limit, non-finite steps, stuck collectives.
 
 Stopping (``StopControl``):
-    SIGTERM and SIGUSR1 (SLURM preemption, ``--signal=USR1@300`` before the time limit, torchrun forwarding them)
-    only set a flag; nothing is done inside the handler. Ranks receive a signal at different moments (or only one
+    SIGTERM, SIGUSR1 (SLURM preemption, ``--signal=USR1@300`` before the time limit, a launcher forwarding them)
+    and SIGINT (Ctrl-C) only set a flag; nothing else is done inside the handler -- except for a second SIGINT,
+    which stops the process at once without saving (rank 0 says so in one line; exit 130). Ranks receive a signal at different moments (or only one
     rank receives it), so once per step every rank all-reduces (MAX, world group) a small vector
     ``[signal number, time limit reached, step non-finite]``. Every rank therefore sees the same vector after the
     same step: all stop together, save one checkpoint together and exit 0. Example, 4 ranks, SIGUSR1 reaches rank 2
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import signal
 import threading
@@ -36,7 +38,7 @@ from ..config import Config
 
 log = logging.getLogger("megatron_lc")
 
-EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class TrainingError(RuntimeError):
@@ -65,15 +67,19 @@ class StopControl:
         self.exit_seconds = (cfg.train.exit_duration_in_mins * 60.0 if cfg.train.exit_duration_in_mins else None)
         self.start = time.monotonic()
         self.received = 0  # signal number, 0 = none
+        self.interrupts = 0  # SIGINTs seen
+        self.rank = 0
         self._previous: dict = {}
 
     def install(self) -> None:
-        """Route SIGTERM/SIGUSR1 to the flag (main thread only; elsewhere signals keep their default action)."""
+        """Route SIGTERM/SIGUSR1/SIGINT to the flag (main thread only; elsewhere signals keep their default
+        action)."""
         if not self.enabled:
             return
         if threading.current_thread() is not threading.main_thread():
-            log.warning("not in the main thread: SIGTERM/SIGUSR1 will not trigger a checkpoint")
+            log.warning("not in the main thread: SIGTERM/SIGUSR1/SIGINT will not trigger a checkpoint")
             return
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         for sig in EXIT_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -83,7 +89,16 @@ class StopControl:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:  # keep it minimal: runs between two bytecodes of the main thread
-        self.received = signum
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts >= 2:  # the user insists: no step, no save, no cleanup (saves are atomic)
+                if self.rank == 0:
+                    os.write(2, b"error: interrupted again (Ctrl-C twice): stopped at once, without saving\n")
+                os._exit(130)
+            if self.rank == 0:
+                os.write(2, b"received SIGINT: finishing this step and saving a checkpoint (Ctrl-C again stops at "
+                            b"once, without saving)\n")
+        self.received = self.received or signum
 
     def agree(self, nonfinite: bool) -> tuple[int, bool, bool]:
         """All-reduce (MAX) ``[signal, time up, nonfinite]`` over the world; every rank gets the same answer."""
@@ -104,12 +119,17 @@ class StopControl:
 
 
 class SkipCounter:
-    """Counts non-finite steps in a row; raises ``NonFiniteError`` at ``train.max_consecutive_skipped_steps``."""
+    """Counts non-finite steps in a row; raises ``NonFiniteError`` at ``train.max_consecutive_skipped_steps``.
+    The counts are saved in every checkpoint's meta.json (``meta()``) and go on from there on resume
+    (``resumed``: the loaded meta), so resuming in the middle of a run of skipped steps does not reset it."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, resumed: Optional[dict] = None):
         self.limit = cfg.train.max_consecutive_skipped_steps
-        self.in_a_row = 0
-        self.total = 0
+        self.in_a_row = int((resumed or {}).get("skipped_in_a_row", 0))
+        self.total = int((resumed or {}).get("skipped_steps", 0))
+
+    def meta(self) -> dict:
+        return {"skipped_in_a_row": self.in_a_row, "skipped_steps": self.total}
 
     def update(self, step: int, skipped: bool, loss: float, grad_norm: float) -> None:
         if not skipped:
@@ -152,3 +172,22 @@ def collective_errors(cfg: Config, rank: int, what: str):
             raise PeerLostError(f"rank {rank}: lost the connection to another rank during {what}; that rank "
                                 f"probably died, see its log ({first[:200]})") from None
         raise
+
+
+_HOST_OOM = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes")
+
+
+def out_of_host_memory(e: BaseException) -> Optional[str]:
+    """The one line for a failed host allocation (torch's ``DefaultCPUAllocator`` error or ``MemoryError``), or
+    None for any other error."""
+    if isinstance(e, MemoryError):
+        asked = ""
+    else:
+        m = _HOST_OOM.search(str(e))
+        if m is None:
+            return None
+        asked = f": an allocation of {int(m.group(1))} bytes ({int(m.group(1)) / 2**30:.1f} GiB) failed"
+    return (f"out of host memory{asked}; pick a layout that needs less (more tp or cp, activation offload off, a "
+            f"smaller micro_batch_size): python tools/estimate.py --config CONFIG --hardware HW --auto lists layouts "
+            f"with their host memory")
+

@@ -19,7 +19,7 @@ from ..config import Config, Layout
 from ..parallel.collectives import all_reduce
 from ..parallel.topology import Axis, Topology
 from .async_checkpoint import AsyncCheckpointer
-from .checkpoint import save_checkpoint
+from .checkpoint_save import save_checkpoint
 from .faults import SkipCounter, StopControl, collective_errors
 from .batches import microbatches
 from .logger import MetricsLogger
@@ -36,7 +36,7 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     losses: list = field(default_factory=list)  # per-step global loss, for tests and callers
-    skipped_steps: int = 0  # non-finite steps skipped in this run
+    skipped_steps: int = 0  # non-finite steps skipped since the run began (resumes included)
     stop_reason: Optional[str] = None  # set when a signal or the time limit stopped the run early
 
 
@@ -51,7 +51,7 @@ class Trainer:
         self.device = s.execution.device
         self.model, self.ctx, self.optimizer, self.arena = s.model, s.ctx, s.optimizer, s.arena
         self.stop = StopControl(cfg)
-        self.skips = SkipCounter(cfg)
+        self.skips = SkipCounter(cfg, s.resumed)
         self.state = TrainState()
         if s.resumed is not None:
             self.state.iteration = s.resumed["iteration"]
@@ -129,10 +129,11 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------------------
     def save(self) -> None:
         if self.cfg.checkpoint.save and self.async_checkpoints is not None:  # written in the background
-            self.async_checkpoints.save(self.model, self.optimizer, self.state.iteration, self.state.consumed_samples)
+            self.async_checkpoints.save(self.model, self.optimizer, self.state.iteration, self.state.consumed_samples,
+                                        self.skips.meta())
         elif self.cfg.checkpoint.save:
             path = save_checkpoint(self.cfg, self.topo, self.model, self.optimizer, self.state.iteration,
-                                   self.state.consumed_samples)
+                                   self.state.consumed_samples, self.skips.meta())
             log.info("saved checkpoint %s", path)
 
     def train(self) -> TrainState:

@@ -19,6 +19,7 @@ from ..model.transformer import GPTModel
 from ..compose import ModelParts
 from ..parallel.tensor_parallel import cut_shard, merge_shards, tp_partition
 from ..parallel.topology import Topology
+from .checkpoint_data import load_torch_file
 
 
 def _meta_model(cfg: Config, tp: int) -> GPTModel:
@@ -40,13 +41,13 @@ def parameter_shapes(cfg: Config) -> dict:
     return {n: (tuple(p.shape), tp_partition(p)) for n, p in _meta_model(cfg, 1).named_parameters()}
 
 
-def _load(path: str) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+def _load(path: str, cfg: Config) -> dict:
+    return load_torch_file(path, cfg.checkpoint.trust_pickle, mmap=True)
 
 
 def merged_model_state(path: str, cfg: Config, tp: int) -> dict:
     """The full (unsharded) model state of checkpoint directory ``path`` saved at ``tp``."""
-    shards = [_load(os.path.join(path, f"model_tp{r:02d}.pt")) for r in range(tp)]
+    shards = [_load(os.path.join(path, f"model_tp{r:02d}.pt"), cfg) for r in range(tp)]
     parts = partitions(cfg, tp)
     unknown = sorted(set(shards[0]) - set(parts))
     if unknown:
@@ -57,7 +58,7 @@ def merged_model_state(path: str, cfg: Config, tp: int) -> dict:
 def model_state_for(path: str, cfg: Config, saved_tp: int, topo: Topology) -> dict:
     """This tp rank's model state from a checkpoint saved at ``saved_tp`` (any tp)."""
     if saved_tp == topo.tp:
-        return _load(os.path.join(path, f"model_tp{topo.tp_rank:02d}.pt"))
+        return _load(os.path.join(path, f"model_tp{topo.tp_rank:02d}.pt"), cfg)
     parts = partitions(cfg, topo.tp)
     full = merged_model_state(path, cfg, saved_tp)
     return {n: cut_shard(t, parts.get(n), topo.tp, topo.tp_rank).clone() for n, t in full.items()}
@@ -67,10 +68,8 @@ def optimizer_state_for(path: str, cfg: Config, saved_tp: int, topo: Topology, n
     """This tp rank's plain-AdamW state dict from a checkpoint saved at ``saved_tp``. ``names``: the parameter names
     in the optimizer's index order (the order of its param groups)."""
     if saved_tp == topo.tp:
-        return torch.load(os.path.join(path, f"optim_tp{topo.tp_rank:02d}.pt"), map_location="cpu",
-                          weights_only=False)
-    saved = [torch.load(os.path.join(path, f"optim_tp{r:02d}.pt"), map_location="cpu", weights_only=False)
-             for r in range(saved_tp)]
+        return _load(os.path.join(path, f"optim_tp{topo.tp_rank:02d}.pt"), cfg)
+    saved = [_load(os.path.join(path, f"optim_tp{r:02d}.pt"), cfg) for r in range(saved_tp)]
     old_parts, new_parts = partitions(cfg, saved_tp), partitions(cfg, topo.tp)
     out = copy.deepcopy(saved[0])
     for idx, st in out["state"].items():

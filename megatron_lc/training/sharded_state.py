@@ -28,18 +28,20 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from concurrent.futures import Future
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..config import Config
 from ..parallel.tensor_parallel import tp_partition
 from ..parallel.topology import Axis, Topology
+from .checkpoint_data import DataOnlyReader
 from .reshard import parameter_shapes
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -152,33 +154,75 @@ class ShardedState:
             state[p] = st
 
 
+SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
 def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def write(path: str, state: dict, collective: bool = True) -> None:
     """DCP save of ``state`` into directory ``path`` (every rank calls it with its own pieces; ``collective``
-    False: this process alone, e.g. an import)."""
-    with _single_process_quiet():
+    False: this process alone, e.g. an import). A failure on any rank raises its root cause on every rank."""
+    with _single_process_quiet(), root_cause_of_failures():
         dcp.save(state, checkpoint_id=path, no_dist=not collective or _no_dist())
 
 
-def read(path: str, state: dict, collective: bool = True) -> None:
-    """DCP load into the tensors of ``state``, in place (views included: a parameter is loaded where it lives)."""
+def write_async(path: str, state: dict, group) -> Future:
+    """``write`` in the background (``checkpoint.async_save``): DCP's ``async_save`` copies ``state`` to host memory
+    and returns once staged; the write goes on in a thread. ``group``: the process group of the write's own
+    collectives (None: one process). Wait for it with ``wait_written``."""
+    if group is None:  # the background thread's own single-process save warns too, outside any catch_warnings
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=not collective or _no_dist())
+        return dcp.async_save(state, checkpoint_id=path, process_group=group, no_dist=group is None and _no_dist())
+
+
+def wait_written(future: Future) -> None:
+    """The end of a ``write_async``; a failure on any rank raises its root cause on every rank (as ``write``)."""
+    with root_cause_of_failures():
+        future.result()
+
+
+def read(path: str, state: dict, collective: bool = True, trust_pickle: bool = False) -> None:
+    """DCP load into the tensors of ``state``, in place (views included: a parameter is loaded where it lives).
+    The metadata is read as data (``checkpoint_data.DataOnlyReader``); a failure on any rank raises its root cause
+    on every rank."""
+    reader = DataOnlyReader(path, trust_pickle)
+    reader.read_metadata()  # a refusal or an unreadable file raised as is, before DCP
+    with _single_process_quiet(), root_cause_of_failures():
+        dcp.load(state, storage_reader=reader, no_dist=not collective or _no_dist())
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The exception behind DCP's ``CheckpointException`` (a ``BaseException`` that wraps every failed rank's
+    error with its traceback: ~170 lines): the lowest failed rank's own error, e.g. ``OSError(28, 'No space left
+    on device')``."""
+    while isinstance(e, CheckpointException) and e.failures:
+        e = e.failures[min(e.failures)][0]
+    return e
+
+
+@contextlib.contextmanager
+def root_cause_of_failures():
+    """Raise DCP's failures as ``root_cause``, with ``failed_rank`` set to the rank it happened on."""
+    try:
+        yield
+    except CheckpointException as e:
+        cause, rank = e, None
+        while isinstance(cause, CheckpointException) and cause.failures:
+            rank = min(cause.failures)
+            cause = cause.failures[rank][0]
+        cause.failed_rank = rank
+        raise cause from None
 
 
 @contextlib.contextmanager
 def _single_process_quiet():
     """DCP warns on every single-process save/load that it assumes a single process: that is what we asked."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         yield
-
-
-def saved_keys(path: str) -> set:
-    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
 def full_model_state(path: str, cfg: Config) -> dict:
@@ -187,7 +231,7 @@ def full_model_state(path: str, cfg: Config) -> dict:
     for name, (shape, partition) in parameter_shapes(cfg).items():
         out[name] = torch.empty(shape)
         target[f"model/{name}"] = stored_view(out[name], partition)[0]
-    read(path, target, collective=False)
+    read(path, target, collective=False, trust_pickle=cfg.checkpoint.trust_pickle)
     return out
 
 
