@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..config import Config
 from ..parallel.tensor_parallel import tp_partition
 from ..parallel.topology import Axis, Topology
-from .checkpoint_data import DataOnlyReader
+from .checkpoint_data import DataOnlyReader, torch_types_only
 from .reshard import parameter_shapes
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -190,7 +190,7 @@ def read(path: str, state: dict, collective: bool = True, trust_pickle: bool = F
     on every rank."""
     reader = DataOnlyReader(path, trust_pickle)
     reader.read_metadata()  # a refusal or an unreadable file raised as is, before DCP
-    with _single_process_quiet(), root_cause_of_failures():
+    with _single_process_quiet(), root_cause_of_failures(), torch_types_only():
         dcp.load(state, storage_reader=reader, no_dist=not collective or _no_dist())
 
 
