@@ -30,6 +30,30 @@ def _touch(path: str) -> None:
         f.write(str(os.getpid()))
 
 
+def _rank1_first(marker: str, module, name: str) -> None:
+    """Rank 1 touches ``marker`` when it is about to say its error; rank 0 runs ``module.name`` only after that."""
+    from megatron_lc.training import entry
+
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 1:
+        original_say = entry.say_once
+
+        def say_once(*a):
+            _touch(marker)
+            original_say(*a)
+
+        entry.say_once = say_once
+    elif rank == 0:
+        original = getattr(module, name)
+
+        def after_rank1(*a):
+            while not os.path.exists(marker):
+                time.sleep(0.05)
+            return original(*a)
+
+        setattr(module, name, after_rank1)
+
+
 def install(hook: str) -> None:
     kind, *args = hook.split(":")
     if kind == "none":
@@ -63,49 +87,14 @@ def install(hook: str) -> None:
 
         Trainer.train_step = patched
     elif kind == "rank1_fails_first":
-        from megatron_lc.training import entry, setup
+        from megatron_lc.training import setup
 
-        marker, rank = args[0], int(os.environ.get("RANK", 0))
-        if rank == 1:
-            original_say = entry.say_once
-
-            def say_once(*a):
-                _touch(marker)
-                original_say(*a)
-
-            entry.say_once = say_once
-        elif rank == 0:
-            original_build = setup.build_dataset
-
-            def build_dataset(*a):
-                while not os.path.exists(marker):
-                    time.sleep(0.05)
-                return original_build(*a)
-
-            setup.build_dataset = build_dataset
+        _rank1_first(args[0], setup, "build_dataset")
     elif kind == "eval_rank1_fails_first":
         sys.path.insert(0, os.path.join(ROOT, "tools"))
         import eval_long
-        from megatron_lc.training import entry
 
-        marker, rank = args[0], int(os.environ.get("RANK", 0))
-        if rank == 1:
-            original_say = entry.say_once
-
-            def say_once(*a):
-                _touch(marker)
-                original_say(*a)
-
-            entry.say_once = say_once
-        elif rank == 0:
-            original_check = eval_long.check_passkey
-
-            def check_passkey(*a):
-                while not os.path.exists(marker):
-                    time.sleep(0.05)
-                return original_check(*a)
-
-            eval_long.check_passkey = check_passkey
+        _rank1_first(args[0], eval_long, "check_passkey")
     else:
         raise SystemExit(f"unknown hook {hook}")
 
