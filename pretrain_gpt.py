@@ -36,26 +36,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Check the config for ``--nproc-per-node`` ranks, then run them (``training/launcher.py``)."""
     from megatron_lc.config import load_config, resolve_layout
-    from megatron_lc.training.launcher import launch_local
+    from megatron_lc.data import with_tokenizer_vocab
+    from megatron_lc.training.launcher import launch_local, worker_args
 
-    resolve_layout(load_config(args.config, args.overrides), args.nproc_per_node)  # ConfigError: nothing spawned
-    worker = []
-    skip = False
-    for a in argv:  # the ranks get every argument but the launcher's own
-        if skip:
-            skip = False
-        elif a in ("--nproc-per-node", "--shutdown-grace"):
-            skip = True
-        elif not a.startswith(("--nproc-per-node=", "--shutdown-grace=")):
-            worker.append(a)
-    return launch_local(args.nproc_per_node, os.path.abspath(__file__), worker, args.shutdown_grace)
+    cfg = with_tokenizer_vocab(load_config(args.config, args.overrides), warn=False)  # the ranks say it
+    resolve_layout(cfg, args.nproc_per_node)  # ConfigError or DataError: nothing spawned
+    return launch_local(args.nproc_per_node, os.path.abspath(__file__), worker_args(argv), args.shutdown_grace)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     from megatron_lc.config import ConfigError, load_config
-    from megatron_lc.data import DataError
+    from megatron_lc.data import DataError, with_tokenizer_vocab
     from megatron_lc.training.faults import TrainingError, out_of_host_memory
     from megatron_lc.training.launcher import follow_launcher
     from megatron_lc.training.runtime import env_world, setup_logging
@@ -66,7 +59,8 @@ def main(argv=None) -> int:
             return launch(args, argv)
         follow_launcher()
         setup_logging(rank)
-        cfg = load_config(args.config, args.overrides)
+        # model.vocab_size unset: the tokenizer's
+        cfg = with_tokenizer_vocab(load_config(args.config, args.overrides), warn=rank == 0)
         from megatron_lc.training.entry import run
 
         run(cfg)

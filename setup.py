@@ -18,6 +18,8 @@ setup(
         "scipy",
         "tqdm",
         "safetensors",
+        "transformers",  # Hugging Face tokenizers (data.tokenizer_type: HuggingFaceTokenizer, through megatron-core)
+        "tokenizers",
     ],
     # OR-Tools (CP-SAT for the memory planner; memory.plan: auto falls back to the greedy plan without it) pins
     # protobuf < 6.34, and transformers then cannot load an exported tokenizer: an extra, not a requirement.

@@ -54,7 +54,7 @@ def rank_step(rank, world, overrides):
     layout = resolve_layout(cfg, world)
     topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
     model, _ = build(cfg, topo)
-    batch = shard_batch(make_batch(build_dataset(cfg), [0]), layout, topo)
+    batch = shard_batch(make_batch(build_dataset(cfg, [1, 0, 0]).train, [0]), layout, topo)
     total = float(cfg.data.seq_length)
 
     def step():

@@ -90,7 +90,8 @@ def main() -> None:
     ap.add_argument("--eod", type=int, default=None, help="end-of-document id (default: the demo tokenizer's)")
     args = ap.parse_args()
 
-    from megatron_lc.data.dataset import PackedDataset
+    from megatron_lc.config import load_config
+    from megatron_lc.data import build_dataset
     from megatron_lc.data.indexed import open_indexed
 
     data_path, eod = args.data_path, args.eod
@@ -102,16 +103,20 @@ def main() -> None:
         data_path, tok_model = demo_files(8000)
         prepare_demo_data(data_path, tok_model, 8000)
         eod = SentencePieceTokenizer(tok_model).eod
-    if eod is None:
+        tok = [f"data.tokenizer_model={tok_model}", "model.vocab_size=8000"]
+    elif eod is None:
         sys.exit("--eod is required with --data-path")
+    else:  # the files' ids are below the end-of-document id (NullTokenizer's rule)
+        tok = ["data.tokenizer_type=NullTokenizer", f"data.vocab_size={eod}"]
     indexed = open_indexed(data_path)
     lengths = np.asarray(indexed.sequence_lengths, dtype=np.float64) + 1  # + EOD
     out = {"data_path": data_path, "documents": len(lengths),
            "mean_document_length": round(float(lengths.mean()), 1),
            "length_weighted_mean_document_length": round(float((lengths ** 2).sum() / lengths.sum()), 1),
            "rows": []}
-    for s in args.seq:
-        ds = PackedDataset(indexed, s, seed=1234, eod=eod)
+    for s in args.seq:  # the training split's first samples (megatron-core's GPTDataset, data/gpt.py)
+        cfg = load_config(None, tok + [f"data.data_path={data_path}", f"data.seq_length={s}", "train.seed=1234"])
+        ds = build_dataset(cfg, [args.samples, 0, 0]).train
         docs = [documents_of(ds[k][:-1], eod) for k in range(args.samples)]
         causal = s * (s + 1) / 2
         for R in args.cp:

@@ -119,10 +119,10 @@ def write_corpus(prefix: str, n_docs: int = 200, seed: int = 0) -> None:
 
 
 # the demo config (configs/tiny_cpu.yaml) shrunk like tests/test_cp_model.py's, on a packed corpus read through the
-# demo's path (PackedDataset, EOD between documents) with the NullTokenizer (EOD = vocab - 1 = 255)
+# demo's path (EOD between documents) with the NullTokenizer of 255 ids (EOD = 255)
 DEMO_SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.vocab_size=256",
               "model.make_vocab_size_divisible_by=64", "data.seq_length=64", "data.prepare_demo_data=false",
-              "data.tokenizer_type=NullTokenizer", "train.micro_batch_size=2", "train.global_batch_size=4",
+              "data.tokenizer_type=NullTokenizer", "data.vocab_size=255", "train.micro_batch_size=2", "train.global_batch_size=4",
               "train.train_iters=5", "train.lr_warmup_iters=1", "checkpoint.save=", "logging.log_interval=5"]
 
 

@@ -2,6 +2,7 @@
 the library has no fault-injection switch).
 
     python -m tests.faults_driver HOOK [pretrain_gpt.py arguments...]
+    python -m tests.faults_driver HOOK eval_long [tools/eval_long.py arguments...]
 
 Hooks:
     none                   plain run
@@ -10,6 +11,8 @@ Hooks:
     marker_after_step:N:MARKER   touch MARKER once step N is done (to send a signal mid-run)
     rank1_fails_first:MARKER     rank 1 touches MARKER when it is about to say its error; rank 0 builds its
                                  dataset only after that (an order of failures that timing rarely gives)
+    eval_rank1_fails_first:MARKER   the same for tools/eval_long.py: rank 0 checks the passkey arguments only
+                                 after rank 1 is about to say its error
 """
 from __future__ import annotations
 
@@ -25,6 +28,30 @@ if ROOT not in sys.path:
 def _touch(path: str) -> None:
     with open(path, "w") as f:
         f.write(str(os.getpid()))
+
+
+def _rank1_first(marker: str, module, name: str) -> None:
+    """Rank 1 touches ``marker`` when it is about to say its error; rank 0 runs ``module.name`` only after that."""
+    from megatron_lc.training import entry
+
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 1:
+        original_say = entry.say_once
+
+        def say_once(*a):
+            _touch(marker)
+            original_say(*a)
+
+        entry.say_once = say_once
+    elif rank == 0:
+        original = getattr(module, name)
+
+        def after_rank1(*a):
+            while not os.path.exists(marker):
+                time.sleep(0.05)
+            return original(*a)
+
+        setattr(module, name, after_rank1)
 
 
 def install(hook: str) -> None:
@@ -60,32 +87,25 @@ def install(hook: str) -> None:
 
         Trainer.train_step = patched
     elif kind == "rank1_fails_first":
-        from megatron_lc.training import entry, setup
+        from megatron_lc.training import setup
 
-        marker, rank = args[0], int(os.environ.get("RANK", 0))
-        if rank == 1:
-            original_say = entry.say_once
+        _rank1_first(args[0], setup, "build_dataset")
+    elif kind == "eval_rank1_fails_first":
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        import eval_long
 
-            def say_once(*a):
-                _touch(marker)
-                original_say(*a)
-
-            entry.say_once = say_once
-        elif rank == 0:
-            original_build = setup.build_dataset
-
-            def build_dataset(cfg):
-                while not os.path.exists(marker):
-                    time.sleep(0.05)
-                return original_build(cfg)
-
-            setup.build_dataset = build_dataset
+        _rank1_first(args[0], eval_long, "check_passkey")
     else:
         raise SystemExit(f"unknown hook {hook}")
 
 
 def main() -> int:
     install(sys.argv[1])
+    if sys.argv[2:3] == ["eval_long"]:
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        import eval_long
+
+        return eval_long.main(sys.argv[3:])
     import pretrain_gpt
 
     return pretrain_gpt.main(sys.argv[2:])

@@ -12,6 +12,7 @@ import pickle
 import random
 import shutil
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -181,6 +182,23 @@ def test_older_rng_file_is_refused_naming_it_unless_trusted(run, caplog):
     caplog.set_level(logging.WARNING, logger="megatron_lc")
     assert _resume(run, "checkpoint.trust_pickle=true").state.iteration == 2
     assert f"{rng}: unpickled without restrictions (checkpoint.trust_pickle: true)" in caplog.text
+
+
+def test_megatron_core_safe_globals_do_not_let_an_older_rng_file_through(run):
+    """Importing megatron-core's datasets or tokenizers (every real-data run) adds numpy arrays to torch's global list
+    of safe types; a checkpoint is still read with torch's own types only."""
+    with warnings.catch_warnings():  # megatron-core warns that TE/apex are absent on CPU machines
+        warnings.simplefilter("ignore")
+        from megatron.core.safe_globals import register_safe_globals
+
+    register_safe_globals()
+    rng = run / "iter_0000002" / "rng_rank00000.pt"
+    buf = io.BytesIO()
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}, buf)
+    _replace(run / "iter_0000002", "rng_rank00000.pt", buf.getvalue())
+    with pytest.raises(ConfigError, match=rf"^{rng} holds pickled Python objects, not only tensors"):
+        _resume(run)
+    assert np.ndarray in torch.serialization.get_safe_globals()  # put back after the load
 
 
 def test_rng_states_round_trip_as_tensors(tmp_path):

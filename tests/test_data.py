@@ -6,8 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_lc.data import DataError
-from megatron_lc.data.dataset import MockDataset, PackedDataset, make_batch
+from megatron_lc.config import load_config
+from megatron_lc.data import DataError, build_dataset
+from megatron_lc.data.dataset import MockDataset, make_batch
 from megatron_lc.data.indexed import open_indexed, write_indexed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,21 +44,51 @@ def test_round_trip_gives_back_the_tokens(corpus):
     assert tok.decode(ds[1]).strip() == open(files[1], encoding="utf-8").read().strip()
 
 
-def test_packed_samples_cover_the_stream_in_seeded_order(corpus):
+def _pieces(sample, eod):
+    """A sample cut at its end-of-document ids: [(tokens, ended by eod), ...]."""
+    out, cur = [], []
+    for t in sample.tolist():
+        if t == eod:
+            out.append((cur, True))
+            cur = []
+        else:
+            cur.append(t)
+    return out + [(cur, False)]
+
+
+def test_samples_are_windows_of_eod_separated_documents_in_seeded_order(corpus, tmp_path):
+    """megatron-core's GPTDataset over files written without end-of-document ids (EodDocuments adds them): every
+    whole document between two eods in a sample is one of the files' documents, the first piece ends one and the
+    last begins one; the same seed gives the same samples, another seed others."""
     d, tok, docs, _ = corpus
-    seq = 64
-    pk = PackedDataset(open_indexed(str(d / "docs")), seq, seed=7, eod=tok.eod)
-    order, ends, sample_order = pk._epoch(0)
-    stream = np.concatenate([np.array(docs[i] + [tok.eod]) for i in order])
-    assert ends[-1] == len(stream)
-    for k in range(pk.samples_per_epoch):
-        start = int(sample_order[k]) * seq
-        assert pk[k].tolist() == stream[start:start + seq + 1].tolist()
-    # every sample of the epoch is used once; the next epoch reshuffles
-    assert sorted(sample_order.tolist()) == list(range(pk.samples_per_epoch))
-    assert pk[pk.samples_per_epoch].shape == (seq + 1,)
-    same = PackedDataset(open_indexed(str(d / "docs")), seq, seed=7, eod=tok.eod)
-    assert all((same[k] == pk[k]).all() for k in range(5))
+    cfg = load_config(None, [f"data.data_path={d / 'docs'}", f"data.tokenizer_model={d / 'sp.model'}",
+                             "data.seq_length=64", "data.split=1", f"data.data_cache_path={tmp_path}",
+                             "model.vocab_size=400", "train.train_iters=20"])
+    ds = build_dataset(cfg, [40, 0, 0]).train
+    assert len(ds) >= 40 and ds.eod == tok.eod == 3  # one whole epoch is built
+    joined = ["|" + " ".join(map(str, doc)) + "|" for doc in docs]
+    eods = 0
+    for k in range(len(ds)):
+        sample = ds[k]
+        assert sample.shape == (65,)
+        pieces = _pieces(sample, tok.eod)
+        eods += len(pieces) - 1
+        for i, (piece, ended) in enumerate(pieces):
+            text = " ".join(map(str, piece))
+            if i > 0 and ended:  # a whole document
+                assert any(j == "|" + text + "|" for j in joined), (k, i)
+            elif ended and piece:  # the end of one
+                assert any(j.endswith(" " + text + "|") or j == "|" + text + "|" for j in joined), (k, i)
+            elif i > 0 and piece:  # the beginning of one
+                assert any(j.startswith("|" + text + " ") or j.startswith("|" + text + "|") for j in joined), (k, i)
+    assert eods >= 2  # 3 documents, each ended once in the epoch (the last may fall in the dropped tail)
+    again = build_dataset(cfg, [40, 0, 0]).train
+    assert all((again[k] == ds[k]).all() for k in range(40))
+    other = build_dataset(load_config(None, [f"{k}={v}" for k, v in [("data.data_path", d / "docs"),
+                          ("data.tokenizer_model", d / "sp.model"), ("data.seq_length", 64), ("data.split", 1),
+                          ("data.data_cache_path", tmp_path), ("model.vocab_size", 400), ("train.seed", 7)]]),
+                          [40, 0, 0]).train
+    assert not all((other[k] == ds[k]).all() for k in range(40))
 
 
 def test_batch_shapes_and_shift():

@@ -16,12 +16,10 @@ import torch.nn.functional as F
 import yaml
 
 from megatron_lc.config import ConfigError, resolve_layout
-from megatron_lc.data.dataset import MockDataset
 from megatron_lc.data.tokenizer import SentencePieceTokenizer
 from megatron_lc.parallel.topology import Topology
-from megatron_lc.training.evaluate import (MOCK_HELD_OUT_START, PositionLoss, bucket_edges, context_positions,
-                                           default_bucket_edges, held_out_sample_ids, predict_tokens,
-                                           vocab_parallel_argmax)
+from megatron_lc.training.evaluate import (PositionLoss, bucket_edges, context_positions, default_bucket_edges,
+                                           predict_tokens, vocab_parallel_argmax)
 from megatron_lc.training.passkey import PasskeyPrompt, passkey_batch, passkey_key
 from megatron_lc.training.loop import Trainer
 from tests import dist_cases_eval as cases
@@ -185,15 +183,6 @@ def test_context_positions_restart_per_document():
     assert context_positions(batch).tolist() == [[0, 1, 2, 0, 1, 0], [0, 0, 1, 2, 3, 4]]
 
 
-def test_held_out_samples():
-    class Packed:
-        samples_per_epoch = 1000
-
-    assert held_out_sample_ids(Packed(), 4, separate_file=False) == [996, 997, 998, 999]
-    assert held_out_sample_ids(Packed(), 4, separate_file=True) == [0, 1, 2, 3]
-    assert held_out_sample_ids(MockDataset(32, 256, 0), 2, False) == [MOCK_HELD_OUT_START, MOCK_HELD_OUT_START + 1]
-
-
 # ---- the command line --------------------------------------------------------------------------------------------
 def eval_cli(*args, nproc: int = 1):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
@@ -255,5 +244,5 @@ def test_cli_missing_checkpoint_is_one_line(tiny_checkpoint, tmp_path):
     out = eval_cli("--config", config, "--load", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r.json"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert [ln for ln in out.stderr.splitlines() if "error" in ln.lower()] == [
-        f"error: checkpoint.load ({tmp_path / 'nowhere'}) does not exist"]
+        f"error: --load {tmp_path / 'nowhere'}: no such directory"]
     assert not (tmp_path / "r.json").exists()

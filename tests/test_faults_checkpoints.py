@@ -47,9 +47,11 @@ def test_train_numbers_out_of_range_are_refused(setting, message):
     assert str(e.value) == message
 
 
-def test_a_state_that_is_not_finite_is_never_saved(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_state_that_is_not_finite_is_never_saved(tmp_path, monkeypatch, mode):
     """Steps 1-2 save good checkpoints; step 3's update leaves an inf in a weight (injected after the step): the
-    save refuses, the run stops in one line naming the tensor, and both good checkpoints are kept untouched."""
+    save refuses, the run stops in one line naming the tensor, and both good checkpoints are kept untouched. The
+    same with asynchronous saves (checked before staging; step 2's save in flight is finished first)."""
     run = tmp_path / "run"
     original = Trainer.train_step
 
@@ -61,7 +63,7 @@ def test_a_state_that_is_not_finite_is_never_saved(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Trainer, "train_step", poisoned)
     with pytest.raises(NonFiniteStateError) as e:
-        _trainer(run, 6).train()
+        _trainer(run, 6, f"checkpoint.async_save={mode == 'async'}").train()
     assert str(e.value) == (f"not saving iteration 3: the state is not finite (rank 0: model/embedding.weight); the "
                             f"newest checkpoint is kept: {run / 'iter_0000002'}. Resume from it with a lower train.lr "
                             f"or more warmup")
@@ -114,10 +116,12 @@ sys.exit(pretrain_gpt.main(sys.argv[2:]))
 """
 
 
-def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mode):
     """A file-size limit stands in for a full disk: the first save (small: weights of step 1 without AdamW states
     would not do, so the limit is between the sizes of the two saves' data files) fails in one line naming the file
-    and the cause, exit 3; the previous checkpoint stays and no partial directory is left."""
+    and the cause, exit 3; the previous checkpoint stays and no partial directory is left. Asynchronous: the
+    background write fails, and the next save, which waits for it, says so in the same line."""
     run = tmp_path / "run"
     _trainer(run, 1).train()
     size = (run / "iter_0000001" / "__0_0.distcp").stat().st_size
@@ -125,7 +129,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
     script.write_text(FULL_DISK.format(root=ROOT))
     cmd = [sys.executable, str(script), str(size // 2), "--config", "configs/tiny_cpu.yaml"]
     for s in TINY + ["train.train_iters=3", f"checkpoint.save={run}", f"checkpoint.load={run}",
-                     "checkpoint.save_interval=1"]:
+                     "checkpoint.save_interval=1", f"checkpoint.async_save={mode == 'async'}"]:
         cmd += ["--set", s]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))

@@ -272,7 +272,7 @@ def test_preprocessing_shows_progress(tmp_path):
                           model, "--output-prefix", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert out.returncode == 0, out.stderr
-    assert re.search(r"tokenizing: .*2000 *doc", out.stderr), out.stderr[-500:]
+    assert re.search(r"tokenizing: .*tok/s.*docs=2000", out.stderr), out.stderr[-500:]
     install = open(os.path.join(ROOT, "scripts", "install.sh")).read()
     assert "pip install -q" not in install and "--progress-bar on" in install
 
@@ -320,8 +320,10 @@ def test_token_ids_past_the_vocabulary_name_the_file_and_position(tmp_path):
 
     prefix = str(tmp_path / "corpus")
     write_indexed(prefix, [list(range(100)), [5] * 30 + [300] + [5] * 69])  # 300: past model.vocab_size 256
+    # NullTokenizer: the files' ids below data.vocab_size, its end-of-document id 255 (model.vocab_size 256)
     cfg = small_config(TINY + ["train.train_iters=20", "data.mock_data=false", f"data.data_path={prefix}",
-                               "data.tokenizer_type=NullTokenizer", f"logging.metrics_file={tmp_path}/m.jsonl"])
+                               "data.tokenizer_type=NullTokenizer", "data.vocab_size=255",
+                               f"logging.metrics_file={tmp_path}/m.jsonl"])
     with pytest.raises(DataError) as e:
         Trainer(cfg, Topology()).train()
     assert str(e.value) == (f"{prefix}.bin: token id 300 at token 130 (document 1, position 30) is outside the "

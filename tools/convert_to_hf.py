@@ -13,13 +13,18 @@ What it does:
 - drops the vocabulary padding rows (``model.make_vocab_size_divisible_by``) unless ``--keep-padded-vocab``;
 - tied embeddings -> ``tie_word_embeddings: true`` and no ``lm_head.weight``;
 - RoPE needs no permutation: the model rotates halves (``rotate_half``), as HF Llama does;
-- copies the SentencePiece tokenizer (``data.tokenizer_model`` of the checkpoint, or ``--tokenizer``) when found.
+- writes the run's tokenizer (``data.tokenizer_model`` of the checkpoint, or ``--tokenizer``): a Hugging Face one
+  (directory or tokenizer.json) as transformers saves it, a SentencePiece model as ``tokenizer.model`` with a
+  LlamaTokenizer config; ``bos_token_id`` / ``eos_token_id`` in config.json are the tokenizer's (``AutoTokenizer``
+  loads the export). A run's tokenizer whose files are gone is said and left out; a ``--tokenizer`` that does not
+  load is an error before anything is written.
 Only Llama-style models export (RMSNorm, SwiGLU, RoPE); anything else is refused with a one-line error (exit 2).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,10 +34,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_lc.config import Config, ConfigError  # noqa: E402
+from megatron_lc.config import Config, ConfigError, DataConfig  # noqa: E402
+from megatron_lc.data import DataError, build_tokenizer  # noqa: E402
+from megatron_lc.data.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, tokenizer_type_of  # noqa: E402
 from megatron_lc.hf import check_exportable, hf_config, to_hf  # noqa: E402
 from megatron_lc.training.checkpoint import full_weights  # noqa: E402
 
+log = logging.getLogger("megatron_lc")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -96,6 +104,34 @@ def copy_tokenizer(path: str, out: str) -> tuple[int, int]:
     return sp.bos_id(), sp.eos_id()
 
 
+def run_tokenizer(cfg: Config, path: str | None):
+    """The tokenizer to export: ``path`` (its type from the name: ``tokenizer_type_of``), else the run's
+    (``data.tokenizer_type`` / ``tokenizer_model``; None for mock data, or when its files are gone -- said)."""
+    if path is not None:
+        return build_tokenizer(DataConfig(tokenizer_type=tokenizer_type_of(path), tokenizer_model=path), None)
+    d = cfg.data
+    if d.tokenizer_type == "NullTokenizer":
+        return build_tokenizer(d, cfg.model.vocab_size) if d.vocab_size is not None else None
+    model = d.files(cfg.model.vocab_size)[1]
+    if model is None:
+        return None
+    if not os.path.exists(model):
+        log.warning("the run's tokenizer %s is not there any more: exported without a tokenizer (pass --tokenizer)",
+                    model)
+        return None
+    return build_tokenizer(d, cfg.model.vocab_size)
+
+
+def write_tokenizer(tok, out: str) -> tuple[int | None, int]:
+    """Write ``tok`` into ``out`` for ``AutoTokenizer``; returns its (bos, eos) ids for config.json. NullTokenizer:
+    nothing to write, its end-of-document id is the eos."""
+    if isinstance(tok, HuggingFaceTokenizer):
+        tok.tok.save_pretrained(out)  # megatron-core's: transformers' tokenizer.json + tokenizer_config.json
+    elif isinstance(tok, SentencePieceTokenizer):
+        copy_tokenizer(tok.path, out)
+    return tok.bos, tok.eod
+
+
 def _size(text: str) -> int:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMG]?)B?", text.strip().upper())
     if not m:
@@ -121,12 +157,10 @@ def convert(checkpoint: str, out: str, dtype: str = "float32", keep_padded_vocab
         saved = dict(saved, data=dict(data, prepare_demo_data=False))
     cfg = Config.from_dict(dict(saved, checkpoint=dict(saved.get("checkpoint", {}), trust_pickle=trust_pickle)))
     check_exportable(cfg.model)
+    tok = run_tokenizer(cfg, tokenizer)  # before anything is written
     state = to_hf(load_full_state(path, cfg, meta), cfg.model, keep_padded_vocab)
     os.makedirs(out, exist_ok=True)
-    bos = eos = None
-    tok = tokenizer or cfg.data.files(cfg.model.vocab_size)[1]
-    if tok and os.path.isfile(tok):
-        bos, eos = copy_tokenizer(tok, out)
+    bos, eos = write_tokenizer(tok, out) if tok is not None else (None, None)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config(cfg.model, dtype, keep_padded_vocab, bos, eos, cfg.data.seq_length), f, indent=1)
     write_safetensors({k: v.to(DTYPES[dtype]) for k, v in state.items()}, out, _size(max_shard_size))
@@ -140,14 +174,15 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--keep-padded-vocab", action="store_true", help="export the padded vocabulary rows too")
     p.add_argument("--max-shard-size", default="5GB")
-    p.add_argument("--tokenizer", help="SentencePiece .model to copy (default: the checkpoint's data.tokenizer_model)")
+    p.add_argument("--tokenizer", help="a Hugging Face tokenizer directory or tokenizer.json, or a SentencePiece "
+                   ".model (default: the checkpoint's data.tokenizer_model)")
     p.add_argument("--trust-pickle", action="store_true", help="also unpickle checkpoint files that hold more than "
                    "data (an older format): only for a checkpoint you trust (checkpoint.trust_pickle)")
     a = p.parse_args(argv)
     try:
         path = convert(a.checkpoint, a.out, a.dtype, a.keep_padded_vocab, a.max_shard_size, a.tokenizer,
                        a.trust_pickle)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {path} -> {a.out}")

@@ -5,9 +5,9 @@ by length x depth, under the config's parallel layout (tp, ring / Ulysses / hybr
     torchrun --nproc-per-node 8 tools/eval_long.py --config configs/llama3_8b_extend/stage3_1m.yaml \\
         --load runs/llama3_8b_extend/stage3_1m --out eval_1m.json --lengths 65536 262144 1048576 --depths 0 0.5 1
 
-* Held-out samples (``--documents N``, sequences of ``data.seq_length`` tokens): the last N samples of the first
-  epoch of the config's data (``seen_in_training`` says whether the checkpoint has consumed them), or the first N of
-  a separate ``--data-path`` prefix (.bin/.idx, tokenized like the training data). Their per-token losses are
+* Held-out samples (``--documents N``, sequences of ``data.seq_length`` tokens): the first N samples of the valid
+  split of the config's data (``data.split``: documents training never reads), or of a separate ``--data-path``
+  prefix (.bin/.idx, tokenized like the training data; all of it is the held-out split). Their per-token losses are
   averaged by position bucket (``--bucket-edges``, default 0, 1K, 4K, 16K, ... cut at the sequence length).
 * Passkey (``--lengths``, ``--depths``, ``--trials`` keys of ``--key-digits`` digits per cell): a filler prompt with
   the key at the depth, then the question; a key counts when the model's argmax at every answer token is the key's
@@ -35,19 +35,21 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from megatron_lc.config import Config, ConfigError, Layout, load_config, resolve_execution  # noqa: E402
-from megatron_lc.data import DataError, build_dataset  # noqa: E402
-from megatron_lc.data.tokenizer import SentencePieceTokenizer  # noqa: E402
+from megatron_lc.config import Config, ConfigError, Layout, load_config, resolve_execution, resolve_layout  # noqa
+from megatron_lc.data import DataError, build_dataset, build_tokenizer, with_tokenizer_vocab  # noqa: E402
 from megatron_lc.parallel.topology import Topology  # noqa: E402
 from megatron_lc.training.checkpoint import load_checkpoint  # noqa: E402
-from megatron_lc.training.evaluate import (bucket_edges, default_bucket_edges, evaluate_positions,  # noqa: E402
-                                           held_out_sample_ids)
+from megatron_lc.training.checkpoint_dir import find_latest, is_hf_model_dir  # noqa: E402
+from megatron_lc.training.entry import errors_said_once, setup_done  # noqa: E402
+from megatron_lc.training.launcher import follow_launcher, launch_local, worker_args  # noqa: E402
+from megatron_lc.training.evaluate import bucket_edges, default_bucket_edges, evaluate_positions  # noqa: E402
 from megatron_lc.training.passkey import PasskeyPrompt, check_passkey, evaluate_passkey  # noqa: E402
 from megatron_lc.training.runtime import env_world, init_distributed, setup_logging, shutdown  # noqa: E402
 from megatron_lc.training.setup import build_and_calibrate  # noqa: E402
 
 log = logging.getLogger("megatron_lc")
 DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+GRACE_S = 60.0  # --nproc-per-node: how long a forwarded Ctrl-C may take to end the ranks (nothing is saved)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=1, help="keys per (length, depth)")
     p.add_argument("--key-digits", type=int, default=5)
     p.add_argument("--seed", type=int, default=None, help="of the keys (default: train.seed)")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="start N local ranks after checking the config for them (training/launcher.py), as "
+                        "pretrain_gpt.py does")
     return p.parse_args(argv)
 
 
@@ -82,17 +87,19 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"checkpoint.load={args.load}")
     out += ["checkpoint.save=", "checkpoint.finetune=false", "train.global_batch_size="]
     if args.data_path is not None:
-        out += [f"data.data_path={args.data_path}", "data.mock_data=false", "data.prepare_demo_data=false"]
+        out += [f"data.data_path={args.data_path}", "data.mock_data=false", "data.prepare_demo_data=false",
+                "data.split=0,1,0"]  # the whole file is the held-out (valid) split
     return out
 
 
 def passkey_prompt(cfg: Config) -> PasskeyPrompt:
-    """English text with the config's SentencePiece model (or the demo's), token ids without one."""
+    """English text through the run's tokenizer (SentencePiece or Hugging Face, or the demo's); token ids for mock
+    data without a tokenizer and for NullTokenizer."""
     d = cfg.data
     tokenizer_model = d.files(cfg.model.vocab_size)[1]
-    if d.mock_data or d.tokenizer_type != "SentencePieceTokenizer" or tokenizer_model is None:
+    if d.tokenizer_type == "NullTokenizer" or tokenizer_model is None:
         return PasskeyPrompt.token_ids(cfg.model.vocab_size)
-    return PasskeyPrompt.from_tokenizer(SentencePieceTokenizer(tokenizer_model), tokenizer_model)
+    return PasskeyPrompt.from_tokenizer(build_tokenizer(d, cfg.model.vocab_size), tokenizer_model)
 
 
 def layout_summary(layout: Layout) -> dict:
@@ -102,8 +109,17 @@ def layout_summary(layout: Layout) -> dict:
 
 
 def check_args(args: argparse.Namespace, cfg: Config) -> None:
-    if cfg.checkpoint.load is None:
+    """The arguments' mistakes, before any layout arithmetic or process group: the checkpoint first."""
+    load = cfg.checkpoint.load
+    if load is None:
         raise ConfigError("no checkpoint to evaluate: pass --load CKPT_DIR (or set checkpoint.load)")
+    if not os.path.isdir(load):
+        raise ConfigError(f"--load {load}: no such directory")
+    if is_hf_model_dir(load):
+        raise ConfigError(f"--load {load} is a Hugging Face model directory; import it first: python "
+                          f"tools/convert_from_hf.py {load} OUT_DIR")
+    if find_latest(load) is None:
+        raise ConfigError(f"--load {load} holds no megatron_lc checkpoint (no iter_*/meta.json)")
     if args.documents < 0 or args.trials < 1 or args.key_digits < 1:
         raise ConfigError(f"--documents ({args.documents}) must be >= 0, --trials ({args.trials}) and --key-digits "
                           f"({args.key_digits}) >= 1")
@@ -115,7 +131,8 @@ def evaluate(cfg: Config, args: argparse.Namespace) -> dict:
     """Every rank runs this; returns the results (the same on every rank)."""
     layout, topo, device = init_distributed(cfg)
     try:
-        return _evaluate(cfg, args, layout, topo, device)
+        with errors_said_once(cfg, topo.rank):  # an error every rank meets is said by rank 0 alone
+            return _evaluate(cfg, args, layout, topo, device)
     finally:
         shutdown()
 
@@ -126,14 +143,18 @@ def _evaluate(cfg: Config, args: argparse.Namespace, layout: Layout, topo: Topol
     lengths = default_bucket_edges(s)[1:] if args.lengths is None else args.lengths  # 1K, 4K, ... seq_length
     seed = cfg.train.seed if args.seed is None else args.seed
     # everything that can be wrong with the input, before the (possibly long) model build
-    dataset = build_dataset(cfg) if args.documents else None
+    dataset = build_dataset(cfg, [0, args.documents, 0]).valid if args.documents else None
     prompt = passkey_prompt(cfg) if lengths else None
     if prompt is not None:
         check_passkey(prompt, lengths, args.depths, args.trials, args.key_digits, seed, s)
     torch.manual_seed(cfg.train.seed)
     execution = resolve_execution(cfg, device)
     model, _ = build_and_calibrate(cfg, layout, topo, execution)
+    newest = find_latest(cfg.checkpoint.load)
     meta = load_checkpoint(cfg, topo, model, None)  # the weights only, resharded to this layout's tp
+    if os.path.abspath(meta["path"]) != os.path.abspath(newest):  # checkpoint.load_fallback took an older one
+        raise ConfigError(f"the newest checkpoint {newest} does not load, and eval_long evaluates only the newest: "
+                          f"pass --load {meta['path']} to evaluate that older one")
     model.eval()
     log.info("evaluating %s (iteration %d) at tp=%d cp=%d (%s) dp=%d, %d tokens per sample", meta["path"],
              meta["iteration"], layout.tp, layout.cp, layout.cp_comm_type, layout.dp, s)
@@ -143,18 +164,13 @@ def _evaluate(cfg: Config, args: argparse.Namespace, layout: Layout, topo: Topol
     with execution.autocast():
         if dataset is not None:
             t0 = time.perf_counter()
-            ids = held_out_sample_ids(dataset, args.documents, args.data_path is not None)
+            ids = list(range(args.documents))  # the valid split's first samples: never trained on
             loss = evaluate_positions(model, dataset, ids, cfg.data, layout, topo, device, edges)
             source = (args.data_path if args.data_path is not None else "mock data" if cfg.data.mock_data else
-                      f"the end of the first epoch of {cfg.data.files(cfg.model.vocab_size)[0]}")
+                      f"the valid split (data.split {cfg.data.split}) of {cfg.data.files(cfg.model.vocab_size)[0]}")
             out["position_loss"] = {"source": source, "samples": len(ids), "sample_ids": ids,
-                                    "seen_in_training": args.data_path is None and bool(ids)
-                                    and meta["consumed_samples"] > min(ids), **loss.summary()}
+                                    "seen_in_training": False, **loss.summary()}
             seconds["position_loss"] = time.perf_counter() - t0
-            if out["position_loss"]["seen_in_training"]:
-                log.warning("the checkpoint has consumed %d samples: the held-out samples from %d on were seen in "
-                            "training (evaluate on a separate file with --data-path)", meta["consumed_samples"],
-                            min(ids))
         if prompt is not None:
             t0 = time.perf_counter()
             pk = evaluate_passkey(model, prompt, lengths, args.depths, args.trials, args.key_digits, seed, s,
@@ -224,18 +240,29 @@ def write(results: dict, out: str, png: str | None) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     rank = env_world()[0]
+    follow_launcher()  # a rank of --nproc-per-node: ended with its launcher
     setup_logging(rank)
     try:
-        cfg = load_config(args.config, eval_overrides(args))
+        cfg = with_tokenizer_vocab(load_config(args.config, eval_overrides(args)), warn=False)
         check_args(args, cfg)
+        if args.nproc_per_node is not None:
+            resolve_layout(cfg, args.nproc_per_node)  # a layout mistake: one line, nothing spawned
+            return launch_local(args.nproc_per_node, os.path.abspath(__file__), worker_args(argv), GRACE_S,
+                                saves=False)
         results = evaluate(cfg, args)
     except (ConfigError, DataError) as e:
-        if rank != 0:  # every rank fails the same way: rank 0 speaks for all (as pretrain_gpt.py)
-            time.sleep(2.0)
-        print(f"{'' if rank == 0 else f'[rank {rank}] '}error: {e}", file=sys.stderr, flush=True)
+        # said already when the ranks could agree on it (evaluate); before the process group every rank fails the
+        # same way and rank 0 speaks for all (as pretrain_gpt.py)
+        if not getattr(e, "said", False) and rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (forwarded to every rank by the launcher): nothing to keep
+        if rank == 0:
+            print("error: interrupted (Ctrl-C): stopped without results", file=sys.stderr, flush=True)
+        return 130
     if rank == 0:
         try:
             write(results, args.out, args.png)

@@ -7,7 +7,9 @@ over steps, one PNG.
 A resumed run appends to the same file, after a ``{"resumed_from": ..., "step": N}`` record: steps between the last
 checkpoint and the interruption appear twice; the later record of each step (the one the resumed run kept) is
 plotted, and every resume point is a dotted vertical line. Skipped (non-finite) steps are marked with a red x on
-the loss axis; steps without an MFU (the peak was wrong for the machine) leave a gap.
+the loss axis; steps without an MFU (the peak was wrong for the machine) leave a gap. Validation records
+(``{"eval": "valid", "step": N, "loss": ...}``, ``train.eval_interval``) are drawn on the loss axis as circles joined
+by a dashed line, the test split's (``train.test_at_end``) as a square.
 """
 from __future__ import annotations
 
@@ -44,9 +46,18 @@ def read_metrics(path: str) -> list[dict]:
     """Step records of ``path`` ordered by step, the last record of a repeated step kept."""
     by_step: dict[int, dict] = {}
     for rec in _records(path):
-        if "resumed_from" not in rec:
+        if "resumed_from" not in rec and "eval" not in rec:
             by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
+
+
+def read_evals(path: str) -> dict[str, list[dict]]:
+    """Validation / test records of ``path`` by split, ordered by step (the last of a repeated step kept)."""
+    out: dict[str, dict[int, dict]] = {}
+    for rec in _records(path):
+        if "eval" in rec:
+            out.setdefault(rec["eval"], {})[int(rec["step"])] = rec
+    return {split: [recs[s] for s in sorted(recs)] for split, recs in out.items()}
 
 
 def resume_points(path: str) -> list[int]:
@@ -64,7 +75,8 @@ def moving_average(values: list[float], n: int) -> list[float]:
 
 
 def plot(runs: list[tuple[str, list[dict]]], out: str, title: str | None = None, smooth: int = 1,
-         resumes: list[int] = ()) -> None:
+         resumes: list[int] = (), evals: list[dict] = ()) -> None:
+    """``evals``: per run, ``read_evals``' records (drawn on the loss axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,7 +84,7 @@ def plot(runs: list[tuple[str, list[dict]]], out: str, title: str | None = None,
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
     for (key, label, scale), ax in zip(PANELS, axes.flat):
-        for name, recs in runs:
+        for ri, (name, recs) in enumerate(runs):
             steps = [r["step"] for r in recs if r.get(key) is not None]
             vals = [float(r[key]) * scale for r in recs if r.get(key) is not None]
             if key == "loss" and smooth > 1:
@@ -82,6 +94,13 @@ def plot(runs: list[tuple[str, list[dict]]], out: str, title: str | None = None,
             else:
                 ax.plot(steps, vals, label=name, lw=1.2)
             if key == "loss":
+                color = ax.lines[-1].get_color()
+                run_evals = evals[ri] if evals else {}
+                for split, marker, style in (("valid", "o", "--"), ("test", "s", "")):
+                    pts = run_evals.get(split, [])
+                    if pts:
+                        ax.plot([p["step"] for p in pts], [p["loss"] for p in pts], marker=marker, ls=style or "none",
+                                color=color, ms=5, lw=1.0, label=f"{name} {split}")
                 bad = [r["step"] for r in recs if r.get("skipped")]
                 if bad:
                     finite = [v for v in vals if math.isfinite(v)] or [0.0]
@@ -93,7 +112,8 @@ def plot(runs: list[tuple[str, list[dict]]], out: str, title: str | None = None,
     for ax in axes[1]:
         ax.set_xlabel("step")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    if len(runs) > 1 or any(lb in ("resumed", "skipped (non-finite)") for lb in labels):
+    if len(runs) > 1 or any(lb in ("resumed", "skipped (non-finite)") or lb.endswith((" valid", " test"))
+                            for lb in labels):
         axes[0][0].legend(fontsize=8)
     fig.suptitle(title or ", ".join(name for name, _ in runs))
     fig.tight_layout()
@@ -114,7 +134,7 @@ def main(argv=None) -> int:
         print("error: plotting needs matplotlib, which is not installed (pip install 'megatron_lc[plot]')",
               file=sys.stderr)
         return 2
-    runs, resumes = [], []
+    runs, resumes, evals = [], [], []
     for i, path in enumerate(a.metrics):
         if not os.path.isfile(path):
             print(f"error: {path} not found", file=sys.stderr)
@@ -125,8 +145,9 @@ def main(argv=None) -> int:
             return 2
         name = a.label[i] if i < len(a.label) else os.path.basename(os.path.dirname(os.path.abspath(path)))
         runs.append((name, recs))
+        evals.append(read_evals(path))
         resumes += resume_points(path)
-    plot(runs, a.output, a.title, a.smooth, resumes)
+    plot(runs, a.output, a.title, a.smooth, resumes, evals)
     print(f"wrote {a.output} ({sum(len(r) for _, r in runs)} steps)")
     return 0
 

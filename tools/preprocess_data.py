@@ -1,58 +1,169 @@
-"""Tokenize documents into a Megatron ``.bin/.idx`` pair (readable by megatron-core's IndexedDataset).
+"""Tokenize documents into a Megatron ``.bin/.idx`` pair (megatron-core's IndexedDataset format, as Megatron-LM's own
+``tools/preprocess_data.py`` writes it).
 
-    python tools/preprocess_data.py --input corpus.jsonl --tokenizer-model data/sp.model --output-prefix data/corpus
-    python tools/preprocess_data.py --input a.txt b.txt ...   (each text file is one document)
+    python tools/preprocess_data.py --input corpus.jsonl.gz --tokenizer-type HuggingFaceTokenizer \\
+        --tokenizer-model runs/llama3_import --output-prefix data/corpus --append-eod --workers 8
+    python tools/preprocess_data.py --input a.txt b.txt --tokenizer-model data/sp.model --output-prefix data/x
 
-``.jsonl`` inputs: one document per line, in the ``--json-key`` field (default ``text``)."""
+Inputs: ``.jsonl`` and ``.jsonl.gz`` (one document per line, in the ``--json-key`` field, default ``text``); any
+other file is one document. ``--tokenizer-type`` (Megatron's names): HuggingFaceTokenizer (``--tokenizer-model`` a
+directory or tokenizer.json), SentencePieceTokenizer (a .model file), NullTokenizer (whitespace-separated ids below
+``--vocab-size``); left out, it follows the path (a directory or tokenizer.json: Hugging Face, else SentencePiece).
+``--append-eod`` ends every document with the tokenizer's end-of-document id (Llama-3: ``<|end_of_text|>``);
+without it, training adds that id after each document when it reads them (``megatron_lc/data/gpt.py``).
+``--workers N`` tokenizes in N processes (documents stay in input order); the progress bar counts tokens, so its
+rate is tokens/s. Documents that tokenize to nothing are left out. Exit 0 done, 2 a bad input (one line).
+"""
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import multiprocessing
 import os
 import sys
+import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_lc.config import ConfigError, DataConfig  # noqa: E402
+from megatron_lc.data import DataError, build_tokenizer  # noqa: E402
+from megatron_lc.data.indexed import write_indexed  # noqa: E402
+from megatron_lc.data.tokenizer import tokenizer_type_of  # noqa: E402
+
+_TOKENIZER = None  # each worker process's tokenizer (set by _init_worker)
+_APPEND_EOD = False
+
+
+def _open_text(path: str):
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8", errors="replace")
+
 
 def iter_documents(paths, key: str):
+    """The documents of ``paths`` in order, as ``(where, text, key)``: each line of a ``.jsonl`` / ``.jsonl.gz`` file
+    (``key``: the JSON field to read, parsed by ``document_text`` -- in the workers), or a whole file (key None)."""
     for p in paths:
-        if p.endswith(".jsonl"):
-            with open(p, encoding="utf-8") as f:
+        if p.endswith((".jsonl", ".jsonl.gz")):
+            with _open_text(p) as f:
                 for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        yield json.loads(line)[key]
-                    except (json.JSONDecodeError, KeyError) as e:
-                        raise ValueError(f"{p}:{n}: not a JSON object with a '{key}' field ({e})") from None
+                    if line.strip():
+                        yield f"{p}:{n}", line, key
         else:
-            with open(p, encoding="utf-8", errors="replace") as f:
-                yield f.read()
+            with _open_text(p) as f:
+                yield p, f.read(), None
+
+
+def document_text(item) -> str:
+    """The text of one ``iter_documents`` item; a line that is not a JSON object with the key raises ValueError
+    naming the file and line."""
+    where, raw, key = item
+    if key is None:
+        return raw
+    try:
+        text = json.loads(raw)[key]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{where}: not a JSON object with a '{key}' field ({type(e).__name__}: {e})") from None
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: the '{key}' field is a {type(text).__name__}, not text")
+    return text
+
+
+def data_config(tokenizer_type: str | None, tokenizer_model: str | None, vocab_size: int | None) -> DataConfig:
+    """The data section this tool tokenizes with (the tokenizer type inferred from the path when not given)."""
+    if tokenizer_type is None:
+        if tokenizer_model is None:
+            raise DataError("--tokenizer-model is required (or --tokenizer-type NullTokenizer --vocab-size N)")
+        tokenizer_type = tokenizer_type_of(tokenizer_model)
+    return DataConfig(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model, vocab_size=vocab_size)
+
+
+def _init_worker(d: DataConfig, append_eod: bool) -> None:
+    global _TOKENIZER, _APPEND_EOD
+    _TOKENIZER, _APPEND_EOD = build_tokenizer(d, None), append_eod
+
+
+def _encode(item) -> np.ndarray:
+    """int32 ids (cheaper to send back from a worker than a list) of one ``iter_documents`` item."""
+    ids = _TOKENIZER.encode(document_text(item))
+    if _APPEND_EOD and ids:
+        ids.append(_TOKENIZER.eod)
+    return np.asarray(ids, dtype=np.int32)
+
+
+def tokenize(docs, d: DataConfig, append_eod: bool, workers: int, chunksize: int = 16):
+    """Token ids of each ``iter_documents`` item, in order, through ``workers`` processes (they parse the JSON
+    lines too)."""
+    if workers <= 1:
+        _init_worker(d, append_eod)
+        yield from map(_encode, docs)
+        return
+    # one Rust thread pool per process would oversubscribe the cores the workers already use
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    with multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn").Pool(
+            workers, initializer=_init_worker, initargs=(d, append_eod)) as pool:
+        yield from pool.imap(_encode, docs, chunksize=chunksize)
+
+
+class Progress:
+    """Counts the documents and tokens of an id stream on a tqdm bar (tokens: its rate is tokens/s; documents: its
+    postfix)."""
+
+    def __init__(self, bar):
+        self.bar, self.documents = bar, 0
+
+    def __call__(self, ids_iter):
+        for ids in ids_iter:
+            self.bar.update(len(ids))
+            self.documents += len(ids) > 0  # an empty document is not written
+            if self.documents % 256 == 0:
+                self.bar.set_postfix(docs=self.documents, refresh=False)
+            yield ids
+
+    def close(self) -> None:
+        self.bar.set_postfix(docs=self.documents, refresh=False)
+        self.bar.close()
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", nargs="+", required=True)
-    ap.add_argument("--tokenizer-model", required=True, help="SentencePiece .model")
-    ap.add_argument("--output-prefix", required=True)
+    ap.add_argument("--input", nargs="+", required=True, help=".jsonl, .jsonl.gz or text files")
+    ap.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and .idx")
+    ap.add_argument("--tokenizer-type", choices=["HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer"])
+    ap.add_argument("--tokenizer-model", help="Hugging Face directory or tokenizer.json, or a SentencePiece .model")
+    ap.add_argument("--vocab-size", type=int, help="NullTokenizer: ids are below it, the end-of-document id is it")
     ap.add_argument("--json-key", default="text")
+    ap.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document id")
+    ap.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     args = ap.parse_args(argv)
-    from megatron_lc.data import DataError
-    from megatron_lc.data.indexed import write_indexed
-    from megatron_lc.data.tokenizer import SentencePieceTokenizer
     from tqdm import tqdm
 
-    missing = [p for p in args.input if not os.path.isfile(p)]
+    progress = None
     try:
+        if args.workers < 1:
+            raise DataError(f"--workers ({args.workers}) must be >= 1")
+        missing = [p for p in args.input if not os.path.isfile(p)]
         if missing:
             raise DataError(f"input not found: {missing[0]}")
-        tok = SentencePieceTokenizer(args.tokenizer_model)
-        docs = tqdm(iter_documents(args.input, args.json_key), desc="tokenizing", unit="doc", mininterval=1.0)
-        n = write_indexed(args.output_prefix, (tok.encode(d) for d in docs))
-    except (DataError, ValueError) as e:
+        d = data_config(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        tok = build_tokenizer(d, None)  # a bad tokenizer fails here, once, before any worker starts
+        t0 = time.perf_counter()
+        progress = Progress(tqdm(desc="tokenizing", unit="tok", unit_scale=True, mininterval=1.0))
+        docs = iter_documents(args.input, args.json_key)
+        n = write_indexed(args.output_prefix, progress(tokenize(docs, d, args.append_eod, args.workers)))
+        progress.close()
+    except (DataError, ConfigError, ValueError, OSError) as e:
+        if progress is not None:
+            progress.bar.close()  # its last line before the error, not after it
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {n} tokens to {args.output_prefix}.bin/.idx")
+    dt = time.perf_counter() - t0
+    print(json.dumps({"output_prefix": args.output_prefix, "documents": progress.documents, "tokens": n,
+                      "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1), "workers": args.workers, "tokenizer": d.tokenizer_type,
+                      "eod": tok.eod, "append_eod": args.append_eod}))
     return 0
 
 

@@ -46,6 +46,14 @@ class Config:
 
     SECTIONS = ("model", "parallel", "memory", "data", "train", "checkpoint", "logging")
 
+    def __post_init__(self) -> None:
+        # model.vocab_size unset: NullTokenizer's size is in the config, a tokenizer file's is read when the run
+        # starts (data.with_tokenizer_vocab), and without a tokenizer to follow it is 32000
+        d, m = self.data, self.model
+        if m.vocab_size is None and not d.follows_tokenizer:
+            nulltok = d.tokenizer_type == "NullTokenizer" and d.vocab_size is not None and not d.prepare_demo_data
+            self.model = dataclasses.replace(m, vocab_size=d.vocab_size + 1 if nulltok else 32000)
+
     @classmethod
     def from_dict(cls, raw: Any) -> "Config":
         if raw is None:

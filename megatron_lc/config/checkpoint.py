@@ -13,6 +13,9 @@ class CheckpointConfig:
     load: Optional[str] = None  # a save directory to resume from (its latest complete checkpoint)
     save_interval: Optional[int] = None  # steps; a final checkpoint is always written when save is set
     keep_last: Optional[int] = None  # keep only the newest N checkpoints
+    # torch.distributed.checkpoint's async_save: the step waits only while the state is copied to host memory; the
+    # write goes on in the background, at most one at a time (the next save and the end wait for it)
+    async_save: bool = False
     load_fallback: bool = True  # a missing / corrupt file: resume from the newest older checkpoint that loads
     # the stages of a run (Megatron's names): weights only, or weights and a fresh iteration / data position / schedule
     no_load_optim: bool = False

@@ -53,7 +53,10 @@ class ModelConfig:
     num_attention_heads: int = 8
     num_query_groups: Optional[int] = None  # kv heads; default = num_attention_heads (MHA)
     kv_channels: Optional[int] = None  # head dim; default hidden_size // num_attention_heads
-    vocab_size: int = 32000
+    # the tokenizer's vocabulary unless set (data.tokenizer_model; NullTokenizer: data.vocab_size + 1), padded to
+    # make_vocab_size_divisible_by like Megatron's; set smaller than the tokenizer's: refused; larger: said once.
+    # Unset without a tokenizer to follow (mock data, the demo): 32000
+    vocab_size: Optional[int] = None
     make_vocab_size_divisible_by: int = 128
     max_position_embeddings: int = 4096
     rotary_base: float = 10000.0  # RoPE theta; may change between stages of a context extension (ABF)
@@ -74,7 +77,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
-            check(getattr(self, name) > 0, f"model.{name} ({getattr(self, name)}) must be positive")
+            check(getattr(self, name) is None or getattr(self, name) > 0, f"model.{name} ({getattr(self, name)}) must be positive")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:
@@ -100,6 +103,9 @@ class ModelConfig:
     def padded_vocab_size(self) -> int:
         """Vocab rounded up to ``make_vocab_size_divisible_by`` (independent of tp, so every layout
         builds the same full model; the multiple must itself be divisible by tp)."""
+        if self.vocab_size is None:
+            raise ConfigError("model.vocab_size is not known yet: it follows the tokenizer (data.tokenizer_model), "
+                              "which is read when the run starts (data.with_tokenizer_vocab); or set it")
         m = self.make_vocab_size_divisible_by
         return m * ((self.vocab_size + m - 1) // m)
 

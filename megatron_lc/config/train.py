@@ -28,6 +28,11 @@ class TrainConfig:
     seed: int = 1234
     bf16: bool = False  # GPU: bf16 autocast with fp32 master weights
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # ---- validation (training/validate.py; Megatron's names) ----
+    # steps between validations of the valid split (data.split), and once more after the last step; unset: none
+    eval_interval: Optional[int] = None
+    eval_iters: int = 10  # global batches of the valid split per validation: the same samples every time
+    test_at_end: bool = False  # after training, the test split's first eval_iters global batches, once
     # ---- faults (training/faults.py) ----
     exit_signal_handler: bool = True  # SIGTERM/SIGUSR1 -> all ranks save a checkpoint after the step and exit 0
     exit_duration_in_mins: Optional[float] = None  # same, once this much wall time has passed since start
@@ -40,6 +45,9 @@ class TrainConfig:
               f"train.max_consecutive_skipped_steps ({self.max_consecutive_skipped_steps}) must be >= 1")
         check(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
               f"train.exit_duration_in_mins ({self.exit_duration_in_mins}) must be > 0")
+        check(self.eval_interval is None or self.eval_interval >= 1,
+              f"train.eval_interval ({self.eval_interval}) must be >= 1 (unset: no validation)")
+        check(self.eval_iters >= 1, f"train.eval_iters ({self.eval_iters}) must be >= 1")
         for name in ("lr", "min_lr", "weight_decay", "clip_grad"):  # finite in the fp32 the optimizer computes in
             value = getattr(self, name)
             check(0 <= value <= FLOAT32_MAX, f"train.{name} ({value}) must be a finite number >= 0")

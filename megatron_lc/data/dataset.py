@@ -1,9 +1,8 @@
-"""Packed pretraining samples and the per-step batch schedule.
+"""The per-step batch schedule, batches with their document fields, and mock samples.
 
-Documents are concatenated, each followed by the EOD token, in an order shuffled per epoch from the seed; the stream
-is cut into samples of ``seq_length + 1`` tokens (inputs and next-token labels; consecutive samples share one token,
-as in Megatron's GPTDataset), and the samples of an epoch are shuffled again. Global sample ``k`` is a pure function
-of (files, seed, seq_length, k), so the data position saved in a checkpoint is just the number of samples consumed.
+A dataset is anything whose ``dataset[k]`` is global sample ``k`` (``seq_length + 1`` token ids: inputs and
+next-token labels) and whose ``eod`` ends documents: megatron-core's GPTDataset splits (``gpt.py``) or
+``MockDataset``. The data position saved in a checkpoint is the number of samples consumed.
 
 Batch schedule: step t uses global samples ``[t*gbs, (t+1)*gbs)``; micro-batch m of dp rank d takes
 ``t*gbs + m*mbs*dp + d*mbs + [0, mbs)``. Every cp and tp rank of a dp replica reads the same samples and keeps its
@@ -14,67 +13,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .errors import DataError
-
-
-class PackedDataset:
-    def __init__(self, indexed, seq_length: int, seed: int, eod: int):
-        self.ds, self.seq_length, self.seed, self.eod = indexed, seq_length, seed, eod
-        self.doc_lengths = np.asarray(indexed.sequence_lengths, dtype=np.int64) + 1  # + EOD
-        total = int(self.doc_lengths.sum())
-        self.samples_per_epoch = (total - 1) // seq_length
-        if self.samples_per_epoch < 1:
-            raise DataError(f"the dataset has {total} tokens, fewer than one sample of data.seq_length "
-                            f"({seq_length}) + 1")
-        self._epoch_cache: dict = {}
-
-    def _epoch(self, epoch: int):
-        if epoch not in self._epoch_cache:
-            rng = np.random.default_rng([self.seed, epoch, 0])
-            order = rng.permutation(len(self.doc_lengths))
-            ends = np.cumsum(self.doc_lengths[order])
-            sample_order = np.random.default_rng([self.seed, epoch, 1]).permutation(self.samples_per_epoch)
-            self._epoch_cache = {epoch: (order, ends, sample_order)}  # keep one epoch
-        return self._epoch_cache[epoch]
-
-    def __getitem__(self, k: int) -> np.ndarray:
-        """Tokens of global sample ``k``: ``seq_length + 1`` ids."""
-        epoch, i = divmod(int(k), self.samples_per_epoch)
-        order, ends, sample_order = self._epoch(epoch)
-        start = int(sample_order[i]) * self.seq_length
-        stop = start + self.seq_length + 1
-        out = np.empty(stop - start, dtype=np.int64)
-        j = int(np.searchsorted(ends, start, side="right"))
-        pos = start
-        while pos < stop:
-            doc_start = int(ends[j - 1]) if j > 0 else 0
-            doc_id = int(order[j])
-            within = pos - doc_start
-            doc_len = int(self.doc_lengths[doc_id]) - 1
-            take_until = min(stop, int(ends[j]))
-            n = take_until - pos
-            if within < doc_len:
-                m = min(n, doc_len - within)
-                out[pos - start:pos - start + m] = self.ds.get(doc_id, offset=within, length=m)
-                if m < n:  # the EOD at the end of the document
-                    out[pos - start + m] = self.eod
-            else:
-                out[pos - start] = self.eod
-            pos = take_until
-            j += 1
-        return out
-
 
 class MockDataset:
-    """Random tokens, a pure function of (seed, k): for tests and benchmarks without data files. Its end-of-document
-    id is the last one of the vocabulary (as for ``NullTokenizer`` data); random tokens hit it rarely."""
+    """Random tokens, a pure function of (seed, split, k): for tests and benchmarks without data files. Its
+    end-of-document id is the last one of the vocabulary; random tokens hit it rarely. ``split`` 0 is the training
+    stream; 1 and 2 (valid, test) are others."""
 
-    def __init__(self, seq_length: int, vocab_size: int, seed: int):
-        self.seq_length, self.vocab_size, self.seed = seq_length, vocab_size, seed
+    def __init__(self, seq_length: int, vocab_size: int, seed: int, split: int = 0):
+        self.seq_length, self.vocab_size, self.seed, self.split = seq_length, vocab_size, seed, split
         self.eod = vocab_size - 1
 
     def __getitem__(self, k: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, int(k)]).integers(0, self.vocab_size, self.seq_length + 1)
+        key = [self.seed, int(k)] + ([self.split] if self.split else [])
+        return np.random.default_rng(key).integers(0, self.vocab_size, self.seq_length + 1)
 
 
 def microbatch_sample_ids(micro: int, gbs: int, mbs: int, dp: int, dp_rank: int) -> list[int]:

@@ -95,3 +95,10 @@ def open_indexed(prefix: str, vocab_size=None):
         raise DataError(f"{prefix}.bin: size {actual} bytes does not match its index ({expected} bytes expected); "
                         f"the file is truncated or belongs to another index")
     return ds if vocab_size is None else CheckedTokens(ds, prefix, vocab_size)
+
+
+def document_lengths(prefix: str) -> np.ndarray:
+    """Every document's token count in ``prefix.bin/.idx`` (checked by ``open_indexed``), as an int64 copy: the
+    dataset's own lengths view its memory map, which megatron-core closes when the dataset is collected."""
+    ds = open_indexed(prefix)
+    return np.array(ds.sequence_lengths, dtype=np.int64, copy=True)

@@ -18,9 +18,14 @@ loads such a file anyway, with a warning naming it: only for a checkpoint you tr
 Why a reader of our own: ``FileSystemReader.read_metadata`` is a bare ``pickle.load``, and the metadata decides how
 each piece is read -- an entry marked ``BytesStorageMetadata`` is loaded by DCP with ``torch.load(weights_only=False)``.
 Our checkpoints hold tensors only, so that class is not on the list and every entry must be a tensor.
+
+``weights_only`` means torch's own list of types here (``torch_types_only``): importing megatron-core (its datasets
+and tokenizers) adds numpy arrays, ``argparse.Namespace``, ``PosixPath`` and its own classes to torch's process-wide
+list of safe globals (``megatron.core.safe_globals``), which would let an older RNG file through unsaid.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -127,11 +132,24 @@ class DataOnlyReader(FileSystemReader):
         return self._metadata
 
 
+@contextlib.contextmanager
+def torch_types_only():
+    """``weights_only`` loads inside allow torch's own types only: the safe globals others registered process-wide
+    (megatron-core: numpy arrays, argparse.Namespace, ...) are set aside meanwhile and put back after."""
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        yield
+    finally:
+        torch.serialization.add_safe_globals(registered)
+
+
 def load_torch_file(path: str, trust_pickle: bool, mmap: bool = False):
     """``torch.load(path, weights_only=True)``: tensors and plain values. A file that needs more is an
     ``UntrustedCheckpointError`` naming it, or with ``trust_pickle`` loaded in full (said in the log)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        with torch_types_only():
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         found = [ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln][:1]
         if not trust_pickle:

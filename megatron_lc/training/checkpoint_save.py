@@ -1,13 +1,15 @@
-"""A training save (``save_checkpoint``, every rank calls it; the directory's layout: ``checkpoint.py``).
+"""A training save (``save_checkpoint``, every rank calls it; the directory's layout: ``checkpoint.py``), in three
+phases that ``async_checkpoint.py`` shares: ``begin_save`` (the state checked, ``iter_N.tmp`` made), the write of
+the state (DCP's, here or in the background), ``finish_save`` (RNG files, checksums, ``meta.json``, the rename).
 
 What a save never does:
     write a state that is not finite -- every tensor it would write (weights, AdamW moments and steps, each rank
     its own pieces) is checked first, one sum per tensor (an exact ``isfinite`` only where a sum is not finite),
     and a non-finite state stops the run (``NonFiniteStateError``, exit 3) with the newest checkpoint untouched;
-    fail on one rank alone -- each phase (prepare the directory, DCP's write, the RNG files and checksums, the
-    rename) ends with the ranks agreeing, so a failure anywhere is the same one-line ``CheckpointWriteError`` on
-    every rank, naming the path and the cause the operating system gives ("No space left on device", "File too
-    large", "Permission denied"), the partial ``iter_N.tmp`` removed and the previous checkpoint kept;
+    fail on one rank alone -- each phase (prepare the directory, DCP's write, the RNG files, the rename) ends with
+    the ranks agreeing, so a failure anywhere is the same one-line ``CheckpointWriteError`` on every rank, naming
+    the path and the cause the operating system gives ("No space left on device", "File too large", "Permission
+    denied"), the partial ``iter_N.tmp`` removed and the previous checkpoint kept;
     prune a checkpoint for one saved in a run of skipped steps (``checkpoint_dir.prune``: only checkpoints saved
     after a step that updated the weights count toward ``checkpoint.keep_last``).
 """
@@ -20,6 +22,7 @@ import os
 import resource
 import shutil
 import tempfile
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -109,7 +112,7 @@ def write_failure_cause(e: BaseException, directory: str) -> tuple[str, bool]:
     return f"{found.filename or directory}: {why}", True
 
 
-def _together(topo: Topology, final: str, tmp: str, step: Callable[[], None]) -> None:
+def together(topo: Topology, final: str, tmp: str, step: Callable[[], None]) -> None:
     """Run this rank's part of a save phase; if it failed on any rank, every rank raises the same
     ``CheckpointWriteError`` (rank 0 removes the partial directory first). The cause shown is the one the OS gave
     on the rank where it happened (lowest such rank), named with that rank."""
@@ -131,10 +134,31 @@ def _together(topo: Topology, final: str, tmp: str, step: Callable[[], None]) ->
                                    f"checkpoint is kept: {kept}")
 
 
+@dataclass
+class SaveJob:
+    """A save begun (``begin_save``) and not yet finished: what its later phases need."""
+
+    final: str  # iter_N
+    tmp: str  # iter_N.tmp, written into
+    iteration: int
+    tensors: dict  # this rank's DCP state (weights, AdamW states), checked finite
+    has_optim: bool  # this rank's state holds AdamW states
+    rng: dict  # this rank's RNG states when the save began (training may go on while the state is written)
+
+
 def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, consumed_samples: int,
                     extra: Optional[dict] = None) -> str:
     """Write the checkpoint of ``iteration`` atomically; every rank must call this. Returns its directory.
-    ``extra``: more ``meta.json`` fields (the skip counts: ``skipped_in_a_row`` decides pruning)."""
+    ``extra``: more ``meta.json`` fields (the skip counts: ``skipped_in_a_row`` decides pruning).
+    ``async_checkpoint.py`` runs the same phases with the state written in the background."""
+    job = begin_save(cfg, topo, model, opt, iteration)
+    together(topo, job.final, job.tmp, lambda: sharded_state.write(job.tmp, job.tensors))
+    return finish_save(cfg, topo, opt, job, consumed_samples, extra)
+
+
+def begin_save(cfg: Config, topo: Topology, model, opt, iteration: int) -> SaveJob:
+    """The state of ``iteration`` checked finite on every rank (``NonFiniteStateError``: nothing written), a fresh
+    ``iter_N.tmp`` (leftovers of unfinished saves removed) and this rank's RNG states. Every rank calls it."""
     save = cfg.checkpoint.save
     final = iter_dir(save, iteration)
     tmp = final + ".tmp"
@@ -155,19 +179,25 @@ def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, con
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
 
-    _together(topo, final, tmp, prepare)
-    _together(topo, final, tmp, lambda: sharded_state.write(tmp, tensors))
-    _together(topo, final, tmp, lambda: atomic_torch_save(rng_state(), os.path.join(tmp,
-                                                                                    f"rng_rank{topo.rank:05d}.pt")))
+    together(topo, final, tmp, prepare)
+    return SaveJob(final, tmp, iteration, tensors, bool(optim), rng_state())
+
+
+def finish_save(cfg: Config, topo: Topology, opt, job: SaveJob, consumed_samples: int,
+                extra: Optional[dict] = None) -> str:
+    """After every rank has written its state into ``job.tmp``: the RNG files, checksums, ``meta.json``, the rename
+    to ``iter_N``, ``latest_checkpointed_iteration.txt``, pruning. Every rank calls it; returns ``job.final``."""
+    save, final, tmp = cfg.checkpoint.save, job.final, job.tmp
+    together(topo, final, tmp, lambda: atomic_torch_save(job.rng, os.path.join(tmp, f"rng_rank{topo.rank:05d}.pt")))
     files = {}
     for share in all_gather_objects(_digests(tmp, topo)):
         files.update(share)
-    has_optim = any(all_gather_objects(bool(optim)))  # no AdamW state before the first step (or every step skipped)
+    has_optim = any(all_gather_objects(job.has_optim))  # no AdamW state before the first step (or every step skipped)
 
     def publish():
         if topo.rank != 0:
             return
-        meta = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
+        meta = {"format_version": FORMAT_VERSION, "iteration": job.iteration, "consumed_samples": consumed_samples,
                 "world_size": topo.world_size, "tp": topo.tp, "cp": topo.cp, "dp": topo.dp,
                 "zero": _zero(opt), "optimizer": has_optim, "config": cfg.to_dict(), "files": files,
                 **(extra or {})}
@@ -180,9 +210,9 @@ def save_checkpoint(cfg: Config, topo: Topology, model, opt, iteration: int, con
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        atomic_write_text(os.path.join(save, LATEST), str(iteration))
+        atomic_write_text(os.path.join(save, LATEST), str(job.iteration))
 
-    _together(topo, final, tmp, publish)
+    together(topo, final, tmp, publish)
     if topo.rank == 0:
         prune(save, cfg.checkpoint.keep_last)
     _barrier(topo)  # every rank returns once the checkpoint is complete and pruned

@@ -1,4 +1,5 @@
-"""``run(cfg)``: what ``pretrain_gpt.py`` does after parsing the config.
+"""``run(cfg)``: what ``pretrain_gpt.py`` does after parsing the config; ``errors_said_once`` and ``setup_done``:
+how its ranks -- and ``tools/eval_long.py``'s -- say an error.
 
 An error is said once, by construction: every rank fails the same way on a bad config or a missing file, so rank 0
 says it and the others stay silent -- but a rank that fails alone (a file missing on one node) must say why. The
@@ -13,6 +14,7 @@ collective with the failed rank), then speaks.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import sys
@@ -68,26 +70,40 @@ def say_once(e: Exception, rank: int, cfg: Config) -> None:
     e.said = True
 
 
+def setup_done(rank: int) -> None:
+    """Rank 0 is set up: an error from now on is each rank's own (posted as an empty outcome)."""
+    if rank == 0 and _store() is not None:
+        _store().set(OUTCOME, "")
+
+
+@contextlib.contextmanager
+def errors_said_once(cfg: Config, rank: int):
+    """Around a rank's work once the process group exists: a ``ConfigError`` / ``DataError`` is said once
+    (``say_once``) and re-raised; anything else on rank 0 is posted by name, so no rank waits for its outcome."""
+    try:
+        yield
+    except (ConfigError, DataError) as e:
+        say_once(e, rank, cfg)
+        raise
+    except BaseException as e:
+        if rank == 0 and _store() is not None:
+            _store().set(OUTCOME, f"{type(e).__name__}")
+        raise
+
+
 def run(cfg: Config) -> TrainState:
     layout, topo, device = init_distributed(cfg)
     lock = None
     try:
-        lock = lock_save_dir(cfg.checkpoint.save, topo.rank)  # one run per save directory, for the run's life
-        log.info("%s | layout tp=%d cp=%d (ring %d x ulysses %d, %s) dp=%d | model %.2fM params",
-                 topo.describe(), topo.tp, topo.cp, topo.ring, topo.ulysses, cfg.parallel.cp_comm_type, topo.dp,
-                 cfg.model.num_parameters() / 1e6)
-        prepare_data(cfg, topo.rank)
-        trainer = Trainer(cfg, topo, device, layout)
-        if topo.rank == 0 and _store() is not None:
-            _store().set(OUTCOME, "")  # set up: an error from now on is the rank's own
-        return trainer.train()
-    except (ConfigError, DataError) as e:
-        say_once(e, topo.rank, cfg)
-        raise
-    except BaseException as e:  # anything else on rank 0 during setup: the others must not wait for it
-        if topo.rank == 0 and _store() is not None:
-            _store().set(OUTCOME, f"{type(e).__name__}")
-        raise
+        with errors_said_once(cfg, topo.rank):
+            lock = lock_save_dir(cfg.checkpoint.save, topo.rank)  # one run per save directory, for the run's life
+            log.info("%s | layout tp=%d cp=%d (ring %d x ulysses %d, %s) dp=%d | model %.2fM params",
+                     topo.describe(), topo.tp, topo.cp, topo.ring, topo.ulysses, cfg.parallel.cp_comm_type, topo.dp,
+                     cfg.model.num_parameters() / 1e6)
+            prepare_data(cfg, topo.rank)
+            trainer = Trainer(cfg, topo, device, layout)
+            setup_done(topo.rank)
+            return trainer.train()
     finally:
         if lock is not None:
             lock.release()

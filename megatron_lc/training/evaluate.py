@@ -35,9 +35,6 @@ from ..parallel.topology import Axis, Topology
 
 log = logging.getLogger("megatron_lc")
 
-MOCK_HELD_OUT_START = 2**31  # mock data (random tokens, no epoch): held-out samples start past any run's position
-
-
 # ---- forward pieces ----------------------------------------------------------------------------------------------
 def gather_sequence(local: torch.Tensor, layout: Layout, topo: Topology, seq_length: int) -> torch.Tensor:
     """``[b, s_local]`` values of this rank's tokens (local order) -> ``[b, s]`` in global order, on every rank.
@@ -180,24 +177,6 @@ class PositionLoss:
                    for a, b, s, n in zip(self.edges, self.edges[1:], self.loss_sum.tolist(), self.tokens.tolist())]
         return {"mean_loss": mean(float(self.loss_sum.sum()), float(self.tokens.sum())),
                 "tokens": int(self.tokens.sum()), "buckets": buckets}
-
-
-def held_out_sample_ids(dataset, n: int, separate_file: bool) -> list[int]:
-    """Which samples are evaluated:
-
-    * a separate held-out file (``separate_file``): its first ``n`` samples;
-    * the training data (``PackedDataset``): the last ``n`` samples of its first epoch. Samples are shuffled per
-      epoch, so these are a random draw of its documents that training reads only after nearly a whole epoch
-      (``seen_in_training`` in the results compares with the checkpoint's consumed samples);
-    * mock data (random tokens, no epoch): from sample ``MOCK_HELD_OUT_START`` on.
-
-    Fewer than ``n`` when the epoch is shorter. Example: 1000 samples per epoch, n = 4 -> [996, 997, 998, 999]."""
-    epoch = getattr(dataset, "samples_per_epoch", None)
-    if epoch is None:
-        return list(range(MOCK_HELD_OUT_START, MOCK_HELD_OUT_START + n))
-    if separate_file:
-        return list(range(min(n, epoch)))
-    return list(range(max(0, epoch - n), epoch))
 
 
 def evaluate_positions(model, dataset, sample_ids: list[int], data_cfg, layout: Layout, topo: Topology,

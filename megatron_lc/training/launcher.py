@@ -1,6 +1,7 @@
-"""``pretrain_gpt.py --nproc-per-node N``: N local ranks, started, signalled and waited for by this process.
+"""``--nproc-per-node N`` of the command-line scripts (``pretrain_gpt.py``, ``tools/eval_long.py``): N local ranks,
+started, signalled and waited for by this process, after the script has checked its config for N ranks.
 
-    launch_local(2, "pretrain_gpt.py", ["--config", "X.yaml"], grace_s=600) -> exit code
+    launch_local(2, "pretrain_gpt.py", worker_args(sys.argv[1:]), grace_s=600) -> exit code
 
 What it does, as ``scripts/slurm/launch.sh`` asks torchrun to (``--signals-to-handle``, a shutdown timeout):
 - starts the ranks as ``torch.distributed`` workers of one node (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT),
@@ -34,6 +35,24 @@ import torch.distributed as dist
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 LAUNCHER_PID = "MEGATRON_LC_LAUNCHER_PID"
+OWN_FLAGS = ("--nproc-per-node", "--shutdown-grace")  # the launcher's arguments, not the ranks'
+
+
+def worker_args(argv: list[str]) -> list[str]:
+    """The ranks' arguments: every one but the launcher's own (``OWN_FLAGS``, as ``--flag N`` or ``--flag=N``).
+
+    >>> worker_args(["--config", "x.yaml", "--nproc-per-node", "2", "--shutdown-grace=60", "--set", "a.b=1"])
+    ['--config', 'x.yaml', '--set', 'a.b=1']
+    """
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in OWN_FLAGS:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in OWN_FLAGS)):
+            out.append(a)
+    return out
 
 
 def follow_launcher() -> None:
@@ -78,8 +97,10 @@ def _env(rank: int, world: int, port: int) -> dict:
     return env
 
 
-def launch_local(nproc: int, script: str, args: list[str], grace_s: float) -> int:
-    """Run ``python script args`` as ``nproc`` ranks (see module doc); returns the exit code to end with."""
+def launch_local(nproc: int, script: str, args: list[str], grace_s: float, saves: bool = True) -> int:
+    """Run ``python script args`` as ``nproc`` ranks (see module doc); returns the exit code to end with.
+    ``saves``: the ranks stop on a forwarded signal by saving (``pretrain_gpt.py``); ``tools/eval_long.py``'s
+    ranks have nothing to save and a forwarded SIGTERM ends them."""
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
     ranks = _Ranks([])
     previous = {s: signal.signal(s, ranks.forward) for s in FORWARDED}  # before any rank exists: none is missed
@@ -87,14 +108,14 @@ def launch_local(nproc: int, script: str, args: list[str], grace_s: float) -> in
         for r in range(nproc):
             ranks.procs.append(subprocess.Popen([sys.executable, script, *args], env=_env(r, nproc, store.port),
                                                 start_new_session=True))
-        return _wait(ranks, grace_s)
+        return _wait(ranks, grace_s, saves)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         ranks.signal_all(signal.SIGKILL)
 
 
-def _wait(ranks: _Ranks, grace_s: float) -> int:
+def _wait(ranks: _Ranks, grace_s: float, saves: bool) -> int:
     """Wait for every rank; the first that exits with an error decides the code and the others are killed."""
     first: Optional[tuple[int, int]] = None  # (rank, exit code)
     while any(p.poll() is None for p in ranks.procs):
@@ -121,8 +142,10 @@ def _wait(ranks: _Ranks, grace_s: float) -> int:
     if code > 0:
         return code
     name = signal.Signals(-code).name
-    if ranks.stop_signal == -code:  # stopped by the signal forwarded to it, before it could save (setup)
+    if ranks.stop_signal == -code and saves:  # stopped by the signal forwarded to it, before it could save (setup)
         print(f"error: {name} before training began: the ranks stopped without saving", file=sys.stderr, flush=True)
+    elif ranks.stop_signal == -code:
+        print(f"error: stopped by {name}", file=sys.stderr, flush=True)
     else:
         print(f"error: rank {rank} was killed by signal {-code} ({name})", file=sys.stderr, flush=True)
     return 128 - code

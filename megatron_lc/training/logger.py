@@ -59,17 +59,31 @@ class MetricsLogger:
             os.replace(self.path, f"{stem}.{n}{ext}")
             log.warning("%s held an earlier run's metrics: moved to %s", self.path, f"{stem}.{n}{ext}")
 
-    def log_step(self, record: dict) -> None:
-        if self.rank != 0:
-            return
+    def _write(self, record: dict, wandb_values: dict) -> None:
+        """One line of the metrics file and one wandb entry at the record's step (rank 0 only)."""
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
+            self.wandb.log(wandb_values, step=record["step"])
+
+    def log_step(self, record: dict) -> None:
+        if self.rank != 0:
+            return
+        self._write(record, {k: v for k, v in record.items() if isinstance(v, (int, float))})
         step = record["step"]  # the first step too: a sign of life before the first interval
         if step == 1 or step % self.cfg.logging.log_interval == 0 or step == self.cfg.train.train_iters:
             log.info(format_line(record))
+
+    def log_eval(self, record: dict) -> None:
+        """A validation / test record (``validate.Validator``): a line of the metrics file (its ``eval`` key tells it
+        from the step records), ``valid/loss`` and ``valid/perplexity`` in wandb, and the console."""
+        if self.rank != 0:
+            return
+        self._write(record, {f"{record['eval']}/{k}": record[k] for k in ("loss", "perplexity")})
+        log.info("%s at step %d | %s loss %.4f | perplexity %.3f | %d samples, %d tokens | %.2fs", record["eval"],
+                 record["step"], record["eval"], record["loss"], record["perplexity"], record["samples"],
+                 record["tokens"], record["seconds"])
 
     def close(self) -> None:
         if self.wandb is not None:

@@ -18,6 +18,7 @@ import torch
 from ..config import Config, Layout
 from ..parallel.collectives import all_reduce
 from ..parallel.topology import Axis, Topology
+from .async_checkpoint import AsyncCheckpointer
 from .checkpoint_save import save_checkpoint
 from .faults import SkipCounter, StopControl, collective_errors
 from .batches import microbatches
@@ -25,6 +26,7 @@ from .logger import MetricsLogger
 from .metrics import pairs_per_sample, peak_flops, peak_memory_bytes, step_counts, step_metrics
 from .optimizer import clip_grad_norm, lr_at, set_lr, sync_gradients
 from .setup import setup_training
+from .validate import Validator
 
 log = logging.getLogger("megatron_lc")
 
@@ -55,6 +57,8 @@ class Trainer:
             self.state.iteration = s.resumed["iteration"]
             self.state.consumed_samples = s.resumed["consumed_samples"]
         self.metrics = MetricsLogger(cfg, topo.rank, s.resumed)
+        self.validator = Validator(s)  # train.eval_interval / eval_iters / test_at_end
+        self.async_checkpoints = AsyncCheckpointer(cfg, topo) if cfg.checkpoint.async_save else None
         self.peak, source = peak_flops(cfg, self.execution)
         self.mfu_valid = True
         self.pairs: Optional[float] = None
@@ -124,7 +128,10 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def save(self) -> None:
-        if self.cfg.checkpoint.save:
+        if self.cfg.checkpoint.save and self.async_checkpoints is not None:  # written in the background
+            self.async_checkpoints.save(self.model, self.optimizer, self.state.iteration, self.state.consumed_samples,
+                                        self.skips.meta())
+        elif self.cfg.checkpoint.save:
             path = save_checkpoint(self.cfg, self.topo, self.model, self.optimizer, self.state.iteration,
                                    self.state.consumed_samples, self.skips.meta())
             log.info("saved checkpoint %s", path)
@@ -149,6 +156,9 @@ class Trainer:
                 self.metrics.log_step(rec)
                 self.skips.update(step, rec["skipped"], rec["loss"], rec["grad_norm"])
                 self.state.skipped_steps = self.skips.total
+                if self.validator.due(step):
+                    with collective_errors(c, self.topo.rank, f"the validation after step {step}"):
+                        self.metrics.log_eval(self.validator.evaluate("valid", step))
                 if rec["stop"]:
                     self.state.stop_reason = rec["stop"]
                     log.warning("%s: stopping after step %d%s", rec["stop"], step,
@@ -158,9 +168,20 @@ class Trainer:
                     with collective_errors(c, self.topo.rank, f"the checkpoint save of step {step}"):
                         self.save()
                     last_saved = self.state.iteration
+            if self.state.stop_reason is None:  # a stopped run exits promptly
+                with collective_errors(c, self.topo.rank, "the validation at the end"):
+                    for record in self.validator.at_end(self.state.iteration):
+                        self.metrics.log_eval(record)
             if c.checkpoint.save and last_saved != self.state.iteration:
                 with collective_errors(c, self.topo.rank, f"the checkpoint save of step {self.state.iteration}"):
                     self.save()
+            if self.async_checkpoints is not None:  # the exit waits for the save in flight
+                with collective_errors(c, self.topo.rank, "the last checkpoint save"):
+                    self.async_checkpoints.wait()
+        except BaseException:
+            if self.async_checkpoints is not None:
+                self.async_checkpoints.abandon()
+            raise
         finally:
             self.stop.uninstall()
             self.metrics.close()

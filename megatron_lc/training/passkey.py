@@ -10,9 +10,9 @@ Scored teacher-forced: the model reads the prompt and, at each answer token, its
 (``predict_tokens``, from the logits of those positions only) must be that key token. A prompt shorter than
 ``data.seq_length`` is continued with filler to that length, so every forward has the shape the layout was resolved
 for (divisibility, FPDT chunks); tokens after the answer cannot change its logits (causal attention). Without a
-tokenizer the pieces are token ids (digit d is token d, NullTokenizer style); with ``data.tokenizer_model`` (or the
-demo's) they are English sentences, each piece encoded on its own, so the key has the same tokens in the needle and
-in the answer.
+tokenizer the pieces are token ids (digit d is token d; mock data and NullTokenizer); with the run's tokenizer
+(``data.tokenizer_model``, SentencePiece or Hugging Face, or the demo's) they are English sentences, each piece
+encoded on its own, so the key has the same tokens in the needle and in the answer.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class PasskeyPrompt:
     needle_before: tuple
     needle_after: tuple
     question: tuple
-    tokenizer: Optional[SentencePieceTokenizer] = None  # None: digit d is token d
+    tokenizer: Optional[object] = None  # a data/tokenizer.py tokenizer; None: digit d is token d
     source: str = "token ids"
 
     @classmethod
@@ -77,19 +77,28 @@ class PasskeyPrompt:
         return cls(**ID_PIECES)
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: SentencePieceTokenizer, path: str) -> "PasskeyPrompt":
+    def from_tokenizer(cls, tokenizer, path: str) -> "PasskeyPrompt":
+        """The English prompt through ``tokenizer`` (``data/tokenizer.py``: SentencePiece or Hugging Face)."""
+        kind = "sentencepiece" if isinstance(tokenizer, SentencePieceTokenizer) else "huggingface"
         return cls(**{k: tuple(tokenizer.encode(v)) for k, v in TEXT_PIECES.items()}, tokenizer=tokenizer,
-                   source=f"sentencepiece {path}")
+                   source=f"{kind} {path}")
 
     def key_tokens(self, key: str) -> tuple[tuple, tuple]:
-        """(word-boundary tokens, answer tokens) of ``key``: digit d is token d without a tokenizer; with
-        SentencePiece, the encoded key, whose leading whitespace-only piece (the word boundary: ``'▁' '7' '1' ...``)
-        stays in the prompt and is not scored."""
+        """(word-boundary tokens, answer tokens) of ``key``: digit d is token d without a tokenizer. With a tokenizer,
+        the key as a word: SentencePiece encodes it with its dummy prefix (``'▁' '7' '1' ...``), a Hugging Face
+        tokenizer encodes a space and the key (Llama-3: ``'Ġ' '712' '34'``, or the space inside the first digits'
+        token); leading tokens that are whitespace only are the word boundary, kept in the prompt, not scored."""
         if self.tokenizer is None:
             return (), tuple(int(c) for c in key)
-        ids = tuple(self.tokenizer.encode(key))
+        sp = isinstance(self.tokenizer, SentencePieceTokenizer)
+        ids = tuple(self.tokenizer.encode(key if sp else " " + key))
+
+        def blank(i: int) -> bool:
+            text = self.tokenizer.sp.IdToPiece(i).strip("\u2581 ") if sp else self.tokenizer.decode([i]).strip()
+            return not text
+
         n = 0
-        while n < len(ids) - 1 and not self.tokenizer.sp.IdToPiece(ids[n]).strip("\u2581 "):
+        while n < len(ids) - 1 and blank(ids[n]):
             n += 1
         return ids[:n], ids[n:]
 

@@ -11,6 +11,7 @@ topology of their own. Nothing here changes the config.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -18,7 +19,7 @@ import torch
 
 from ..compose import Calibration, ModelContext, ModelSpec, build_model
 from ..config import Config, ConfigError, Execution, Layout, resolve_execution, resolve_layout
-from ..data import build_dataset
+from ..data import DataSplits, build_dataset, split_sizes
 from ..device import check_pool_budget
 from ..memory.arena import PlannedArena
 from ..parallel.fsdp import apply_fsdp
@@ -26,7 +27,7 @@ from ..parallel.topology import Topology
 from ..planning.runtime import check_plan_setting
 from .batches import microbatches
 from .checkpoint import load_checkpoint
-from .checkpoint_dir import check_save_dir
+from .checkpoint_dir import check_save_dir, find_latest, read_meta
 from .optimizer import build_optimizer
 
 log = logging.getLogger("megatron_lc")
@@ -42,16 +43,31 @@ class TrainingSetup:
     layout: Layout
     topo: Topology
     execution: Execution
-    dataset: object
+    dataset: object  # the train split
     model: torch.nn.Module
     ctx: ModelContext
     optimizer: torch.optim.Optimizer
     resumed: Optional[dict]  # the loaded checkpoint's meta (None: a fresh start)
+    splits: Optional[DataSplits] = None  # train, valid and test samples (valid / test: None when not read)
 
     @property
     def arena(self) -> Optional[PlannedArena]:
         """The installed memory plan's arena (None: memory.plan off)."""
         return self.ctx.plan.planned if self.ctx.plan is not None else None
+
+
+def resume_position(cfg: Config) -> tuple[int, int]:
+    """(iteration, consumed samples) of the newest checkpoint under ``checkpoint.load``; (0, 0) without one or with
+    ``finetune``. The training split is built for the samples the run reads from there (``data.split_sizes``)."""
+    load = cfg.checkpoint.load
+    path = find_latest(load) if load and not cfg.checkpoint.finetune and os.path.isdir(load) else None
+    if path is None:
+        return 0, 0
+    try:
+        meta = read_meta(path)
+    except ConfigError:  # load_checkpoint says what is wrong with it
+        return 0, 0
+    return int(meta.get("iteration", 0)), int(meta.get("consumed_samples", 0))
 
 
 def check_positions(cfg: Config) -> None:
@@ -131,7 +147,9 @@ def setup_training(cfg: Config, topo: Topology, device: Optional[torch.device] =
     check_save_dir(cfg)  # never mix two runs in one checkpoint.save
     check_positions(cfg)
     stage("data")
-    dataset = build_dataset(cfg)  # data files checked before the (possibly long) model build
+    # data files checked before the (possibly long) model build; sized for the samples the run will read
+    splits = build_dataset(cfg, split_sizes(cfg, layout.global_batch_size, *resume_position(cfg)))
+    dataset = splits.train
     torch.manual_seed(cfg.train.seed)
 
     def first() -> dict:  # what the memory plan traces: the first micro-batch of step 1
@@ -144,4 +162,4 @@ def setup_training(cfg: Config, topo: Topology, device: Optional[torch.device] =
     resumed = load_checkpoint(cfg, topo, model, optimizer)  # weights, optimizer, RNG, data position
     if resumed is not None:
         log.info("resumed from %s at iteration %d", resumed["path"], resumed["iteration"])
-    return TrainingSetup(cfg, layout, topo, execution, dataset, model, ctx, optimizer, resumed)
+    return TrainingSetup(cfg, layout, topo, execution, dataset, model, ctx, optimizer, resumed, splits)

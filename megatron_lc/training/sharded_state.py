@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from concurrent.futures import Future
 from typing import Optional
 
 import torch
@@ -40,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..config import Config
 from ..parallel.tensor_parallel import tp_partition
 from ..parallel.topology import Axis, Topology
-from .checkpoint_data import DataOnlyReader
+from .checkpoint_data import DataOnlyReader, torch_types_only
 from .reshard import parameter_shapes
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -153,6 +154,9 @@ class ShardedState:
             state[p] = st
 
 
+SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
 def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
@@ -164,13 +168,29 @@ def write(path: str, state: dict, collective: bool = True) -> None:
         dcp.save(state, checkpoint_id=path, no_dist=not collective or _no_dist())
 
 
+def write_async(path: str, state: dict, group) -> Future:
+    """``write`` in the background (``checkpoint.async_save``): DCP's ``async_save`` copies ``state`` to host memory
+    and returns once staged; the write goes on in a thread. ``group``: the process group of the write's own
+    collectives (None: one process). Wait for it with ``wait_written``."""
+    if group is None:  # the background thread's own single-process save warns too, outside any catch_warnings
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+    with _single_process_quiet():
+        return dcp.async_save(state, checkpoint_id=path, process_group=group, no_dist=group is None and _no_dist())
+
+
+def wait_written(future: Future) -> None:
+    """The end of a ``write_async``; a failure on any rank raises its root cause on every rank (as ``write``)."""
+    with root_cause_of_failures():
+        future.result()
+
+
 def read(path: str, state: dict, collective: bool = True, trust_pickle: bool = False) -> None:
     """DCP load into the tensors of ``state``, in place (views included: a parameter is loaded where it lives).
     The metadata is read as data (``checkpoint_data.DataOnlyReader``); a failure on any rank raises its root cause
     on every rank."""
     reader = DataOnlyReader(path, trust_pickle)
     reader.read_metadata()  # a refusal or an unreadable file raised as is, before DCP
-    with _single_process_quiet(), root_cause_of_failures():
+    with _single_process_quiet(), root_cause_of_failures(), torch_types_only():
         dcp.load(state, storage_reader=reader, no_dist=not collective or _no_dist())
 
 
@@ -201,7 +221,7 @@ def root_cause_of_failures():
 def _single_process_quiet():
     """DCP warns on every single-process save/load that it assumes a single process: that is what we asked."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         yield
 
 
