@@ -35,8 +35,6 @@ class MemoExecutor:
 
     def __init__(self, runtime: MemoRuntime, sp_groups: int):
         self.runtime, self.G = runtime, sp_groups
-        self._rope_key = None
-        self._rope_split = None
         # passed to the dropped-token Functions so their outputs require grad (and parameter grads flow) even
         # when the layer input does not
         self._always_grad = torch.empty(0, requires_grad=True)
@@ -46,15 +44,19 @@ class MemoExecutor:
         return type(self)(runtime, self.G)
 
     def rope_parts(self, rope, split: TokenSplit):
-        """RoPE tables of the kept and dropped tokens (computed once per model forward, shared by the layers)."""
+        """RoPE tables of the kept and dropped tokens, computed once per model forward and shared by the layers: the
+        cache is the runtime's (one executor per layer, one runtime per model), since with sequence parallelism
+        (G > 1) the split tables are copies -- one per layer would hold L copies of cos and sin (0.25 GiB a layer
+        for Llama3-8B at 1M tokens, tp2 cp4) until the next forward."""
         if rope is None:
             return None, None, set()
+        rt = self.runtime
         key = (id(rope[0]), storage_id(rope[0]), split.S, split.sA)
-        if key != self._rope_key:
+        if rt.rope_split is None or rt.rope_split[0] != key:
             cos_a, cos_d = split.gathered(rope[0])
             sin_a, sin_d = split.gathered(rope[1])
-            self._rope_key, self._rope_split = key, ((cos_a, sin_a), (cos_d, sin_d), rope)
-        a, d, _ = self._rope_split
+            rt.rope_split = (key, ((cos_a, sin_a), (cos_d, sin_d), rope))
+        a, d, _ = rt.rope_split[1]
         return a, d, {storage_id(t) for pair in (a, d, rope) for t in pair}
 
     def _step(self, layer, x: torch.Tensor, rope, documents) -> tuple:

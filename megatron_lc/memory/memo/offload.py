@@ -98,6 +98,7 @@ class MemoRuntime:
         self.fetch_events: dict = {}  # id(slot) -> event of its prefetch
         self.generation = 0
         self.attn_forward_calls = 0  # counts core attention forwards (recompute must never add any)
+        self.rope_split = None  # (key, RoPE tables of the kept and dropped tokens): executor.rope_parts' cache
         self.profile = self.alpha_result = None  # what the calibration measured and solved (offload)
         self.device = self.dev = self.offload_stream = self.prefetch_stream = None
         if device is not None:
