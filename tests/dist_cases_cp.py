@@ -127,3 +127,42 @@ def train_losses(rank, world, config_path, overrides, metrics_file):
     layout = resolve_layout(cfg, world)
     topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
     return Trainer(cfg, topo, layout=layout).train().losses
+
+
+class _BlockWatch:
+    """A CPU attention backend that checks, at each off-diagonal block's kernel, that the previous such block's
+    outputs are gone (merged or accumulated, not held through the next kernel: under the fused CUDA kernels a
+    block's dk, dv are nq-headed and k, v repeated, so a stale block is a whole working set)."""
+
+    def __init__(self):
+        import weakref
+        from megatron_lc.attention.backends import get_backend
+        self.inner, self.ref, self.prev, self.calls = get_backend("auto", torch.device("cpu")), weakref.ref, [], 0
+
+    def _watch(self, causal, run):
+        if causal:  # (the diagonal block's outputs are the accumulators)
+            return run()
+        assert all(w() is None for w in self.prev), "the previous block's outputs are alive at the next kernel"
+        outs = run()
+        self.prev = [self.ref(t) for t in outs]
+        self.calls += 1
+        return outs
+
+    def forward(self, q, k, v, causal, scale=None, visible=None):
+        return self._watch(causal, lambda: self.inner.forward(q, k, v, causal, scale, visible))
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale=None, visible=None):
+        return self._watch(causal, lambda: self.inner.backward(dout, q, k, v, out, lse, causal, scale, visible))
+
+
+def ring_blocks_released(rank, world):
+    """ring_forward / ring_backward on ``world`` ranks with ``_BlockWatch``; returns its off-diagonal calls."""
+    from megatron_lc.attention.ring import RingComm, ring_backward, ring_forward
+    topo = Topology.build(cp=world)
+    comm = RingComm(topo)
+    q, k, v, dout = (t.permute(1, 2, 0, 3).contiguous() for t in _qkv(rank, 8, 1, 4, 2, 8))  # [b, n, 2c, d]
+    watch = _BlockWatch()
+    out, lse = ring_forward(q, k, v, comm, watch)
+    watch.prev = []
+    ring_backward(dout, q, k, v, out.to(q.dtype), lse, comm, watch)
+    return watch.calls

@@ -57,3 +57,9 @@ def test_cp_attention_matches_full(kind, cp, ulysses, nq, nkv):
 def test_ring_refuses_odd_local_length():
     msgs = run_dist(2, dist_cases_cp.odd_local_length)
     assert all("must be even" in m and "(5)" in m for m in msgs), msgs
+
+
+def test_ring_does_not_hold_a_block_through_the_next_blocks_kernel():
+    """Ranks 0..2 of a ring of 3 see blocks after and before their own (both zigzag cases), forward and backward."""
+    calls = run_dist(3, dist_cases_cp.ring_blocks_released)
+    assert calls == [4, 4, 4]  # 2 off-diagonal blocks forward + 2 backward on each rank

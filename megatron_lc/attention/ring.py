@@ -128,6 +128,8 @@ def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None
             o, l = backend.forward(q_back, kv[0], kv[1], False, scale, visible=mask)
             ob, lb = merge(out[:, :, c:], lse[:, :, c:], o, l)
             out, lse = torch.cat([out[:, :, :c], ob], dim=2), torch.cat([lse[:, :, :c], lb], dim=2)
+            del ob, lb
+        del o, l  # merged: not held through the next block's kernel
     return out, lse
 
 
@@ -159,13 +161,16 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm, backend, scale: Optio
         elif j < r:
             kf, vf = kv[0, :, :, :c].contiguous(), kv[1, :, :, :c].contiguous()
             dq_, dk_, dv_ = backend.backward(dout, q, kf, vf, out, lse, False, scale, visible=mask)
+            del kf, vf
             dq += dq_.float()
             blk = F.pad(torch.stack([dk_, dv_]).float(), (0, 0, 0, c))  # zero grads for j's back chunk
+            del dq_, dk_, dv_  # accumulated: not held through the next block's kernel
         else:
             dq_, dk_, dv_ = backend.backward(back[0], back[1], kv[0], kv[1], back[2], back[3], False, scale,
                                              visible=mask)
             dq[:, :, c:] += dq_.float()
             blk = torch.stack([dk_, dv_]).float()
+            del dq_, dk_, dv_
         if pending_dkv is not None:
             blk = blk + pending_dkv.wait()  # accumulator of j's dk/dv from the ranks before this one
         pending_dkv = comm.send_recv(blk, DKV_TAG, "p2p_bwd")  # after step R-1 it reaches its owner
