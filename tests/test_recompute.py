@@ -65,3 +65,23 @@ def test_rope_tables_of_the_split_are_computed_once_for_all_layers():
     assert torch.equal(parts[0][1][0], split.gathered(rope[0])[1])
     fresh = (rope[0].clone(), rope[1].clone())  # the next forward's tables replace them
     assert layers[2].rope_parts(fresh, split)[1][0] is not parts[0][1][0]
+
+
+def test_a_reruns_output_is_freed_before_its_backward_when_its_last_op_is_a_sum():
+    """``backward_from``: the residual add's output is only the graph's root (its bytes go before the backward);
+    after an op whose backward reads its output (exp) the output stays. Gradients are those of plain backward."""
+    from megatron_lc.memory.forward_state import backward_from
+
+    x = torch.randn(6, 4, requires_grad=True)
+    dy = torch.randn(6, 4)
+    seen = []
+    x.register_hook(lambda g: seen.append(y.untyped_storage().nbytes()) or g)
+    y = x * 3 + x.exp()  # ends with an add, like the layer's residual
+    backward_from(y, dy)
+    assert seen == [0]  # freed before autograd reached the input
+    assert torch.allclose(x.grad, dy * (3 + x.detach().exp()))
+    x.grad = None
+    seen.clear()
+    y = (x * 3).exp()
+    backward_from(y, dy)
+    assert seen == [6 * 4 * 4] and torch.allclose(x.grad, dy * 3 * y.detach())

@@ -30,7 +30,7 @@ import torch
 
 from ..device import DeviceAdapter, HostPool
 from .chunked_layer import ChunkedLayer
-from .forward_state import as_in_forward, autocast_state
+from .forward_state import as_in_forward, autocast_state, backward_from
 
 
 class CheckpointOffload:
@@ -144,7 +144,8 @@ class _OffloadedLayer(torch.autograd.Function):
             prefetch()
             with as_in_forward(ctx.autocast, grad=True):
                 y = layer.plain_forward(x, ctx.rope, ctx.documents)
-            torch.autograd.backward(y, dy)
+            backward_from(y, dy)
+            del y
             dx = x.grad
         return None, None, None, None, dx if ctx.x_requires_grad else None, None
 

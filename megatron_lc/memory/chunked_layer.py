@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .forward_state import as_in_forward
+from .forward_state import as_in_forward, backward_from
 from .token_split import TokenSplit
 
 
@@ -84,7 +84,8 @@ class ChunkedLayer:
             oc = self._rows(out, a, b).detach().requires_grad_()
             with as_in_forward(self.autocast, grad=True):
                 yc = self.layer.post_attention(xc, oc)
-            torch.autograd.backward(yc, dy[a:b])
+            backward_from(yc, dy[a:b])
+            del yc
             dx[a:b] = xc.grad
             self._put(dout, a, b, oc.grad)
         dqkv = self.core.backward_with_lse(dout, *qkv, out, lse, self.documents)

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from ...device import storage_id
-from ..forward_state import as_in_forward, autocast_state
+from ..forward_state import as_in_forward, autocast_state, backward_from
 from ..token_split import TokenSplit
 from .offload import MemoRuntime
 from .slots import SkeletalSlot
@@ -168,7 +168,8 @@ class _PostDropped(torch.autograd.Function):
             x = x_all[a:b].detach().requires_grad_()
             o = sp.dropped_rows(o_all, a, b).detach().requires_grad_()
             y, nbytes = st.rerun(st.post_fn, x, o)
-            torch.autograd.backward(y, dy[a:b])
+            backward_from(y, dy[a:b])
+            del y
             st.runtime.account.release("memo.recompute", nbytes)
             dx[a:b] = x.grad
             if sp.G == 1:
