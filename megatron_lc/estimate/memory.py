@@ -54,6 +54,13 @@ class MemoryEstimate:
     alpha: Optional[float]
     layer_items: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    fragmentation: float = 0.0  # the reserve added to the activation moments (CUDA, ``memory.plan: off``)
+
+    @property
+    def allocated_peak(self) -> float:
+        """The largest moment's live tensor bytes, without the fragmentation reserve: what
+        ``torch.cuda.max_memory_allocated`` and a rehearsal (``megatron_lc/rehearsal``) measure."""
+        return max(v - (0.0 if k in ("optimizer", "setup") else self.fragmentation) for k, v in self.phases.items())
 
     @property
     def fits_device(self) -> bool:
@@ -214,6 +221,8 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     chunk = None if share is None else share * x.tokens  # tokens through the linears per mini-sequence
     # the re-run through the core attention's (out, lse) pair: token-wise recompute, Memo, the chunked checkpoints
     rerun = no_graph if recompute_style == "token_wise" and (token_wise or share is not None) else None
+    if rerun is not None and chunk is None and not fpdt:
+        recompute = 0.0  # the re-run's own tensors, moment by moment (``T.tokenwise_backward``)
     # the next layer's input, prefetched during a layer's backward (checkpoints): at its start unchunked (in
     # ``recompute``), after the attention backward in mini-sequences (``T.layer_backward``'s pre phase)
     prefetch = g["input"] if mem.activation_offload == "checkpoints" and x.L > 1 else 0.0
@@ -249,7 +258,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     accum = ms["grads"] if x.n_micro > 1 or ms["persistent_grads"] else 0.0
     static = ms["params"] + ms["optimizer"]
     head_units = ms.get("head_gathered", 0.0)  # FSDP2: the gathered embedding / head weights
-    bwd_grads = accum or (ms["head_grad"] + ms["layer_grad"])
+    bwd_grads = accum or ms.get("last_layer_grads", ms["head_grad"] + ms["layer_grad"])
     # every layer's gradients (FSDP2: the shards + one layer unsharded)
     all_grads = accum or min(ms["grads"] + ms["layer_grad"], ms["head_grad"] + x.L * ms["layer_grad"])
     all_but_one = accum or all_grads - ms["layer_grad"]
@@ -277,4 +286,5 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     ranks_per_node = min(hw.gpus_per_node, x.world)
     return MemoryEstimate(parts=parts, phases=phases, peak=phases[peak_phase], peak_phase=peak_phase,
                           capacity=hw.device_bytes, host_per_rank=host_rank, host_per_node=host_rank * ranks_per_node,
-                          host_capacity=hw.host_bytes_per_node, alpha=alpha, layer_items=items, notes=notes)
+                          host_capacity=hw.host_bytes_per_node, alpha=alpha, layer_items=items, notes=notes,
+                          fragmentation=frag)

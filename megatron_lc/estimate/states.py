@@ -73,8 +73,10 @@ def fsdp_state_bytes(cfg: Config, x: Dims, numels: list, layer: float, head: flo
     """FSDP2 (``parallel/fsdp.py``): fp32 shards of the parameters, their gradients and AdamW states, 1/(dp x cp)
     each; on the device also the gathered weights in the compute dtype of two layers (the one computing and the one
     prefetched), of the embedding / head unit at the head's moments (``head_gathered``), and one layer's unsharded
-    gradients (compute dtype + the fp32 copy reduce-scattered). ``fsdp_cpu_offload``: the shards, gradients and
-    AdamW states are host memory (``host``), AdamW runs on the host."""
+    gradients (compute dtype + the fp32 copy reduce-scattered). A unit's fp32 reduce-scatter input stays alive until
+    the next unit's reduce-scatter is issued, so the last layer's backward holds the head's (fp32) beside its own
+    gradients in the compute dtype (``last_layer_grads``). ``fsdp_cpu_offload``: the shards, gradients and AdamW
+    states are host memory (``host``), AdamW runs on the host."""
     n = x.dp * x.cp
     total = sum(numels)
     shard = total / n
@@ -85,5 +87,6 @@ def fsdp_state_bytes(cfg: Config, x: Dims, numels: list, layer: float, head: flo
             "grads": 4.0 * shard * dev, "optimizer": 8.0 * shard * dev,
             "autocast_copies": 0.0, "numels": [m / n * dev for m in numels], "state_numel": shard * dev,
             "head_grad": (x.act + 4.0) * head, "layer_grad": (x.act + 4.0) * layer,
+            "last_layer_grads": 4.0 * head + x.act * layer,
             "persistent_grads": False,  # zero_grad(set_to_none) frees the sharded gradients after each step
             "host": 16.0 * shard * (1.0 - dev)}

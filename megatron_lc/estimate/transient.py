@@ -9,13 +9,18 @@ tracker of live storages on the tiny model (``tests/test_estimate_calibration.py
 * Attention backward: h + 2·nq·d + 2·nkv·d per token (incoming grad, grad of the attention output, dq, dk, dv).
 * LM head forward: 2·V fp32 per token (logits and the shifted logits of the vocab-parallel cross entropy; plus a bf16
   logits tensor under autocast) and ~40 bytes of per-token vectors.
+
+On CUDA with PyTorch's fused attention kernels (``attention/fused_cuda.py``; ``torch_kernels``), each kernel call
+also holds k and v repeated to the query heads (GQA), and in backward dk, dv at the query heads before the group sum
+and dout made contiguous when the caller passes a permuted view (``kernel_extra``). These are per call: ring
+attention's blocks (half blocks in the zigzag), Ulysses' inner attention after the all-to-all, FPDT's chunks.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from ..config import Config
-from .inventory import Dims, mst_head_chunk, mst_mlp_chunk
+from .inventory import Dims, mst_head_chunk, mst_mlp_chunk, qkv_rerun_bytes
 
 
 def fpdt_chunk_bytes(cfg: Config, x: Dims) -> dict:
@@ -27,6 +32,41 @@ def fpdt_chunk_bytes(cfg: Config, x: Dims) -> dict:
             "Kf": c * kv * x.d * 4, "L": c * x.nq_l * 4}
 
 
+def torch_kernels(cfg: Config, x: Dims) -> bool:
+    """The attention kernels are PyTorch's fused CUDA ones (``fused_cuda.TorchCUDABackend``): on CUDA with
+    ``parallel.attention_backend`` torch, or auto -- which takes flash-attn when it is installed; the estimate
+    assumes a stock PyTorch install (flash-attn and TransformerEngine take fewer kv heads than query heads and need
+    none of ``kernel_extra``)."""
+    return x.device == "cuda" and cfg.parallel.attention_backend in ("auto", "torch")
+
+
+def kernel_extra(cfg: Config, x: Dims, Q: float, KV: float, fq: float, fk: float, dout_view: bool = False,
+                 backward: bool = True) -> float:
+    """Bytes one fused CUDA kernel call holds above a kernel that takes the kv heads as they are (0 with other
+    kernels). ``Q``: q of the rank's tokens at the call's heads, ``KV``: k + v at their heads (compute dtype);
+    ``fq``, ``fk``: the call's share of those query and key tokens (ring's zigzag blocks: 1/2 or 1). With GQA
+    (fewer kv than query heads) k and v repeated to the query heads (``_repeat``: 2·fk·Q), and in backward dk, dv
+    at the query heads, summed to the kv heads after the kernel (2·fk·Q in place of fk·KV); ``dout_view``: dout is a
+    permuted view of the caller's ``[s, b, n, d]`` tensor, made contiguous for the kernel (fq·Q).
+
+    Example, Llama3-8B (32 query, 8 kv heads) on 8 ranks with Ulysses (4 query heads and 1 kv head a rank, all 1M
+    tokens after the all-to-all; Q = 1 GiB, KV = 0.5 GiB): 2 GiB of repeated k, v in forward; 1 (dout) + 2 + 2 - 0.5
+    = 4.5 GiB more in backward."""
+    if not torch_kernels(cfg, x):
+        return 0.0
+    gqa = KV < 2 * Q  # k, v together smaller than twice q: fewer kv heads than query heads
+    if not backward:
+        return 2 * fk * Q if gqa else 0.0
+    return (4 * fk * Q - fk * KV if gqa else 0.0) + (fq * Q if dout_view else 0.0)
+
+
+def _norm_backward(x: Dims, rows: float) -> float:
+    """A norm's backward on ``rows`` residual rows above its saved input and incoming grad: its input grad (residual
+    dtype: the norms run in their input's dtype); on CPU the twin of ``model/norm.py`` also holds x·rstd and the
+    incoming grad times it in fp32 while it reduces them (torch's fused kernel on CUDA holds neither)."""
+    return rows * x.h * (x.res if x.device == "cuda" else x.res + 2 * 4)
+
+
 def _mlp_rows(cfg: Config, x: Dims, chunk: Optional[float]) -> tuple[float, Optional[float]]:
     """(tokens through the MLP at once, MsT's chunk within them or None): a layer mini-sequence of ``chunk`` tokens
     (None: all the rank's tokens) and MsT's chunk, the smaller governing."""
@@ -34,14 +74,16 @@ def _mlp_rows(cfg: Config, x: Dims, chunk: Optional[float]) -> tuple[float, Opti
     return rows, mst_mlp_chunk(cfg, x, rows)
 
 
-def pre_no_graph(x: Dims, n: float) -> float:
-    """Peak bytes of ``pre`` (norm, QKV, RoPE) run without autograd on ``n`` tokens (through the linears), while q
-    is rotated: the norm output (local rows; its SP all-gather is freed after the projection), the QKV projection's
-    output, q copied out of it (when a rank has several kv groups), and RoPE's three fp32 q-sized temporaries
-    (``model/rope.py``: x * cos, rotate_half(x), its product with sin)."""
+def pre_no_graph(x: Dims, n: float, graph: bool = False) -> float:
+    """Peak bytes of ``pre`` (norm, QKV, RoPE) on ``n`` tokens (through the linears) while q is rotated: the norm
+    output (local rows, in the residual dtype: the norm runs in its input's dtype; the caller's frame holds it),
+    with ``graph`` its cast to the compute dtype that the QKV projection saves (all-gathered with SP; without autograd
+    it is freed with the projection), the projection's output, q copied out of it (when a rank has several kv
+    groups), and RoPE's fp32 temporaries of q (``model/rope.py``: x·cos, the second upcast x, -x2 (half) and
+    rotate_half(x): 3.5 q-sized fp32 tensors)."""
     q_copy = x.nq_l if x.nkv_l > 1 else 0
-    return n * (x.h * x.act * x.tokens_res / x.tokens + (x.nq_l + 2 * x.nkv_l + q_copy) * x.d * x.act
-                + 3 * x.nq_l * x.d * 4)
+    return n * (x.h * x.res * x.tokens_res / x.tokens + (x.h * x.act if graph else 0)
+                + (x.nq_l + 2 * x.nkv_l + q_copy) * x.d * x.act + 3.5 * x.nq_l * x.d * 4)
 
 
 def layer_forward(cfg: Config, x: Dims, chunk: Optional[float] = None, no_graph: float = 0.0,
@@ -53,17 +95,24 @@ def layer_forward(cfg: Config, x: Dims, chunk: Optional[float] = None, no_graph:
     without autograd at once (token-wise: all dropped ones; checkpoints: a chunk)."""
     t, h, a, d = x.tokens, x.h, x.act, x.d
     out = t * h * a if x.tp == 1 else 2 * t * h * a  # row linear: output + the all-reduce / reduce-scatter copy
+    kv = x.kv_heads_after_a2a if x.uses_a2a else x.nkv_l
+    Q, KV = t * x.nq_l * d * a, 2 * t * kv * d * a
+    rep = kernel_extra(cfg, x, Q, KV, 1, 1, backward=False)  # k, v repeated for a fused kernel (whole keys)
     if x.cp > 1 and x.cp_type in ("p2p", "a2a+p2p"):
-        kv = x.kv_heads_after_a2a if x.uses_a2a else x.nkv_l
         # k/v being received while the current ones compute (2 buffers) + partial out and fp32 accumulator
-        out = max(out, 2 * 2 * t * kv * d * a + 2 * t * x.nq_l * d * 4)
+        out = max(out, 2 * 2 * t * kv * d * a + 2 * t * x.nq_l * d * 4 + rep)
     if x.uses_a2a and x.cp_type != "fpdt":
         out = max(out, 2 * t * x.nq_l * d * a)  # send stack + receive buffer of the largest all-to-all (q)
+        if rep:  # the inner kernel: q, k, v after the all-to-all, its out
+            out = max(out, Q + KV + Q + rep)
+    if x.cp == 1 and not x.fpdt and rep:  # the local kernel's out beside the repeated k, v
+        out = max(out, Q + rep)
     if x.fpdt:
         b = fpdt_chunk_bytes(cfg, x)
         # one chunk's projection out + all-to-all send/receive + contiguous copies, the fp32 output accumulator and
-        # its merge temporaries, lse, two kv chunks fetched (double buffer)
-        out = max(out, 3 * (b["Q"] + 2 * b["K"]) + 3 * b["Qf"] + 2 * b["L"] + 4 * b["K"])
+        # its merge temporaries, lse, two kv chunks fetched (double buffer); a fused kernel's repeated k, v chunk
+        out = max(out, 3 * (b["Q"] + 2 * b["K"]) + 3 * b["Qf"] + 2 * b["L"] + 4 * b["K"]
+                  + kernel_extra(cfg, x, b["Q"], 2 * b["K"], 1, 1, backward=False))
     rows, c = _mlp_rows(cfg, x, chunk)
     if c:  # one chunk's fc1 output, activation (SwiGLU: silu and product) into the preallocated output
         out = max(out, c * (4 if x.swiglu else 2) * x.f_l * a)
@@ -76,38 +125,102 @@ def _mlp_backward(cfg: Config, x: Dims, chunk: Optional[float], held: bool = Fal
     """The MLP's backward transient on ``chunk`` tokens at once (None: all the rank's tokens). ``held``: its saved
     tensors live on in a rounding buffer (Memo's kept tokens), so the grads are not offset by their frees."""
     rows, c = _mlp_rows(cfg, x, chunk)
-    if c:  # input grad + the MLP's weight grads + one chunk recomputed and its grads
-        return rows * x.h * x.act + c * (8 if x.swiglu else 5) * x.f_l * x.act
+    if c:  # input grad (the dtype of its input, the norm's output: the residual's) + one chunk recomputed, its grads
+        return rows * x.h * x.res + c * (8 if x.swiglu else 5) * x.f_l * x.act
     if held:  # SwiGLU: d(gate), d(up) and their concatenation; GeLU: d of both activations and the input grad
         return rows * (4 * x.f_l if x.swiglu else 2 * x.f_l + x.h) * x.act
     return rows * (2 * x.f_l if x.swiglu else x.f_l + x.h) * x.act
 
 
-def _ring_backward(Q: float, KV: float, R: int, a: int) -> float:
-    """``ring.ring_backward`` above its inputs (Q = q-sized, KV = k + v in the compute dtype ``a``): the diagonal
+def _ring_backward(cfg: Config, x: Dims, Q: float, KV: float, R: int, dout_view: bool) -> float:
+    """``ring.ring_backward`` above its inputs (Q = q-sized, KV = k + v in the compute dtype): the diagonal
     block's dq (the accumulator itself in fp32; its dk, dv and, under bf16, dq are dropped once copied to fp32); the
     back halves of dout, q and out copied; one off-diagonal block's grads (and the front
     halves of k, v copied); fp32 dk/dv four times (this rank's, the block's, the one received, their sum); k, v
-    stacked and received (two in flight when R > 2); the fp32 dq accumulator, a copy only under bf16."""
+    stacked and received (two in flight when R > 2); the fp32 dq accumulator, a copy only under bf16.
+
+    With PyTorch's fused CUDA kernels the blocks' kernels are the peak, taken moment by moment: at step i of the
+    ring, the fp32 dq accumulator and this rank's fp32 dk/dv, the back halves, the k, v in use and (i < R-1) the
+    next ones being received, (i >= 2) the previous block's fp32 dk/dv in flight (sent and being received), and the
+    block's kernel (``kernel_extra``): back queries x all keys of a later rank (dq over half the tokens, dk, dv over
+    all), or all queries x the front keys of an earlier rank (their contiguous copies; dout a view when
+    ``dout_view``, as ``backward_with_lse`` passes it); or the diagonal block alone first, or the four fp32 dk/dv
+    of the accumulation."""
+    a = x.act
     f = 4 / a
-    return (Q if a == 4 else 0.0) + 1.5 * Q + (Q + KV) + 4 * f * KV + (3 if R > 2 else 2) * KV \
-        + (f * Q if a < 4 else 0.0)
+    if not torch_kernels(cfg, x):
+        return (Q if a == 4 else 0.0) + 1.5 * Q + (Q + KV) + 4 * f * KV + (3 if R > 2 else 2) * KV \
+            + (f * Q if a < 4 else 0.0)
+    later = Q / 2 + KV + kernel_extra(cfg, x, Q, KV, 0.5, 1.0)  # dq over the back half, dk, dv over all keys
+    earlier = KV / 2 + Q + KV / 2 + kernel_extra(cfg, x, Q, KV, 1.0, 0.5, dout_view)
+    steps = [f * Q + f * KV + 1.5 * Q + KV * (2 if i + 1 < R else 1) + (2 * f * KV if i >= 2 else 0.0)
+             + max(later, earlier) for i in range(1, R)]
+    diagonal = Q + KV + kernel_extra(cfg, x, Q, KV, 1.0, 1.0, dout_view)
+    accumulate = f * Q + 4 * f * KV + 1.5 * Q + 2 * KV
+    return max(diagonal, accumulate, *steps)
 
 
-def attention_backward_lse(x: Dims) -> float:
+def attention_backward_lse(cfg: Config, x: Dims) -> float:
     """The core attention's backward from its merged out and lse (``attention/core.py``'s protocol, which token-wise
     recompute, Memo and the chunked checkpoints mode call), above q, k, v, out, lse and dout: local, dq, dk, dv;
     ring, ``_ring_backward``; Ulysses (``ulysses.backward_with_lse``), q, k, v received and copied contiguous (the
     received ones dropped), out and dout gathered, then the inner core's backward (local or ring); after it only dq,
-    dk, dv, their concatenation and the one received back (each dropped when the next exists)."""
+    dk, dv, their concatenation and the one received back (each dropped when the next exists). The cores hand the
+    kernels ``[b, n, s, d]`` views of their ``[s, b, n, d]`` tensors, dout included (``kernel_extra``)."""
     t, d, a = x.tokens, x.d, x.act
     Q = t * x.nq_l * d * a
     KV = t * 2 * x.kv_heads_after_a2a * d * a  # (kv heads replicated for the all-to-all)
+    local = Q + KV + kernel_extra(cfg, x, Q, KV, 1.0, 1.0, dout_view=True)
     if not x.uses_a2a:
-        return Q + KV if x.cp == 1 else _ring_backward(Q, KV, x.cp, a)
+        return local if x.cp == 1 else _ring_backward(cfg, x, Q, KV, x.cp, dout_view=True)
     R = x.cp // x.ulysses
-    inner = Q + KV if R == 1 else _ring_backward(Q, KV, R, a)
+    inner = local if R == 1 else _ring_backward(cfg, x, Q, KV, R, dout_view=True)
     return max(2 * (Q + KV), (Q + KV) + 2 * Q + inner)
+
+
+def tokenwise_backward(cfg: Config, x: Dims, rerun: float, merged: float = 0.0) -> float:
+    """One layer's backward under token-wise recompute / Memo with the dropped tokens (share ``rerun``) re-run at
+    once (``memory/memo/steps.py``), above the layer's kept tensors (the rounding buffer or the recompute slot); the
+    re-run's own tensors are counted here. ``merged``: kept and dropped q, k, v (and out, dout with SP) merged for
+    the kernel (Memo's 0 < alpha < 1). The largest of these moments, in autograd's order (U: one residual-stream
+    tensor of the rank, fp32; Q: q of the rank's tokens):
+
+    * dropped post: beside the incoming grad dy (U) and the dropped rows' dx and dout (``_PostDropped.backward``'s
+      buffers), the re-run's forward at its MLP; its saved tensors (the residual after attention; norm 2's output
+      in the compute dtype, gathered with SP, as fc1 or MsT keep it; the MLP's intermediates unless MsT chunks
+      them) and the MLP's backward; norm 2's backward (its incoming grad and its input grad, residual dtype, beside
+      the saved residual); the out projection's (the summed residual grad, with SP the incoming grad all-gathered,
+      dout's rows);
+    * kept post (Memo's kept tokens, after the dropped ones): the MLP's backward from tensors held in the buffer;
+    * pre: the dropped tokens' pre re-run with its graph just before the attention backward (``pre_no_graph``),
+      beside the layer input's grad (both parts: U) and dout;
+    * attention: the same with pre's saved tensors (norm 1's output in the compute dtype, gathered with SP; the QKV
+      output, kept by the v view; q, k after RoPE), ``merged`` and the core's backward (``attention_backward_lse``).
+
+    Example, one H100 at 512K tokens (Llama3-8B, every token re-run, MsT, bf16): U = 8 GiB, Q = 4 GiB; the pre
+    moment is the largest, 8 + 4 + 8 (norm 1's fp32 output) + 4 (its bf16 cast) + 6 (the QKV output) + 4 (q copied
+    out of it) + 28 (RoPE's fp32 temporaries of q) = 62 GiB."""
+    t, tr, h, a, r, d = x.tokens, x.tokens_res, x.h, x.act, x.res, x.d
+    U, Q = tr * h * r, t * x.nq_l * d * a
+    dropped, kept = rerun, 1.0 - rerun
+    moments = []
+    if dropped:
+        rows, mst = _mlp_rows(cfg, x, dropped * t)
+        held = dropped * (U + tr * 4 + t * h * a + (0.0 if mst else t * (4 if x.swiglu else 2) * x.f_l * a))
+        base = U + dropped * (U + Q)  # dy; the dropped rows' dx and dout
+        # the re-run's forward at its MLP: the residual, norm 2's output, the out projection's output (the frames
+        # hold them), the MLP's input all-gathered with SP, its output (+ the reduce copy under tp), MsT's chunk
+        mlp_fwd = t * h * a * (1 if x.tp == 1 else 2) + (mst * (4 if x.swiglu else 2) * x.f_l * a if mst else 0.0)
+        moments += [base + dropped * (3 * U + (t * h * r if x.sp else 0.0) + mlp_fwd),
+                    base + held + _mlp_backward(cfg, x, rows),
+                    base + dropped * (U + U) + _norm_backward(x, dropped * tr),
+                    base + dropped * (U + Q) + (dropped * t * h * r if x.sp else 0.0)]
+    if kept:
+        moments.append(U + dropped * (U + Q) + _mlp_backward(cfg, x, kept * t, held=True))
+    pre_saved = dropped * (t * h * a + qkv_rerun_bytes(x))
+    moments += [U + Q + pre_no_graph(x, dropped * t, graph=True),
+                U + Q + pre_saved + merged + attention_backward_lse(cfg, x)]
+    return max(moments)
 
 
 def layer_backward(cfg: Config, x: Dims, rerun: Optional[float] = None, chunk: Optional[float] = None,
@@ -128,9 +241,9 @@ def layer_backward(cfg: Config, x: Dims, rerun: Optional[float] = None, chunk: O
     if rerun is not None and not x.fpdt:
         # Memo's 0 < alpha < 1: kept and dropped q, k, v merged (with SP also out and dout) for the kernel
         merged = t * (x.nq_l + 2 * x.nkv_l + (2 * x.nq_l if x.sp else 0)) * d * a if 0 < rerun < 1 else 0.0
-        attn = merged + attention_backward_lse(x)
         if chunk is None:
-            return max(mlp, t * (h + x.nq_l * d) * a + attn) + (t * h * a if x.sp else 0)
+            return tokenwise_backward(cfg, x, rerun, merged)
+        attn = merged + attention_backward_lse(cfg, x)
         # mini-sequences: the re-run rows' dx and the whole dout live through the layer's backward, the incoming dy
         # through post's backward (through the whole layer's in the checkpoints mode); post is backpropagated a chunk
         # at a time (its MLP, the all-gather of its incoming grad with SP), the core attention whole into dq, dk, dv
@@ -155,10 +268,13 @@ def layer_backward(cfg: Config, x: Dims, rerun: Optional[float] = None, chunk: O
         attn += t * x.nq_l * d * 4 + 2 * 2 * t * kv * d * 4 + 2 * 2 * t * kv * d * a
     if x.uses_a2a and x.cp_type != "fpdt":
         attn += 2 * t * x.nq_l * d * a
+    if x.cp > 1 and not x.fpdt:  # ring attention's kernels (Ulysses' inner one too), a block of all the keys
+        attn += kernel_extra(cfg, x, t * x.nq_l * d * a, 2 * t * kv * d * a, 1.0, 1.0)
     if x.fpdt:
         u, b = x.fpdt_chunks, fpdt_chunk_bytes(cfg, x)
         qset = 3 * b["Q"] + b["Qf"] + b["L"]  # q, out, dout, dq accumulator, lse of one q chunk
-        grads = b["Q"] + 2 * b["K"]  # one block's dq, dk, dv
+        # one block's dq, dk, dv (a fused kernel: k, v of the chunk repeated, dk, dv at the query heads)
+        grads = b["Q"] + 2 * b["K"] + kernel_extra(cfg, x, b["Q"], 2 * b["K"], 1.0, 1.0)
         kv = 2 * b["K"] + 2 * b["Kf"]  # kv chunk in use + its fp32 dk/dv accumulators
         if cfg.memory.fpdt_offload:  # bench/fpdt_memory.py: 10Q + 2L + 6K (u >= 3), 5Q + L + 6K (u = 1), fp32
             block = kv + (2 * qset if u > 1 else qset) + b["Qf"] + grads
