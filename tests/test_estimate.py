@@ -11,6 +11,7 @@ import yaml
 
 from megatron_lc.config import ConfigError, load_config, resolve_layout
 from megatron_lc.estimate import estimate, load_hardware
+from megatron_lc.estimate import transient as T
 from megatron_lc.estimate.flops import model_flops_per_sample
 from megatron_lc.estimate.hardware import HARDWARE_DIR
 from megatron_lc.estimate.inventory import Dims, group_bytes, layer_chunk_share, layer_skeletal, param_shards
@@ -247,3 +248,39 @@ def test_issue_17_lengths_fit_with_a_bf16_residual_stream(gpus, seq):
     assert best.est.memory.host_per_node >= host_ckpt
     fp32 = estimate(apply_overrides(llama(f"data.seq_length={seq}"), config_overrides(best)), hw, gpus)
     assert fp32.memory.host_per_node >= 2 * host_ckpt and fp32.status != "fits"
+
+
+def _dims(cfg, world, device="cuda"):
+    return Dims.from_config(cfg, resolve_layout(cfg, world), device)
+
+
+def test_fused_cuda_attention_copies_are_counted_per_kernel_call():
+    """PyTorch's fused CUDA kernels take as many kv heads as query heads: k, v are repeated to the query heads and
+    dk, dv come back at the query heads before the group sum, and dout is made contiguous. Llama3-8B at 1M tokens on
+    8 GPUs (32 query, 8 kv heads; Q = q of the rank's tokens, 1 GiB in both layouts); these are the kernels' working
+    sets the rehearsal traces through their shape functions: Ulysses' inner kernel (after the all-to-all) 9.5 Q
+    above q, k, v, out, lse and dout (5 Q with flash-attn, which takes the kv heads as they are); tp2 cp4 ring, rank
+    0's third block (back queries x all keys): 12 Q. None on CPU, whose kernel is another."""
+    uly = llama()
+    x = _dims(uly, 8)
+    Q = x.tokens * x.nq_l * x.d * 2
+    assert Q == GIB
+    assert T.attention_backward_lse(uly, x) == 9.5 * Q
+    flash = llama("parallel.attention_backend=flash")
+    assert T.attention_backward_lse(flash, _dims(flash, 8)) == 5 * Q
+    cpu = T.attention_backward_lse(uly, _dims(uly, 8, "cpu"))
+    assert cpu == T.attention_backward_lse(flash, _dims(flash, 8, "cpu"))
+    ring = llama("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                 "parallel.context_parallel_size=4", "parallel.cp_comm_type=p2p", "parallel.ulysses_size=1")
+    assert T.attention_backward_lse(ring, _dims(ring, 8)) == 12 * Q
+
+
+def test_one_gpu_reruns_peak_at_the_pre_reruns_rope_upcasts():
+    """One H100 at 512K tokens, every token re-run (Memo with alpha 0, MsT, FSDP2 CPU offload): the layer backward's
+    largest moment is the dropped tokens' pre re-run before the attention backward -- the layer input's grad (8 GiB),
+    dout (4), norm 1's fp32 output and its bf16 cast (8 + 4), the QKV output and q copied out of it (6 + 4), RoPE's
+    fp32 upcasts of q (3.5 x 8) -- 62 GiB, as the rehearsal traces it (its peak, 89.4 GiB, is this moment)."""
+    cfg = load_config(os.path.join(CONFIGS, "llama3_8b_1m.yaml"), [
+        "data.seq_length=524288", "parallel.context_parallel_size=1", "memory.offload_fraction=0",
+        "parallel.fsdp_cpu_offload=true"])
+    assert T.tokenwise_backward(cfg, _dims(cfg, 1), 1.0) == 62 * GIB
