@@ -46,18 +46,21 @@ def kernel_extra(cfg: Config, x: Dims, Q: float, KV: float, fq: float, fk: float
     kernels). ``Q``: q of the rank's tokens at the call's heads, ``KV``: k + v at their heads (compute dtype);
     ``fq``, ``fk``: the call's share of those query and key tokens (ring's zigzag blocks: 1/2 or 1). With GQA
     (fewer kv than query heads) k and v repeated to the query heads (``_repeat``: 2·fk·Q), and in backward dk, dv
-    at the query heads, summed to the kv heads after the kernel (2·fk·Q in place of fk·KV); ``dout_view``: dout is a
-    permuted view of the caller's ``[s, b, n, d]`` tensor, made contiguous for the kernel (fq·Q).
+    at the query heads (2·fk·Q), all alive until the call returns, when dk, dv have been summed to the kv heads;
+    ``dout_view``: dout is a permuted view of the caller's ``[s, b, n, d]`` tensor, made contiguous for the kernel
+    (fq·Q; freed when the kernel returns, before the sums).
 
     Example, Llama3-8B (32 query, 8 kv heads) on 8 ranks with Ulysses (4 query heads and 1 kv head a rank, all 1M
-    tokens after the all-to-all; Q = 1 GiB, KV = 0.5 GiB): 2 GiB of repeated k, v in forward; 1 (dout) + 2 + 2 - 0.5
-    = 4.5 GiB more in backward."""
+    tokens after the all-to-all; Q = 1 GiB, KV = 0.5 GiB): 2 GiB of repeated k, v in forward; in backward, at the
+    kernel, 1 (dout) + 2 + 2 GiB beside dq and at the query heads, dk, dv, in place of dk, dv (0.5): 4.5 GiB more."""
     if not torch_kernels(cfg, x):
         return 0.0
-    gqa = KV < 2 * Q  # k, v together smaller than twice q: fewer kv heads than query heads
+    copy = fq * Q if dout_view else 0.0
+    if KV >= 2 * Q:  # as many kv heads as query heads: nothing repeated
+        return copy if backward else 0.0
     if not backward:
-        return 2 * fk * Q if gqa else 0.0
-    return (4 * fk * Q - fk * KV if gqa else 0.0) + (fq * Q if dout_view else 0.0)
+        return 2 * fk * Q
+    return 4 * fk * Q + max(0.0, copy - fk * KV)  # at the kernel (with dout's copy) or at the sums (with dk, dv)
 
 
 def _norm_backward(x: Dims, rows: float) -> float:
