@@ -111,6 +111,19 @@ def test_memo_alpha_auto_and_host_limit():
     assert small.memory.alpha == 0.0 and small.status == "oohm"
 
 
+def test_memo_alpha_auto_leaves_fpdts_host_chunks_their_share():
+    """FPDT's parked chunks are reserved in the host pool before Memo calibrates (memory/memo/calibrate.py), so the
+    LP's budget is what they leave: α chosen by host memory keeps the node within its host memory. Before, the LP
+    took the whole share and FPDT came on top (bf16 residual: α 1, 2124 of 1638 GiB, "out of host memory" at the α it
+    chose; now α 0.325 and the node's 1638 GiB to the byte)."""
+    cfg = llama("parallel.cp_comm_type=fpdt", "memory.fpdt_chunk_size=65536", "memory.fpdt_offload=true",
+                "memory.activation_offload=memo", "memory.mst=true", "model.fp32_residual_connection=false")
+    est = estimate(cfg, load_hardware("h100"), 8)
+    assert 0 < est.memory.alpha < 1 and any("binding: host memory" in n for n in est.memory.notes)
+    assert est.memory.host_per_node <= est.memory.host_capacity * (1 + 1e-9), est.memory.host_per_node / GIB
+    assert est.status == "fits"
+
+
 def test_features_reduce_memory_in_the_expected_order():
     base = ["data.seq_length=131072", "parallel.tensor_model_parallel_size=8", "parallel.context_parallel_size=1",
             "parallel.cp_comm_type=p2p", "parallel.ulysses_size=1", "parallel.sequence_parallel=true"]

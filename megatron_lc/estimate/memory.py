@@ -147,9 +147,21 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     ms = model_state_bytes(cfg, x, states)
     states_host = ms.get("host", 0.0)  # FSDP2 with CPU offload: shards, gradients, AdamW states
     host_rank = states_host
+    fpdt_host = 0.0
+    if fpdt and mem.fpdt_offload:  # before Memo's LP: its host budget is what the rest leaves
+        # per layer on the host until its backward: the projection's saved chunk inputs, q^, k^, v^, o^, lse
+        kv = x.kv_heads_after_a2a
+        # (with classic checkpointing the block runs again in backward: one layer's chunks at a time)
+        rerun = mem.activation_offload == "checkpoints" or (recompute_style == "checkpoint" and (
+            mem.recompute_granularity == "full" or mem.activation_offload == "memo"))
+        layers = 1 if rerun else x.L
+        fpdt_host += layers * x.tokens * (x.h * x.act + (2 * x.nq_l + 2 * kv) * x.d * x.act + x.nq_l * 4)
+        # the host pool also holds one backward's do^ and fp32 dq chunks (attention/fpdt/calibrate.py: L * F + B),
+        # and rounds each parked view up to HostPool.ALIGN (per chunk: ~6 per layer, 2 for the backward)
+        fpdt_host += x.tokens * x.nq_l * x.d * (x.act + 4) + (6 * layers + 2) * x.fpdt_chunks * HostPool.ALIGN
     if mem.activation_offload == "memo":
         ranks_per_node = min(hw.gpus_per_node, x.world)
-        host_share = hw.host_bytes_per_node / ranks_per_node - host_rank
+        host_share = hw.host_bytes_per_node / ranks_per_node - host_rank - fpdt_host
         if mem.offload_fraction == "auto":
             alpha, why = solve_alpha(g["input"], g["attn"], g["others"], hw.pcie_gbps * 1e9, t_layer_fwd, x.L,
                                      host_share)
@@ -182,17 +194,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     else:
         keep = full
         recompute = 0.0
-    if fpdt and mem.fpdt_offload:
-        # per layer on the host until its backward: the projection's saved chunk inputs, q^, k^, v^, o^, lse
-        kv = x.kv_heads_after_a2a
-        # (with classic checkpointing the block runs again in backward: one layer's chunks at a time)
-        rerun = mem.activation_offload == "checkpoints" or (recompute_style == "checkpoint" and (
-            mem.recompute_granularity == "full" or mem.activation_offload == "memo"))
-        layers = 1 if rerun else x.L
-        host_rank += layers * x.tokens * (x.h * x.act + (2 * x.nq_l + 2 * kv) * x.d * x.act + x.nq_l * 4)
-        # the host pool also holds one backward's do^ and fp32 dq chunks (attention/fpdt/calibrate.py: L * F + B),
-        # and rounds each parked view up to HostPool.ALIGN (per chunk: ~6 per layer, 2 for the backward)
-        host_rank += x.tokens * x.nq_l * x.d * (x.act + 4) + (6 * layers + 2) * x.fpdt_chunks * HostPool.ALIGN
+    host_rank += fpdt_host
     on_host = host_rank if hw.device == "cpu" else 0.0  # on CPU "host" copies live in the same memory
 
     # ---- the re-run in mini-sequences (memory.layer_chunk_size) --------------------------------------------

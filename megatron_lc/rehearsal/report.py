@@ -14,19 +14,25 @@ from ..units import GIB
 
 
 def summarize(cfg: Config, hw, world: int, ranks: dict) -> dict:
-    """``ranks``: {rank: figures}. The estimator's peak is this layout's ``estimate`` on ``hw``."""
+    """``ranks``: {rank: figures}. The estimator's peak is this layout's ``estimate`` on ``hw`` without its
+    fragmentation reserve (``allocated_peak``): a rehearsal counts live tensors, as ``torch.cuda.max_memory_allocated``
+    does, so that is the like-for-like figure; the reserve is kept beside it (``estimator_reserve_bytes``) and
+    ``fits_with_reserve`` adds it to the rehearsed peak."""
     est = estimate(cfg, hw, world)
+    allocated = est.memory.allocated_peak
     peak = max(r["device"]["peak_bytes"] for r in ranks.values())
     host = max(r["host"]["peak_bytes"] for r in ranks.values())
     at = max(ranks, key=lambda k: ranks[k]["device"]["peak_bytes"])
     return {"ranks": len(ranks), "world": world, "max_peak_device_bytes": peak, "max_peak_rank": at,
             "max_peak_moment": ranks[at]["device"]["peak_moment"],
             "max_setup_peak_bytes": max(r["device"]["setup_peak_bytes"] for r in ranks.values()),
-            "estimator_peak_bytes": est.memory.peak, "estimator_peak_phase": est.memory.peak_phase,
+            "estimator_peak_bytes": allocated, "estimator_reserved_peak_bytes": est.memory.peak,
+            "estimator_reserve_bytes": est.memory.fragmentation, "estimator_peak_phase": est.memory.peak_phase,
             "estimator_phases": est.memory.phases, "estimator_parts": est.memory.parts,
             "estimator_host_per_rank_bytes": est.memory.host_per_rank,
-            "difference": (peak - est.memory.peak) / est.memory.peak if est.memory.peak else None,
+            "difference": (peak - allocated) / allocated if allocated else None,
             "max_host_bytes": host, "device_capacity_bytes": hw.device_bytes, "fits": peak <= hw.device_bytes,
+            "fits_with_reserve": peak + est.memory.fragmentation <= hw.device_bytes,
             "violations": sum(len(r.get("violations", [])) for r in ranks.values()),
             "layer0_attention_bytes": attention_bytes(cfg, world, ranks)}
 
