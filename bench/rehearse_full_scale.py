@@ -25,7 +25,7 @@ FAMILY = {  # the shipped 1M layout (tp1 cp8 ring, Memo a=0.25, MsT, FSDP2) with
     "ulysses": ["parallel.cp_comm_type=a2a", "parallel.ulysses_size=8"],
     "hybrid": ["parallel.cp_comm_type=a2a+p2p", "parallel.ulysses_size=2"],
     "fpdt-offload": ["parallel.cp_comm_type=fpdt", "parallel.ulysses_size=8", "memory.fpdt_chunk_size=65536",
-                     "memory.fpdt_offload=true"],
+                     "memory.fpdt_offload=true", "memory.activation_offload=checkpoints"],
     "tp2-sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
                "parallel.context_parallel_size=4"],
     "fsdp2-cpu-offload": ["parallel.fsdp_cpu_offload=true"],
@@ -34,8 +34,8 @@ FAMILY = {  # the shipped 1M layout (tp1 cp8 ring, Memo a=0.25, MsT, FSDP2) with
 CASES = {
     "a": (C1M, [], "all", 8, 1),
     "b": ("configs/llama3_8b_4m.yaml", [], "all", 8, 1),
-    # the layout tools/estimate.py --auto picks for one H100 at 512K: tp1 cp1 memo(a=0) mst fsdp2-cpu-offload
-    "c": (C1M, ["data.seq_length=524288", "parallel.context_parallel_size=1", "memory.offload_fraction=0",
+    # the layout tools/estimate.py --auto picks for one H100 at 512K: tp1 cp1 ckpt-offload mst fsdp2-cpu-offload
+    "c": (C1M, ["data.seq_length=524288", "parallel.context_parallel_size=1", "memory.activation_offload=checkpoints",
                 "parallel.fsdp_cpu_offload=true"], "0", 1, 1),
     "d": ("configs/llama3_8b_16m.yaml", [], "0,9,31", 8, 4),
     **{f"e-{k}": (C1M, v, "0,7", 8, 1) for k, v in FAMILY.items()},
