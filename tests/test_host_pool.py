@@ -14,6 +14,9 @@ from tests.parity import assert_close_grads, assert_close_loss, batch_for, build
 FPDT = ["parallel.cp_comm_type=fpdt", "memory.fpdt_chunk_size=8", "memory.fpdt_offload=true"]  # P = 1, u = 4
 MEMO = ["memory.activation_offload=memo", "model.num_layers=4"]  # layers 0, 1 swapped
 MEMO_FPDT = MEMO + FPDT + ["memory.offload_fraction=0.5"]
+# host checkpoints: the forwards run without a graph (FPDT parks nothing), each layer's re-run parks its chunks and
+# its backward gives them back before the next re-run: FPDT's share is one layer's F + B, not L * F + B
+CKPT_FPDT = FPDT + ["memory.activation_offload=checkpoints", "model.num_layers=4"]
 
 
 def cpu_pool(nbytes: int) -> HostPool:
@@ -159,7 +162,7 @@ def train_steps(over, steps: int = 2):
     return cfg, model, ctx, float(loss.detach()), batch
 
 
-@pytest.mark.parametrize("over", [FPDT, MEMO, MEMO_FPDT], ids=["fpdt", "memo", "memo+fpdt"])
+@pytest.mark.parametrize("over", [FPDT, MEMO, MEMO_FPDT, CKPT_FPDT], ids=["fpdt", "memo", "memo+fpdt", "ckpt+fpdt"])
 def test_offload_training_is_exact_and_the_pool_is_sized_to_the_byte(over):
     cfg, model, ctx, loss, batch = train_steps(over)
     ref_loss, ref_grads = reference_loss_and_grads(cfg, batch)
@@ -167,7 +170,11 @@ def test_offload_training_is_exact_and_the_pool_is_sized_to_the_byte(over):
     assert_close_grads({n: p.grad for n, p in model.named_parameters()}, ref_grads)
     pool = ctx.host_pool
     assert pool.data.numel() == pool.size == sum(pool.reserved.values())  # one allocation, exactly the shares
-    assert pool.high == pool.size  # a step reaches the end of the pool and no further: the sizing is tight
+    # a step reaches the end of the pool and no further: the sizing is tight -- with the host checkpoints, less
+    # one layer input: a re-run gives its input's block back before its FPDT chunks park (the shares' peaks are
+    # one block apart; 16 KiB of 162 KiB here, 2 of 176 GiB at Llama3-8B x 1M, cp 8)
+    spare = pool.reserved.get("checkpoints", 0) // cfg.model.num_layers if ctx.fpdt is not None else 0
+    assert pool.high == pool.size - spare
     if ctx.fpdt is not None:
         assert ctx.fpdt.host_account.current == 0  # every parked chunk given back
         assert ctx.fpdt.host_account.peak == pool.reserved["fpdt"]  # what FPDT held at most = its share

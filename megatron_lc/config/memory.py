@@ -32,6 +32,12 @@ class MemoryConfig:
         """Layers run by token-wise recompute (Memo's runtime): ``recompute_granularity: full`` or Memo offload."""
         return self.activation_offload == "memo" or self.recompute_granularity == "full"
 
+    @property
+    def layer_reruns_whole(self) -> bool:
+        """Each layer's forward runs without a graph and the whole layer, attention included, re-runs in its
+        backward (the host checkpoints): one layer's activations, FPDT's parked chunks among them, exist at a time."""
+        return self.activation_offload == "checkpoints"
+
     def __post_init__(self) -> None:
         if not isinstance(self.offload_fraction, str):
             check(0.0 <= self.offload_fraction <= 1.0,

@@ -152,7 +152,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         # per layer on the host until its backward: the projection's saved chunk inputs, q^, k^, v^, o^, lse
         kv = x.kv_heads_after_a2a
         # (with classic checkpointing the block runs again in backward: one layer's chunks at a time)
-        rerun = mem.activation_offload == "checkpoints" or (recompute_style == "checkpoint" and (
+        rerun = mem.layer_reruns_whole or (recompute_style == "checkpoint" and (
             mem.recompute_granularity == "full" or mem.activation_offload == "memo"))
         layers = 1 if rerun else x.L
         fpdt_host += layers * x.tokens * (x.h * x.act + (2 * x.nq_l + 2 * kv) * x.d * x.act + x.nq_l * 4)
