@@ -98,6 +98,27 @@ def test_reserve_errors_and_foreign_tensors():
         pool.bind(DeviceAdapter(torch.device("meta")))
 
 
+def test_blocks_are_found_by_storage_offset_under_fake_tensors():
+    """A block given back is found by its offset in the pool's storage, not by its address: torch warns that a fake
+    tensor's ``data_ptr()`` is deprecated and will become an error, so the rehearsal (fake tensors) read it on every
+    give back, once per parked chunk."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pool = cpu_pool(2048)
+        a = pool.take((100,), torch.float32)  # [0, 512)
+        b = pool.take((10, 10), torch.bfloat16)  # [512, 1024)
+        pool.give(b)
+        assert sorted(pool.fit.live) == [0]  # b's block came back, a's is still held
+        pool.give(a)
+        assert pool.used == 0
+        with pytest.raises(HostPoolError, match="not a block of this pool"):
+            pool.give(torch.empty(4))
+    assert not [w for w in seen if "data pointer" in str(w.message)], [str(w.message)[:80] for w in seen]
+
 class _Event:
     def __init__(self):
         self.done = False

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from .adapter import DeviceAdapter
+from .storage import storage_id
 
 
 class HostPoolError(RuntimeError):
@@ -172,7 +173,9 @@ class HostPool:
             del self._measured[id(t)]
             entry[1].free(entry[2])
             return
-        start = t.data_ptr() - self.data.data_ptr() if self.data is not None else -1
+        # the block's byte offset in the pool, by storage (a fake tensor has no address: data_ptr() is 0)
+        mine = self.data is not None and storage_id(t) == storage_id(self.data)
+        start = t.storage_offset() * t.element_size() - self.data.storage_offset() if mine else -1
         if self.fit is None or start not in self.fit.live:
             raise HostPoolError(f"host pool: the tensor {tuple(t.shape)} {t.dtype} given back is not a block of this "
                                 f"pool")
