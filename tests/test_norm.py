@@ -33,3 +33,39 @@ def test_saves_only_input_rstd_and_weight():
         norm(x)
     assert sorted(tuple(t.shape) for t in saved) == [(32, 1), (32, 64), (64,)]
     assert any(t is x for t in saved)  # the input itself, not a copy
+
+
+def test_backward_runs_in_slices_with_bounded_temporaries(monkeypatch):
+    """The CPU backward holds, beside the input grad, temporaries of one slice of rows (torch's fused CUDA kernel
+    holds none the size of x): at Llama3-8B x 1M on 8 ranks with an fp32 residual, 2 x 2 GiB at every norm's
+    backward otherwise (the rehearsal counts this twin). Sliced or not, dx is the same bit for bit (each row's
+    arithmetic is), dweight the same sums in another order."""
+    import megatron_lc.model.norm as norm_module
+    from megatron_lc.planning.tracker import DispatchTracer
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 2, 64)
+    g = torch.randn(64, 2, 64)
+    grads, extra = {}, {}
+    for rows in (64, 4):  # one slice; 16 slices of 4 rows
+        monkeypatch.setattr(norm_module, "RMS_NORM_SLICE_ELEMS", rows * 2 * 64)
+        norm = RMSNorm(64, eps=1e-5)
+        xi = x.clone().requires_grad_()
+        with DispatchTracer() as tracker:
+            y = norm(xi)
+            start, live = len(tracker.events), tracker.live_bytes()
+            start_live = live
+            y.backward(g)
+            peak = live
+            for e in tracker.events[start:]:
+                live += e.size if e.op == "malloc" else -e.size
+                peak = max(peak, live)
+        grads[rows] = (xi.grad, norm.weight.grad)
+        extra[rows] = peak - start_live
+    full = x.numel() * 4  # fp32: dx, x·rstd, the grad times it (and their product), each this size unsliced
+    # above what existed: dx, plus x·rstd and the grad times it for one slice (1/16 of the rows), plus dweight and
+    # rstd-sized odds (1 KiB)
+    assert extra[64] >= 3 * full and extra[4] <= full + 3 * full // 16 + 1024, extra
+    assert torch.equal(grads[64][0], grads[4][0])
+    # fp32; the 16 partial sums of dweight add in another order than one sum over 128 rows: ~1e-7 relative
+    assert torch.allclose(grads[64][1], grads[4][1], rtol=1e-6, atol=1e-6 * grads[64][1].abs().max().item())

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..config import Config
+from ..model.norm import RMS_NORM_SLICE_ELEMS as NORM_SLICE
 from .inventory import Dims, mst_head_chunk, mst_mlp_chunk, qkv_rerun_bytes
 
 
@@ -66,8 +67,12 @@ def kernel_extra(cfg: Config, x: Dims, Q: float, KV: float, fq: float, fk: float
 def _norm_backward(x: Dims, rows: float) -> float:
     """A norm's backward on ``rows`` residual rows above its saved input and incoming grad: its input grad (residual
     dtype: the norms run in their input's dtype); on CPU the twin of ``model/norm.py`` also holds x·rstd and the
-    incoming grad times it in fp32 while it reduces them (torch's fused kernel on CUDA holds neither)."""
-    return rows * x.h * (x.res if x.device == "cuda" else x.res + 2 * 4)
+    incoming grad times it in fp32 while it reduces them, one slice of ``ROWS_ELEMS`` elements at a time (and the
+    incoming grad times the weight in fp32 when the residual is not fp32); torch's fused kernel on CUDA holds none."""
+    full = rows * x.h
+    if x.device == "cuda":
+        return full * x.res
+    return full * x.res + min(full, NORM_SLICE) * 4 * (2 if x.res == 4 else 3)
 
 
 def _mlp_rows(cfg: Config, x: Dims, chunk: Optional[float]) -> tuple[float, Optional[float]]:

@@ -15,9 +15,15 @@ from torch import nn
 from ..parallel.tensor_parallel import _replicated
 
 
+RMS_NORM_SLICE_ELEMS = 1 << 24  # elements of x per slice of the CPU backward (64 MiB of fp32)
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """y = (x·rstd).to(x.dtype) · w, rstd = 1/sqrt(mean(x², -1) + eps) in fp32 (or x's dtype if wider). Saves x and
-    rstd; backward recomputes x·rstd (one temporary)."""
+    rstd. Backward runs over slices along dim 0 of about ``RMS_NORM_SLICE_ELEMS`` elements: beside the input grad it
+    holds x·rstd and the incoming grad times it for those rows only (as torch's fused CUDA kernel holds nothing the
+    size of x), e.g. hidden 4096, 131,072 fp32 rows: 2 x 64 MiB of temporaries, not 2 x 2 GiB. Each row's
+    arithmetic is the same whatever the slice, so dx is too; dweight sums the slices' partial sums in fp32."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -30,15 +36,27 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight, rstd = ctx.saved_tensors
-        n = x.to(rstd.dtype) * rstd  # normalised x, fp32
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
         dweight = None
-        if ctx.needs_input_grad[1]:
-            dweight = (g * n.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            gn = (g * weight).to(rstd.dtype)
-            dot = (gn * n).mean(-1, keepdim=True)
-            dx = gn.sub_(n.mul_(dot)).mul_(rstd).to(x.dtype)
+        in_place = need_x and x.dtype == rstd.dtype == weight.dtype and g.dtype == x.dtype
+        step = max(1, RMS_NORM_SLICE_ELEMS // max(1, x[:1].numel()))  # along dim 0: views, whatever g's strides
+        for i in range(0, x.shape[0], step):
+            xs, gs, rs = x[i:i + step], g[i:i + step], rstd[i:i + step]
+            n = xs.to(rs.dtype) * rs  # normalised x, fp32
+            if need_w:
+                part = (gs * n.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0, dtype=torch.float32)
+                dweight = part if dweight is None else dweight.add_(part)
+            if need_x:
+                # in x's dtype where that is rstd's (an fp32 residual): the slice of dx itself, else an fp32 temporary
+                gn = torch.mul(gs, weight, out=dx[i:i + step]) if in_place else (gs * weight).to(rs.dtype)
+                dot = (gn * n).mean(-1, keepdim=True)
+                gn.sub_(n.mul_(dot)).mul_(rs)
+                if not in_place:
+                    dx[i:i + step] = gn
+            del n
+        if dweight is not None:
+            dweight = dweight.to(weight.dtype)
         return dx, dweight, None
 
 

@@ -133,6 +133,11 @@ def project_chunk(qkv_fn, x_chunk: torch.Tensor, rope, kv_repeat: int, build_gra
         anchor = _Anchor.apply(box, q, k, v)
     q, k, v = box.value
     box.value = None
+    if hooks.offload:
+        # every tensor the graph saved is a host copy now: the leaf only collects its gradient, so it lets go of the
+        # block input's storage (a view of all u chunks, the norm's output: one residual-stream tensor held through
+        # the layer's backward otherwise); autograd needs its shape, not its bytes
+        x_leaf.data = x_leaf.new_empty(1).expand(x_leaf.shape)
     return q, k, v, ChunkProjection(x_leaf, anchor, box, hooks)
 
 
