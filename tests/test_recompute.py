@@ -85,3 +85,24 @@ def test_a_reruns_output_is_freed_before_its_backward_when_its_last_op_is_a_sum(
     y = (x * 3).exp()
     backward_from(y, dy)
     assert seen == [6 * 4 * 4] and torch.allclose(x.grad, dy * 3 * y.detach())
+
+
+def test_the_attention_blocks_output_is_gone_before_the_mlp_runs():
+    """``TransformerLayer.residual``: once ``r = x + block_out`` exists nothing needs ``block_out`` (the sum saves
+    nothing), so it is not held through the MLP's forward (the rehearsal saw it there: 1 GiB at Llama3-8B x 1M,
+    cp 8, bf16)."""
+    import weakref
+
+    model, _ = build(small_config())
+    layer = model.layers[0]
+    x = torch.randn(8, 2, layer.pre_mlp_layernorm.weight.numel(), requires_grad=True)
+    refs, alive = [], []
+    layer.mlp.register_forward_pre_hook(lambda mod, args: alive.append(refs[0]() is not None))
+
+    def block_out():
+        t = torch.randn_like(x)
+        refs.append(weakref.ref(t))
+        return t
+
+    layer.residual(x, block_out())  # passed as a temporary, as post_attention and plain_forward pass it
+    assert alive == [False]

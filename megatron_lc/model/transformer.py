@@ -43,8 +43,11 @@ class TransformerLayer(nn.Module):
         return self.residual(x, self.self_attention.linear_proj(attn_out.flatten(2)))
 
     def residual(self, x: torch.Tensor, block_out: torch.Tensor) -> torch.Tensor:
-        """The layer's two residual steps after its attention block: ``r = x + block_out``, ``r + mlp(norm(r))``."""
+        """The layer's two residual steps after its attention block: ``r = x + block_out``, ``r + mlp(norm(r))``.
+        ``block_out`` goes before the MLP runs (the sum saves nothing; callers pass it as a temporary): one
+        compute-dtype tensor of the layer's rows less at the MLP's forward."""
         r = x + block_out
+        del block_out
         return r + self.mlp(self.pre_mlp_layernorm(r))
 
     def plain_forward(self, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
