@@ -111,6 +111,22 @@ def test_head_backward_twice_and_no_grad():
         torch.testing.assert_close(mini_sequence_cross_entropy(x, w, labels, Topology(), 7).sum(), loss.detach())
 
 
+def test_head_loss_is_shaped_like_the_labels_and_not_a_view():
+    """The loss comes back ``[s, b]`` as the Function made it: a view of an ``[N]`` loss made FSDP2 warn on every
+    step (its pre-backward hook on a view is dropped by an in-place op) and the per-token values are the same."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(10, 3, 8, generator=g, requires_grad=True)
+    w = torch.randn(40, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 40, (10, 3), generator=g)
+    loss = mini_sequence_cross_entropy(x.reshape(30, 8), w, labels, Topology(), 7)
+    flat = mini_sequence_cross_entropy(x.reshape(30, 8), w, labels.reshape(30), Topology(), 7)
+    assert loss.shape == (10, 3) and loss._base is None
+    assert torch.equal(loss.reshape(30), flat)
+    gx = torch.autograd.grad((loss * torch.arange(30.0).view(10, 3)).sum(), x)[0]
+    gx_flat = torch.autograd.grad((flat * torch.arange(30.0)).sum(), x)[0]
+    assert torch.equal(gx, gx_flat)
+
+
 # ---- the whole model -------------------------------------------------------------------------------------------
 def _weighted_batch(cfg, seed=0, weighted=True):
     """Ignored labels (-100); with ``weighted`` a non-uniform loss mask, so the head's upstream gradient differs per

@@ -46,14 +46,15 @@ def _grad_from_exp_(e: torch.Tensor, row_scale: torch.Tensor, onehot: torch.Tens
 
 
 class _MiniSequenceLinearCE(torch.autograd.Function):
-    """x ``[N, h]`` (identical on the tp ranks), weight ``[V/tp, h]``, labels ``[N]`` global ids -> fp32 per-token
-    loss ``[N]`` (0 where the label is ``ignore_index``)."""
+    """x ``[N, h]`` (identical on the tp ranks), weight ``[V/tp, h]``, labels: N global ids of any shape -> fp32
+    per-token loss of the labels' shape (0 where the label is ``ignore_index``)."""
 
     @staticmethod
     def forward(ctx, x, weight, labels, topo: Topology, chunk: int, ignore_index: int, grad_in_forward: bool):
         dtype, per = _compute_dtype(x), weight.shape[0]
         start, n = topo.tp_rank * per, x.shape[0]
-        loss = torch.empty(n, dtype=torch.float32, device=x.device)
+        out = torch.empty(labels.shape, dtype=torch.float32, device=x.device)  # shaped like labels: not a view
+        loss, labels = out.view(-1), labels.reshape(-1)
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         want_u = grad_in_forward and ctx.needs_input_grad[0]
         want_dw = grad_in_forward and ctx.needs_input_grad[1]
@@ -85,14 +86,14 @@ class _MiniSequenceLinearCE(torch.autograd.Function):
         ctx.save_for_backward(xc_, weight, labels, lse)  # the input in the compute dtype (bf16 under autocast)
         ctx.u, ctx.dw = u, dw
         ctx.dtype, ctx.chunk, ctx.start, ctx.ignore_index, ctx.x_dtype = dtype, chunk, start, ignore_index, x.dtype
-        return loss
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
         x, weight, labels, lse = ctx.saved_tensors
         valid = labels != ctx.ignore_index
-        g = g.float()
+        g = g.float().reshape(-1)
         # the precomputed dW holds when every valid token's gradient is the same (the loop's global mean without
         # masked tokens): dW = that gradient x the forward's sum. Fake tensors have no values: a rehearsal's mock
         # data masks no token, so its gradient is uniform and token 0's is it
@@ -140,8 +141,9 @@ def _recompute_backward(ctx, x, weight, labels, lse, scale, need_x: bool, need_w
 def mini_sequence_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, topo: Topology,
                                 chunk: int, ignore_index: int = -100,
                                 grad_in_forward: bool | None = None) -> torch.Tensor:
-    """Per-token loss ``[N]`` (fp32) of the vocab-parallel head ``x [N, h] @ weight[V/tp, h]^T`` against global
-    ``labels [N]``, over chunks of ``chunk`` rows. ``grad_in_forward`` (default: when autograd is recording and x or
+    """Per-token loss (fp32, shaped like ``labels``) of the vocab-parallel head ``x [N, h] @ weight[V/tp, h]^T``
+    against global ``labels`` of N tokens (any shape: the head returns ``[s, b]`` as it is, not a view of ``[N]``, so
+    FSDP2's pre-backward hook sits on the tensor the loop uses), over chunks of ``chunk`` rows. ``grad_in_forward`` (default: when autograd is recording and x or
     weight needs a gradient) precomputes the gradient in forward (module doc); ``False`` recomputes it in backward."""
     if grad_in_forward is None:
         grad_in_forward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)

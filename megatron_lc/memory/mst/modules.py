@@ -84,9 +84,8 @@ class MiniSequenceLMHead(LMHead):
         if self.chunk_tokens(n) >= n and not self.explicit:  # short sequence: the unchunked path
             return vocab_parallel_cross_entropy(nn.functional.linear(x, self.weight), labels, self.topo,
                                                 self.ignore_index)
-        loss = mini_sequence_cross_entropy(x.reshape(n, h), self.weight, labels.reshape(n), self.topo,
-                                           self.chunk_tokens(n), self.ignore_index)
-        return loss.view(s, b)
+        return mini_sequence_cross_entropy(x.reshape(n, h), self.weight, labels, self.topo, self.chunk_tokens(n),
+                                           self.ignore_index)
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}{' (explicit)' if self.explicit else ''}"
