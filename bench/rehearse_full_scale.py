@@ -2,8 +2,9 @@
 a fresh process, 2 steps to the optimizer step), the summaries side by side with the estimator's, in one JSON.
 
     python bench/rehearse_full_scale.py --out bench/results/rehearsal_full_scale_2026-11-24.json [--only a,e-ring]
+    python bench/rehearse_full_scale.py --out bench/results/rehearsal_full_scale_2026-11-24.json --table
 
-Cases: (a) configs/llama3_8b_1m.yaml as shipped, all 8 ranks; (b) 4,194,304 tokens on 8 ranks, the layout
+Cases: (a) configs/llama3_8b_1m.yaml as shipped, all 8 ranks; (b) 4,194,304 tokens on 8 ranks (ranks 0 and 7), the layout
 ``tools/estimate.py --auto`` writes (configs/llama3_8b_4m.yaml); (c) 524,288 tokens on 1 rank, the layout ``--auto`` picks for one GPU; (d) 16,777,216
 tokens on 32 ranks (configs/llama3_8b_16m.yaml), ranks 0, 9 and 31; (e) 1M on 8 ranks, one layout of each family,
 ranks 0 and 7. Figures are rehearsed (fake tensors on a CPU), not measured on a GPU.
@@ -33,7 +34,7 @@ FAMILY = {  # the shipped 1M layout (tp1 cp8 ring, Memo a=0.25, MsT, FSDP2) with
 }
 CASES = {
     "a": (C1M, [], "all", 8, 1),
-    "b": ("configs/llama3_8b_4m.yaml", [], "all", 8, 1),
+    "b": ("configs/llama3_8b_4m.yaml", [], "0,7", 8, 1),
     # the layout tools/estimate.py --auto picks for one H100 at 512K: tp1 cp1 ckpt-offload mst fsdp2-cpu-offload
     "c": (C1M, ["data.seq_length=524288", "parallel.context_parallel_size=1", "memory.activation_offload=checkpoints",
                 "parallel.fsdp_cpu_offload=true"], "0", 1, 1),
@@ -62,12 +63,38 @@ def run(name: str, jobs: int, tmp: str) -> dict:
     return res
 
 
+def table(results: dict) -> str:
+    """The cases as the Markdown table of docs/rehearsal.md (GiB; "estimator": its allocated peak, the like-for-like
+    figure; "fits": the rehearsed peak within the h100 profile's usable memory)."""
+    g = 2 ** 30
+    rows = ["| case | `--set` beyond the config | ranks | rehearsed peak (rank, moment) | estimator | diff | fits "
+            "(usable) | setup peak | host / rank | violations | time |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        s = r.get("summary")
+        if s is None:
+            rows.append(f"| {name} | {' '.join(r['overrides'])} | {r['ranks']} | exit {r['exit']}: "
+                        f"{' '.join(r['last_line'])[:120]} | | | | | | | {r['seconds'] / 60:.1f} min |")
+            continue
+        sets = " ".join(f"`{o}`" for o in r["overrides"]) or "(as shipped)"
+        rows.append(f"| {name} | {sets} | {r['ranks']} of {s['world']} | {s['max_peak_device_bytes'] / g:.2f} "
+                    f"(rank {s['max_peak_rank']}, {s['max_peak_moment']}) | {s['estimator_peak_bytes'] / g:.2f} | "
+                    f"{100 * s['difference']:+.1f}% | {'yes' if s['fits'] else 'NO'} "
+                    f"({s['device_capacity_bytes'] / g:.2f}) | {s['max_setup_peak_bytes'] / g:.2f} | "
+                    f"{s['max_host_bytes'] / g:.2f} | {s['violations']} | {r['seconds'] / 60:.1f} min |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--only", default=None, help="comma-separated case names (default: all)")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--table", action="store_true", help="print --out's cases as a Markdown table and stop")
     a = p.parse_args()
+    if a.table:
+        print(table(json.load(open(a.out))))
+        return 0
     names = a.only.split(",") if a.only else list(CASES)
     results = json.load(open(a.out)) if os.path.exists(a.out) else {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -288,12 +288,16 @@ def test_fused_cuda_attention_copies_are_counted_per_kernel_call():
     assert T.attention_backward_lse(ring, _dims(ring, 8)) == 12.5 * Q
 
 
-def test_one_gpu_reruns_peak_at_the_pre_reruns_rope_upcasts():
-    """One H100 at 512K tokens, every token re-run (Memo with alpha 0, MsT, FSDP2 CPU offload): the layer backward's
-    largest moment is the dropped tokens' pre re-run before the attention backward -- the layer input's grad (8 GiB),
-    dout (4), norm 1's fp32 output and its bf16 cast (8 + 4), the QKV output and q copied out of it (6 + 4), RoPE's
-    fp32 upcasts of q (3.5 x 8) -- 62 GiB, as the rehearsal traces it (its peak, 89.4 GiB, is this moment)."""
+def test_one_gpu_reruns_pre_moment_and_ropes_temporaries():
+    """One H100 at 512K tokens, every token re-run (Memo with alpha 0, MsT, FSDP2 CPU offload): the dropped tokens'
+    pre re-run before the attention backward holds the layer input's grad (8 GiB), dout (4), norm 1's fp32 output
+    and its bf16 cast (8 + 4), the QKV output and q copied out of it (6 + 4) and RoPE's fp32 temporaries of q --
+    1.5 x 8 since ``apply_rotary`` writes its halves into one buffer (3.5 x 8 before: 62 GiB, the rehearsal's peak
+    then) -- 46 GiB; the attention backward's moment, 51 GiB, is now the largest."""
     cfg = load_config(os.path.join(CONFIGS, "llama3_8b_1m.yaml"), [
         "data.seq_length=524288", "parallel.context_parallel_size=1", "memory.offload_fraction=0",
         "parallel.fsdp_cpu_offload=true"])
-    assert T.tokenwise_backward(cfg, _dims(cfg, 1), 1.0) == 62 * GIB
+    x = _dims(cfg, 1)
+    U, Q = x.tokens_res * x.h * x.res, x.tokens * x.nq_l * x.d * x.act
+    assert U + Q + T.pre_no_graph(x, x.tokens, graph=True) == 46 * GIB
+    assert T.tokenwise_backward(cfg, x, 1.0) == 51 * GIB

@@ -87,11 +87,11 @@ def pre_no_graph(x: Dims, n: float, graph: bool = False) -> float:
     output (local rows, in the residual dtype: the norm runs in its input's dtype; the caller's frame holds it),
     with ``graph`` its cast to the compute dtype that the QKV projection saves (all-gathered with SP; without autograd
     it is freed with the projection), the projection's output, q copied out of it (when a rank has several kv
-    groups), and RoPE's fp32 temporaries of q (``model/rope.py``: x·cos, the second upcast x, -x2 (half) and
-    rotate_half(x): 3.5 q-sized fp32 tensors)."""
+    groups), and RoPE's fp32 temporaries of q (``model/rope.apply_rotary``: x·cos and one half's product, 1.5 q-sized
+    fp32 tensors)."""
     q_copy = x.nq_l if x.nkv_l > 1 else 0
     return n * (x.h * x.res * x.tokens_res / x.tokens + (x.h * x.act if graph else 0)
-                + (x.nq_l + 2 * x.nkv_l + q_copy) * x.d * x.act + 3.5 * x.nq_l * x.d * 4)
+                + (x.nq_l + 2 * x.nkv_l + q_copy) * x.d * x.act + 1.5 * x.nq_l * x.d * 4)
 
 
 def layer_forward(cfg: Config, x: Dims, chunk: Optional[float] = None, no_graph: float = 0.0,
@@ -206,8 +206,8 @@ def tokenwise_backward(cfg: Config, x: Dims, rerun: float, merged: float = 0.0) 
       output, kept by the v view; q, k after RoPE), ``merged`` and the core's backward (``attention_backward_lse``).
 
     Example, one H100 at 512K tokens (Llama3-8B, every token re-run, MsT, bf16): U = 8 GiB, Q = 4 GiB; the pre
-    moment is the largest, 8 + 4 + 8 (norm 1's fp32 output) + 4 (its bf16 cast) + 6 (the QKV output) + 4 (q copied
-    out of it) + 28 (RoPE's fp32 temporaries of q) = 62 GiB."""
+    moment is 8 + 4 + 8 (norm 1's fp32 output) + 4 (its bf16 cast) + 6 (the QKV output) + 4 (q copied out of it) +
+    12 (RoPE's fp32 temporaries of q) = 46 GiB, the attention moment 51 GiB (the largest)."""
     t, tr, h, a, r, d = x.tokens, x.tokens_res, x.h, x.act, x.res, x.d
     U, Q = tr * h * r, t * x.nq_l * d * a
     dropped, kept = rerun, 1.0 - rerun
@@ -291,7 +291,10 @@ def layer_backward(cfg: Config, x: Dims, rerun: Optional[float] = None, chunk: O
         # + the block's output grad (linear_proj's input grad) and the input grad it fills
         attn = t * x.nq_l * d * a + x.tokens_res * h * x.res + block
     sp = t * h * a if x.sp else 0  # the all-gather of the incoming grad for the row linear's backward
-    return max(mlp, attn) + sp
+    # the MLP's backward beside the layer's incoming grad dy (residual dtype; autograd frees it once norm 2's input
+    # grad is added to it) and its cast to the MLP output's dtype, the MLP's incoming grad
+    dy = x.tokens_res * h * (x.res + (a if a != x.res else 0))
+    return max(dy + mlp, attn) + sp
 
 
 def head_forward(cfg: Config, x: Dims) -> float:
