@@ -266,11 +266,9 @@ def layer_skeletal(x: Dims, mlp_chunked: bool, fpdt_offload: bool, token_wise: b
     # fused norms on both devices (RMSNorm: model/norm.py's twin on CPU): input + rstd (LayerNorm: + mean)
     norm_extra = [Item("norm rstd/mean", tr * 4 * (1 if x.rmsnorm else 2))]
     items += norm_extra
-    if x.fpdt and fpdt_offload:
-        # the projection's saved chunk inputs go to the host, but each chunk's detached leaf (a view) keeps the
-        # block input itself alive on the device (attention/fpdt/project.py: ChunkProjection.x_leaf)
-        items.append(Item("FPDT block input (norm out, held by the chunk projections)", tr * h * r))
-    else:
+    # FPDT with offload: the projection's saved chunk inputs go to the host and the chunks' gradient leaves let go
+    # of the block input (attention/fpdt/project.py), so nothing of norm 1's output stays on the device
+    if not (x.fpdt and fpdt_offload):
         items.append(Item("linear_qkv input (norm out, all-gathered with SP)", t * h * a))
     if token_wise and not x.fpdt:
         # recompute full / Memo (memory/memo/steps.py): the layer's slot keeps the local q, k (after RoPE) and v
