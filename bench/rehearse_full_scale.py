@@ -4,10 +4,10 @@ a fresh process, 2 steps to the optimizer step), the summaries side by side with
     python bench/rehearse_full_scale.py --out bench/results/rehearsal_full_scale_2026-11-24.json [--only a,e-ring]
     python bench/rehearse_full_scale.py --out bench/results/rehearsal_full_scale_2026-11-24.json --table
 
-Cases: (a) configs/llama3_8b_1m.yaml as shipped, all 8 ranks; (b) 4,194,304 tokens on 8 ranks (ranks 0 and 7), the layout
-``tools/estimate.py --auto`` writes (configs/llama3_8b_4m.yaml); (c) 524,288 tokens on 1 rank, the layout ``--auto`` picks for one GPU; (d) 16,777,216
-tokens on 32 ranks (configs/llama3_8b_16m.yaml), ranks 0, 9 and 31; (e) 1M on 8 ranks, one layout of each family,
-ranks 0 and 7. Figures are rehearsed (fake tensors on a CPU), not measured on a GPU.
+Cases: (a) configs/llama3_8b_1m.yaml as shipped, all 8 ranks; (b) 4,194,304 tokens on 8 ranks (ranks 0 and 7),
+the layout ``tools/estimate.py --auto`` writes (configs/llama3_8b_4m.yaml); (c) 524,288 tokens on 1 rank, the
+layout ``--auto`` picks for one GPU; (d) 16,777,216 tokens on 32 ranks (configs/llama3_8b_16m.yaml), ranks 0, 9
+and 31; (e) 1M on 8 ranks, one layout of each family, ranks 0 and 7. Figures are rehearsed (fake tensors on a CPU), not measured on a GPU.
 """
 from __future__ import annotations
 

@@ -67,8 +67,9 @@ def kernel_extra(cfg: Config, x: Dims, Q: float, KV: float, fq: float, fk: float
 def _norm_backward(x: Dims, rows: float) -> float:
     """A norm's backward on ``rows`` residual rows above its saved input and incoming grad: its input grad (residual
     dtype: the norms run in their input's dtype); on CPU the twin of ``model/norm.py`` also holds x·rstd and the
-    incoming grad times it in fp32 while it reduces them, one slice of ``ROWS_ELEMS`` elements at a time (and the
-    incoming grad times the weight in fp32 when the residual is not fp32); torch's fused kernel on CUDA holds none."""
+    incoming grad times it in fp32 while it reduces them, one slice of ``RMS_NORM_SLICE_ELEMS`` elements at a time
+    (and the incoming grad times the weight in fp32 when the residual is not fp32); torch's fused kernel on CUDA
+    holds none."""
     full = rows * x.h
     if x.device == "cuda":
         return full * x.res

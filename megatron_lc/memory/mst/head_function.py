@@ -143,8 +143,9 @@ def mini_sequence_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: t
                                 grad_in_forward: bool | None = None) -> torch.Tensor:
     """Per-token loss (fp32, shaped like ``labels``) of the vocab-parallel head ``x [N, h] @ weight[V/tp, h]^T``
     against global ``labels`` of N tokens (any shape: the head returns ``[s, b]`` as it is, not a view of ``[N]``, so
-    FSDP2's pre-backward hook sits on the tensor the loop uses), over chunks of ``chunk`` rows. ``grad_in_forward`` (default: when autograd is recording and x or
-    weight needs a gradient) precomputes the gradient in forward (module doc); ``False`` recomputes it in backward."""
+    FSDP2's pre-backward hook sits on the tensor the loop uses), over chunks of ``chunk`` rows. ``grad_in_forward``
+    (default: when autograd is recording and x or weight needs a gradient) precomputes the gradient in forward
+    (module doc); ``False`` recomputes it in backward."""
     if grad_in_forward is None:
         grad_in_forward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return _MiniSequenceLinearCE.apply(x, weight, labels, topo, chunk, ignore_index, grad_in_forward)
