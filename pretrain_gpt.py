@@ -49,9 +49,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_lc.config import ConfigError, load_config
     from megatron_lc.data import DataError, with_tokenizer_vocab
-    from megatron_lc.training.faults import TrainingError, out_of_host_memory
+    from megatron_lc.training.errors import TrainingError
+    from megatron_lc.training.faults import out_of_host_memory
     from megatron_lc.training.launcher import follow_launcher
-    from megatron_lc.training.runtime import env_world, setup_logging
+    from megatron_lc.training.process_group import env_world, setup_logging
 
     rank = env_world()[0]
     try:

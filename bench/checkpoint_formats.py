@@ -38,8 +38,8 @@ def save_format2(path: str, cfg, topo, model, opt, iteration: int, consumed: int
 
     from megatron_lc.parallel.topology import Axis
     from megatron_lc.parallel.collectives import all_gather_objects
-    from megatron_lc.training.checkpoint import file_digest
-    from megatron_lc.training.checkpoint_data import rng_state
+    from megatron_lc.training.checkpointing.load import file_digest
+    from megatron_lc.training.checkpointing.data_only import rng_state
 
     tmp = path + ".tmp"
     if topo.rank == 0:
@@ -75,9 +75,9 @@ def rank_bench(rank, world, repeats, extra):
 
     from megatron_lc.config import load_config, resolve_layout
     from megatron_lc.parallel.topology import Topology
-    from megatron_lc.training import checkpoint as ck
+    from megatron_lc.training.checkpointing import load as ck
     from megatron_lc.parallel.collectives import all_gather_objects
-    from megatron_lc.training.checkpoint_save import save_checkpoint
+    from megatron_lc.training.checkpointing.save import save_checkpoint
     from megatron_lc.training.loop import Trainer
 
     cfg = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml"),

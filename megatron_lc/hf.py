@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from .config import Config, ConfigError, resolve_layout
 from .config.model import ROPE_SCALING, check_rope_scaling
-from .training.checkpoint import write_model_checkpoint
-from .training.reshard import parameter_shapes
+from .training.checkpointing.load import write_model_checkpoint
+from .training.checkpointing.reshard import parameter_shapes
 
 HF_TO_MODEL = {  # HF config.json field -> model section key (the rest is derived or checked below)
     "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "ffn_hidden_size",

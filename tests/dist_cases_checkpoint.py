@@ -15,9 +15,9 @@ def rank1_faults(rank, world, run, marker):
     import torch.distributed as dist
 
     from megatron_lc.parallel.topology import Topology
-    from megatron_lc.training.checkpoint import file_digest
-    from megatron_lc.training.checkpoint_data import UntrustedCheckpointError, rng_state
-    from megatron_lc.training.checkpoint_save import CheckpointWriteError
+    from megatron_lc.training.checkpointing.load import file_digest
+    from megatron_lc.training.checkpointing.data_only import UntrustedCheckpointError, rng_state
+    from megatron_lc.training.checkpointing.save import CheckpointWriteError
     from megatron_lc.training.loop import Trainer
     from tests.parity import small_config
     from tests.test_checkpoint_trust import Payload

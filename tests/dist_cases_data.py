@@ -9,7 +9,7 @@ from megatron_lc.config import load_config, resolve_layout
 from megatron_lc.data import build_dataset, split_sizes
 from megatron_lc.data.indexed import write_indexed
 from megatron_lc.parallel.topology import Topology
-from megatron_lc.training.evaluate import gather_sequence
+from megatron_lc.training.eval.by_position import gather_sequence
 from megatron_lc.training.batches import microbatches
 
 EOD = 255  # NullTokenizer of 255 ids: the end-of-document id is 255

@@ -12,8 +12,8 @@ import torch
 from megatron_lc.config import resolve_layout
 from megatron_lc.parallel.tensor_parallel import shard_full_tensor
 from megatron_lc.parallel.topology import Topology
-from megatron_lc.training.evaluate import predict_tokens, token_losses_global
-from megatron_lc.training.passkey import PasskeyPrompt, evaluate_passkey, passkey_key
+from megatron_lc.training.eval.by_position import predict_tokens, token_losses_global
+from megatron_lc.training.eval.passkey import PasskeyPrompt, evaluate_passkey, passkey_key
 from tests.parity import batch_for, build, small_config
 
 # rows of predict_tokens' positions: any order, a repeat, -1 = none

@@ -20,7 +20,7 @@ def nonfinite_on_one_rank(rank, world, overrides, bad_steps, bad_rank):
     """Rank ``bad_rank`` alone sees a non-finite grad norm at ``bad_steps`` (after the grad sync, so the other
     ranks' own values are finite). Returns (per-step skipped flags, final params, error message or None)."""
     from megatron_lc.training import loop
-    from megatron_lc.training.faults import NonFiniteError
+    from megatron_lc.training.errors import NonFiniteError
 
     original = loop.clip_grad_norm
     trainer = _trainer(overrides)

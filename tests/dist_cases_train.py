@@ -28,8 +28,8 @@ def write_format2(path, cfg, full: dict, tp: int) -> None:
     import torch
 
     from megatron_lc.parallel.tensor_parallel import cut_shard
-    from megatron_lc.training.checkpoint import file_digest
-    from megatron_lc.training.reshard import partitions
+    from megatron_lc.training.checkpointing.load import file_digest
+    from megatron_lc.training.checkpointing.reshard import partitions
 
     os.makedirs(path)
     parts = partitions(cfg, tp)

@@ -59,7 +59,7 @@ def install(hook: str) -> None:
     if kind == "none":
         return
     if kind == "hang_in_save":
-        from megatron_lc.training import checkpoint_save as checkpoint
+        from megatron_lc.training.checkpointing import save as checkpoint
 
         iteration, marker = int(args[0]), args[1]
         original = checkpoint.atomic_torch_save

@@ -1,4 +1,4 @@
-"""Asynchronous checkpoints (``checkpoint.async_save``; training/async_checkpoint.py): the checkpoints are those of a
+"""Asynchronous checkpoints (``checkpoint.async_save``; training/checkpointing/async_save.py): the checkpoints are those of a
 synchronous save bit for bit although training goes on while they are written; a resume from them continues the run
 bit for bit, also on 2 ranks at another layout; a process killed while a save is in flight leaves the previous
 checkpoint the newest that loads, and the next run says so."""
@@ -13,9 +13,9 @@ import textwrap
 import torch
 
 from megatron_lc.parallel.topology import Topology
-from megatron_lc.training.checkpoint_dir import complete_iterations, read_meta
+from megatron_lc.training.checkpointing.directory import complete_iterations, read_meta
 from megatron_lc.training.loop import Trainer
-from megatron_lc.training.sharded_state import full_model_state
+from megatron_lc.training.checkpointing.sharded_state import full_model_state
 from tests import dist_cases_faults
 from tests.dist import run_dist
 from tests.parity import small_config
@@ -67,7 +67,7 @@ KILLED = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {root!r})
     from megatron_lc.parallel.topology import Topology
-    from megatron_lc.training import async_checkpoint
+    from megatron_lc.training.checkpointing import async_save as async_checkpoint
     from megatron_lc.training.loop import Trainer
     from tests.parity import small_config
 

@@ -1,4 +1,4 @@
-"""A checkpoint is data (training/checkpoint_data.py): files crafted to run code when unpickled -- a ``.metadata``,
+"""A checkpoint is data (training/checkpointing/data_only.py): files crafted to run code when unpickled -- a ``.metadata``,
 an RNG file, a ``.metadata`` that routes a piece through ``torch.load(weights_only=False)`` -- are refused on
 resume and by the tools, and their payload never runs. Each crafted file is first shown to run its payload when
 unpickled the way torch does by default, so a refusal is not a payload that would have failed anyway."""
@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from megatron_lc.config import ConfigError
 from megatron_lc.parallel.topology import Topology
-from megatron_lc.training.checkpoint import file_digest
-from megatron_lc.training.checkpoint_data import UntrustedCheckpointError, rng_state, set_rng_state
+from megatron_lc.training.checkpointing.load import file_digest
+from megatron_lc.training.checkpointing.data_only import UntrustedCheckpointError, rng_state, set_rng_state
 from megatron_lc.training.loop import Trainer
 from tests.parity import small_config
 from tests.test_nothing_silent import ROOT, TINY, assert_one_error, pretrain

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_lc.config import load_config
-from megatron_lc.training.runtime import process_group_backend
+from megatron_lc.training.process_group import process_group_backend
 from tests import dist_cases_collectives as dc
 from tests.dist import run_dist
 

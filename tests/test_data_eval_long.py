@@ -14,7 +14,7 @@ import yaml
 from megatron_lc.data.tokenizer import HuggingFaceTokenizer
 from megatron_lc.parallel.topology import Topology
 from megatron_lc.training.loop import Trainer
-from megatron_lc.training.passkey import PasskeyPrompt
+from megatron_lc.training.eval.passkey import PasskeyPrompt
 from tests.data_util import llama3_tokenizer
 from tests.parity import LOSS_RTOL, small_config
 

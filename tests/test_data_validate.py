@@ -1,4 +1,4 @@
-"""Validation during training (``train.eval_interval``, ``eval_iters``, ``test_at_end``; training/validate.py): the
+"""Validation during training (``train.eval_interval``, ``eval_iters``, ``test_at_end``; training/eval/validation.py): the
 valid loss at the interval and at the end, the test split on request, in metrics.jsonl, on the console and in
 plot_metrics' picture; equal to a plain one-process evaluation of the same samples; the same under tp, ring /
 Ulysses / FPDT cp, FSDP2, MsT and Memo; an empty valid split is one line."""

@@ -1,4 +1,4 @@
-"""Long-context evaluation (megatron_lc/training/evaluate.py + passkey.py, tools/eval_long.py): per-token losses
+"""Long-context evaluation (megatron_lc/training/eval/by_position.py + passkey.py, tools/eval_long.py): per-token losses
 under ring, Ulysses, FPDT and tp with SP equal the single-process forward; the argmax of chosen positions equals
 the full logits'; a model made to know a passkey is scored right and another key wrong, single-process and parallel;
 bucket edges and counts; the command line end to end (one process and torchrun cp=2, same numbers) and a bad --load."""
@@ -18,9 +18,9 @@ import yaml
 from megatron_lc.config import ConfigError, resolve_layout
 from megatron_lc.data.tokenizer import SentencePieceTokenizer
 from megatron_lc.parallel.topology import Topology
-from megatron_lc.training.evaluate import (PositionLoss, bucket_edges, context_positions, default_bucket_edges,
-                                           predict_tokens, vocab_parallel_argmax)
-from megatron_lc.training.passkey import PasskeyPrompt, passkey_batch, passkey_key
+from megatron_lc.training.eval.by_position import (PositionLoss, bucket_edges, context_positions, default_bucket_edges,
+                                                   predict_tokens, vocab_parallel_argmax)
+from megatron_lc.training.eval.passkey import PasskeyPrompt, passkey_batch, passkey_key
 from megatron_lc.training.loop import Trainer
 from tests import dist_cases_eval as cases
 from tests.dist import run_dist

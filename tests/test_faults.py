@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megatron_lc.parallel.topology import Topology
-from megatron_lc.training.checkpoint_dir import find_latest, read_meta
+from megatron_lc.training.checkpointing.directory import find_latest, read_meta
 from megatron_lc.training.loop import Trainer
 from tests.faults_util import ROOT, env_for, finish, free_port, kill_all, launch, metrics, wait_for, write_config
 from tests.parity import LOSS_RTOL, small_config

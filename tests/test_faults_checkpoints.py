@@ -1,4 +1,4 @@
-"""Checkpoints under faults (training/checkpoint_save.py, checkpoint_dir.py): a state that is not finite is never
+"""Checkpoints under faults (training/checkpointing/save.py, checkpoint_dir.py): a state that is not finite is never
 saved, saves during skipped steps never prune a good checkpoint, the skip count survives a resume, numbers out of
 range are refused, a full disk is one line, a damaged meta.json falls back and a checkpoint that does not load is
 set aside. Non-finite values are injected by monkeypatching in the test (the library has no injection switch)."""
@@ -14,9 +14,9 @@ import pytest
 
 from megatron_lc.config import ConfigError
 from megatron_lc.parallel.topology import Topology
-from megatron_lc.training.checkpoint_dir import complete_iterations
-from megatron_lc.training.checkpoint_save import NonFiniteStateError
-from megatron_lc.training.faults import NonFiniteError
+from megatron_lc.training.checkpointing.directory import complete_iterations
+from megatron_lc.training.checkpointing.save import NonFiniteStateError
+from megatron_lc.training.errors import NonFiniteError
 from megatron_lc.training.loop import Trainer
 from tests.parity import small_config
 from tests.test_faults_nonfinite import _inject

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_lc.parallel.topology import Topology
-from megatron_lc.training.faults import NonFiniteError
+from megatron_lc.training.errors import NonFiniteError
 from megatron_lc.training.loop import Trainer
 from tests import dist_cases_faults
 from tests.dist import run_dist

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import os
 
+import pytest
+
 PKG = "megatron_lc"
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PKG)
 
@@ -156,14 +158,27 @@ LAYERS = [
 ]
 
 
-def layering_violations(packages: dict) -> list:
-    """Each ``a -> b`` edge whose ``b`` is not in a lower layer than ``a`` (an unknown package is a violation)."""
-    layer = {p: i for i, ps in enumerate(LAYERS) for p in ps}
+# Inside a folder its subfolders are layers too, below or above the folder's own files ("*": every other module of
+# the folder). training/: the errors that end a run and a step's micro-batches <- checkpointing/ | eval/ <- the rest.
+SUBLAYERS = {
+    "training": [{"errors", "batches"}, {"checkpointing", "eval"}, {"*"}],
+}
+
+
+def layering_violations(packages: dict, layers: list = LAYERS) -> list:
+    """Each ``a -> b`` edge whose ``b`` is not in a lower layer than ``a`` (an unknown package is a violation;
+    ``"*"`` in ``layers`` stands for every name not listed, and those may import each other)."""
+    layer = {p: i for i, ps in enumerate(layers) for p in ps}
+    rest = layer.get("*")
+    layer = {p: i for p, i in layer.items() if p != "*"}
     bad = []
     for a, bs in sorted(packages.items()):
         for b in sorted(bs):
-            if a not in layer or b not in layer or layer[b] >= layer[a]:
-                bad.append(f"{a} (layer {layer.get(a)}) imports {b} (layer {layer.get(b)})")
+            la, lb = layer.get(a, rest), layer.get(b, rest)
+            if a not in layer and b not in layer and rest is not None:
+                continue  # two of the folder's other modules: one layer, ordered by the no-cycle test
+            if la is None or lb is None or lb >= la:
+                bad.append(f"{a} (layer {la}) imports {b} (layer {lb})")
     return bad
 
 
@@ -178,4 +193,33 @@ def test_packages_are_layered():
     <- compose <- training <- estimate | hf <- rehearsal; no package imports one of its own layer or above."""
     packages = package_graph(import_graph())
     bad = layering_violations(packages)
+    assert not bad, "\n".join(bad)
+
+
+def folder_graph(graph: dict, folder: str) -> dict:
+    """The module graph of ``megatron_lc.<folder>`` folded into its children (a subfolder or a module each);
+    ``__init__`` files are left out (they import nothing of their folder)."""
+    prefix = f"{PKG}.{folder}."
+
+    def child(m):
+        return m[len(prefix):].split(".")[0] if m.startswith(prefix) else None
+    out: dict = {}
+    for a, bs in graph.items():
+        ca = child(a)
+        if ca is None:
+            continue
+        out.setdefault(ca, set()).update(c for c in map(child, bs) if c is not None and c != ca)
+    return out
+
+
+def test_sublayer_detector_sees_an_edge_up():
+    graph = {f"{PKG}.training.checkpointing.save": {f"{PKG}.training.loop"}, f"{PKG}.training.loop": set()}
+    assert layering_violations(folder_graph(graph, "training"), SUBLAYERS["training"]) == [
+        "checkpointing (layer 1) imports loop (layer 2)"]
+
+
+@pytest.mark.parametrize("folder", sorted(SUBLAYERS))
+def test_subfolders_are_layered(folder):
+    """``SUBLAYERS``: inside a folder, a subfolder imports only the modules of the layers below it."""
+    bad = layering_violations(folder_graph(import_graph(), folder), SUBLAYERS[folder])
     assert not bad, "\n".join(bad)

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 
-from megatron_lc.training.checkpoint_dir import complete_iterations, find_latest
+from megatron_lc.training.checkpointing.directory import complete_iterations, find_latest
 from tests.faults_util import ROOT, env_for, kill_all, metrics, wait_for, write_config
 
 WORLD = ["train.global_batch_size=4", "train.train_iters=100000"]

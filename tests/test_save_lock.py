@@ -1,4 +1,4 @@
-"""One run per checkpoint.save directory (training/save_lock.py): a second run is one line naming the holder, a
+"""One run per checkpoint.save directory (training/checkpointing/lock.py): a second run is one line naming the holder, a
 dead run's lock is taken over and said, a lock of another machine is refused with the file to remove."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 
 from megatron_lc.config import ConfigError
 from megatron_lc.training import entry
-from megatron_lc.training.checkpoint_dir import complete_iterations
-from megatron_lc.training.save_lock import LOCK, SaveLock
+from megatron_lc.training.checkpointing.directory import complete_iterations
+from megatron_lc.training.checkpointing.lock import LOCK, SaveLock
 from tests.faults_util import finish, kill_all, launch, metrics, wait_for, write_config
 from tests.parity import small_config
 from tests.test_nothing_silent import TINY, assert_one_error, pretrain

@@ -79,7 +79,7 @@ def test_interrupted_save_keeps_last_good_checkpoint(tmp_path):
     broken.mkdir()
     (broken / "model_tp00.pt").write_bytes(b"partial")
     (ck / "latest_checkpointed_iteration.txt").write_text("4")
-    from megatron_lc.training.checkpoint_dir import find_latest
+    from megatron_lc.training.checkpointing.directory import find_latest
 
     assert find_latest(str(ck)) == str(ck / "iter_0000003")
     losses, consumed = run_dist(1, dist_cases_train.train, ["train.train_iters=4", "train.global_batch_size=4",

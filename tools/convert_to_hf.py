@@ -38,7 +38,7 @@ from megatron_lc.config import Config, ConfigError, DataConfig  # noqa: E402
 from megatron_lc.data import DataError, build_tokenizer  # noqa: E402
 from megatron_lc.data.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, tokenizer_type_of  # noqa: E402
 from megatron_lc.hf import check_exportable, hf_config, to_hf  # noqa: E402
-from megatron_lc.training.checkpoint import full_weights  # noqa: E402
+from megatron_lc.training.checkpointing.load import full_weights  # noqa: E402
 
 log = logging.getLogger("megatron_lc")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -142,9 +142,9 @@ def _size(text: str) -> int:
 def convert(checkpoint: str, out: str, dtype: str = "float32", keep_padded_vocab: bool = False,
             max_shard_size: str = "5GB", tokenizer: str | None = None, trust_pickle: bool = False) -> str:
     """Write the HF directory ``out`` for ``checkpoint`` (a save dir or one ``iter_N`` dir); returns the iter dir.
-    The checkpoint is read as data (``training/checkpoint_data.py``); ``trust_pickle`` is this call's alone,
+    The checkpoint is read as data (``training/checkpointing/data_only.py``); ``trust_pickle`` is this call's alone,
     never the checkpoint's own config (its meta.json could say anything)."""
-    from megatron_lc.training.checkpoint_dir import find_latest, read_meta
+    from megatron_lc.training.checkpointing.directory import find_latest, read_meta
 
     path = find_latest(checkpoint) if os.path.isdir(checkpoint) else None
     if path is None:

@@ -17,7 +17,7 @@ by length x depth, under the config's parallel layout (tp, ring / Ulysses / hybr
 
 The weights are loaded at any layout (``load_checkpoint`` with no optimizer); nothing is saved (``checkpoint.save``
 is ignored). Exit status: 0 done, 2 a config, data or checkpoint error (one line).
-Library: ``megatron_lc/training/evaluate.py`` and ``passkey.py``; fields of the JSON: ``docs/context_extension.md``.
+Library: ``megatron_lc/training/eval/by_position.py`` and ``passkey.py``; fields of the JSON: ``docs/context_extension.md``.
 """
 from __future__ import annotations
 
@@ -38,13 +38,13 @@ import torch  # noqa: E402
 from megatron_lc.config import Config, ConfigError, Layout, load_config, resolve_execution, resolve_layout  # noqa
 from megatron_lc.data import DataError, build_dataset, build_tokenizer, with_tokenizer_vocab  # noqa: E402
 from megatron_lc.parallel.topology import Topology  # noqa: E402
-from megatron_lc.training.checkpoint import load_checkpoint  # noqa: E402
-from megatron_lc.training.checkpoint_dir import find_latest, is_hf_model_dir  # noqa: E402
+from megatron_lc.training.checkpointing.load import load_checkpoint  # noqa: E402
+from megatron_lc.training.checkpointing.directory import find_latest, is_hf_model_dir  # noqa: E402
 from megatron_lc.training.entry import errors_said_once, setup_done  # noqa: E402
 from megatron_lc.training.launcher import follow_launcher, launch_local, worker_args  # noqa: E402
-from megatron_lc.training.evaluate import bucket_edges, default_bucket_edges, evaluate_positions  # noqa: E402
-from megatron_lc.training.passkey import PasskeyPrompt, check_passkey, evaluate_passkey  # noqa: E402
-from megatron_lc.training.runtime import env_world, init_distributed, setup_logging, shutdown  # noqa: E402
+from megatron_lc.training.eval.by_position import bucket_edges, default_bucket_edges, evaluate_positions  # noqa: E402
+from megatron_lc.training.eval.passkey import PasskeyPrompt, check_passkey, evaluate_passkey  # noqa: E402
+from megatron_lc.training.process_group import env_world, init_distributed, setup_logging, shutdown  # noqa: E402
 from megatron_lc.training.setup import build_and_calibrate  # noqa: E402
 
 log = logging.getLogger("megatron_lc")

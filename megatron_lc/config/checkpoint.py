@@ -21,7 +21,7 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False  # load the weights only; iteration, consumed samples and the LR schedule start at 0
-    # a checkpoint is read as data (training/checkpoint_data.py); true also unpickles a file that holds more (an
+    # a checkpoint is read as data (training/checkpointing/data_only.py); true also unpickles a file that holds more (an
     # older format's RNG file, or a planted one: only for a checkpoint you trust), said in the log
     trust_pickle: bool = False
 

@@ -28,7 +28,7 @@ class TrainConfig:
     seed: int = 1234
     bf16: bool = False  # GPU: bf16 autocast with fp32 master weights
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # ---- validation (training/validate.py; Megatron's names) ----
+    # ---- validation (training/eval/validation.py; Megatron's names) ----
     # steps between validations of the valid split (data.split), and once more after the last step; unset: none
     eval_interval: Optional[int] = None
     eval_iters: int = 10  # global batches of the valid split per validation: the same samples every time

@@ -10,7 +10,7 @@ head when they are untied; the final norm (and a tied embedding / head) is the r
 Example, 8 ranks, tp=2, cp=4 (dp x cp groups ``[0,2,4,6]`` and ``[1,3,5,7]``, see ``topology.py``): a layer's
 QKV weight ``[3072, 2048]`` is ``[1536, 2048]`` per tp rank (rows), and each of ranks 0, 2, 4, 6 keeps a quarter of
 tp rank 0's piece, ``[1536, 512]`` -- FSDP cuts a dim other than the tp partition (``shard_dim``), so a checkpoint
-can name every shard as a box of the full tensor (``training/sharded_state.py``).
+can name every shard as a box of the full tensor (``training/checkpointing/sharded_state.py``).
 
 Gradients: our loss is the global mean divided out before backward, so the dp x cp reduction must be a SUM (FSDP2
 averages by default: ``set_gradient_divide_factor(1)``); with ``train.bf16`` the weights are all-gathered in bf16

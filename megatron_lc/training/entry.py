@@ -26,8 +26,8 @@ from ..config import Config, ConfigError
 from ..data import DataError
 from ..data.demo import prepare_demo_data
 from .loop import Trainer, TrainState
-from .runtime import init_distributed, shutdown
-from .save_lock import lock_save_dir
+from .process_group import init_distributed, shutdown
+from .checkpointing.lock import lock_save_dir
 
 log = logging.getLogger("megatron_lc")
 

@@ -35,28 +35,11 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
+from .errors import CollectiveTimeoutError, NonFiniteError, PeerLostError, TrainingError
 
 log = logging.getLogger("megatron_lc")
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on; the message is one line meant to be shown as is (pretrain_gpt.py exits 3)."""
-
-    per_rank = False  # True: each rank's message differs (shown by every rank, not only rank 0)
-
-
-class NonFiniteError(TrainingError):
-    pass
-
-
-class CollectiveTimeoutError(TrainingError):
-    per_rank = True
-
-
-class PeerLostError(TrainingError):
-    per_rank = True
 
 
 class StopControl:

@@ -18,15 +18,15 @@ import torch
 from ..config import Config, Layout
 from ..parallel.collectives import all_reduce
 from ..parallel.topology import Axis, Topology
-from .async_checkpoint import AsyncCheckpointer
-from .checkpoint_save import save_checkpoint
+from .checkpointing.async_save import AsyncCheckpointer
+from .checkpointing.save import save_checkpoint
 from .faults import SkipCounter, StopControl, collective_errors
 from .batches import microbatches
 from .logger import MetricsLogger
 from .metrics import pairs_per_sample, peak_flops, peak_memory_bytes, step_counts, step_metrics
 from .optimizer import clip_grad_norm, lr_at, set_lr, sync_gradients
 from .setup import setup_training
-from .validate import Validator
+from .eval.validation import Validator
 
 log = logging.getLogger("megatron_lc")
 

@@ -26,8 +26,8 @@ from ..parallel.fsdp import apply_fsdp
 from ..parallel.topology import Topology
 from ..planning.runtime import check_plan_setting
 from .batches import microbatches
-from .checkpoint import load_checkpoint
-from .checkpoint_dir import check_save_dir, find_latest, read_meta
+from .checkpointing.load import load_checkpoint
+from .checkpointing.directory import check_save_dir, find_latest, read_meta
 from .optimizer import build_optimizer
 
 log = logging.getLogger("megatron_lc")

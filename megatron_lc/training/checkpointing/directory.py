@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..config import Config, ConfigError
+from ...config import Config, ConfigError
 
 LATEST = "latest_checkpointed_iteration.txt"
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")

@@ -25,11 +25,11 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..config import ConfigError, Layout
-from ..data.tokenizer import SentencePieceTokenizer
-from ..parallel.collectives import all_reduce
-from ..parallel.topology import Axis, Topology
-from .evaluate import predict_tokens
+from ...config import ConfigError, Layout
+from ...data.tokenizer import SentencePieceTokenizer
+from ...parallel.collectives import all_reduce
+from ...parallel.topology import Axis, Topology
+from .by_position import predict_tokens
 
 log = logging.getLogger("megatron_lc")
 

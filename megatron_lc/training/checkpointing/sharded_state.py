@@ -38,10 +38,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..config import Config
-from ..parallel.tensor_parallel import tp_partition
-from ..parallel.topology import Axis, Topology
-from .checkpoint_data import DataOnlyReader, torch_types_only
+from ...config import Config
+from ...parallel.tensor_parallel import tp_partition
+from ...parallel.topology import Axis, Topology
+from .data_only import DataOnlyReader, torch_types_only
 from .reshard import parameter_shapes
 
 MOMENTS = ("exp_avg", "exp_avg_sq")

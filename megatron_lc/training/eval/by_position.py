@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..config import ConfigError, Layout
-from ..data import make_batch
-from ..parallel.collectives import all_gather, all_reduce
-from ..parallel.token_layout import local_token_index, shard_batch
-from ..parallel.topology import Axis, Topology
+from ...config import ConfigError, Layout
+from ...data import make_batch
+from ...parallel.collectives import all_gather, all_reduce
+from ...parallel.token_layout import local_token_index, shard_batch
+from ...parallel.topology import Axis, Topology
 
 log = logging.getLogger("megatron_lc")
 

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..config import ConfigError
+from ...config import ConfigError
 
 log = logging.getLogger("megatron_lc")
 

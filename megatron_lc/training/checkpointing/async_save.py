@@ -22,9 +22,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..config import Config
-from ..parallel.topology import Topology
-from .checkpoint_save import SaveJob, begin_save, finish_save, together
+from ...config import Config
+from ...parallel.topology import Topology
+from .save import SaveJob, begin_save, finish_save, together
 from .sharded_state import wait_written, write_async
 
 log = logging.getLogger("megatron_lc")

@@ -29,15 +29,15 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from ..config import Config
-from ..parallel.topology import Topology
+from ...config import Config
+from ...parallel.topology import Topology
 from . import sharded_state
-from ..parallel.collectives import all_gather_objects
-from .checkpoint import FORMAT_VERSION, _barrier, _digests, _zero
-from .checkpoint_data import rng_state
-from .checkpoint_dir import (LATEST, atomic_torch_save, atomic_write_text, iter_dir, newest_good_checkpoint, prune,
-                             remove_leftovers)
-from .faults import TrainingError
+from ...parallel.collectives import all_gather_objects
+from .common import FORMAT_VERSION, barrier, file_checksums, uses_zero
+from .data_only import rng_state
+from .directory import (LATEST, atomic_torch_save, atomic_write_text, iter_dir, newest_good_checkpoint, prune,
+                        remove_leftovers)
+from ..errors import TrainingError
 from .sharded_state import ShardedState
 
 log = logging.getLogger("megatron_lc")
@@ -190,7 +190,7 @@ def finish_save(cfg: Config, topo: Topology, opt, job: SaveJob, consumed_samples
     save, final, tmp = cfg.checkpoint.save, job.final, job.tmp
     together(topo, final, tmp, lambda: atomic_torch_save(job.rng, os.path.join(tmp, f"rng_rank{topo.rank:05d}.pt")))
     files = {}
-    for share in all_gather_objects(_digests(tmp, topo)):
+    for share in all_gather_objects(file_checksums(tmp, topo)):
         files.update(share)
     has_optim = any(all_gather_objects(job.has_optim))  # no AdamW state before the first step (or every step skipped)
 
@@ -199,7 +199,7 @@ def finish_save(cfg: Config, topo: Topology, opt, job: SaveJob, consumed_samples
             return
         meta = {"format_version": FORMAT_VERSION, "iteration": job.iteration, "consumed_samples": consumed_samples,
                 "world_size": topo.world_size, "tp": topo.tp, "cp": topo.cp, "dp": topo.dp,
-                "zero": _zero(opt), "optimizer": has_optim, "config": cfg.to_dict(), "files": files,
+                "zero": uses_zero(opt), "optimizer": has_optim, "config": cfg.to_dict(), "files": files,
                 **(extra or {})}
         atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         if os.path.isdir(final):  # re-saving the same iteration: move the old one aside first
@@ -215,5 +215,5 @@ def finish_save(cfg: Config, topo: Topology, opt, job: SaveJob, consumed_samples
     together(topo, final, tmp, publish)
     if topo.rank == 0:
         prune(save, cfg.checkpoint.keep_last)
-    _barrier(topo)  # every rank returns once the checkpoint is complete and pruned
+    barrier(topo)  # every rank returns once the checkpoint is complete and pruned
     return final

@@ -30,57 +30,25 @@ if the save dies between the two renames, the ``.old`` copy is found and loaded.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import shutil
 from typing import Optional
 
-import torch.distributed as dist
 
-from ..config import Config, ConfigError
-from ..parallel.collectives import all_gather_objects
-from ..parallel.topology import Axis, Topology
+from ...config import Config, ConfigError
+from ...parallel.collectives import all_gather_objects
+from ...parallel.topology import Axis, Topology
 from . import sharded_state
-from .checkpoint_data import DataOnlyReader, UntrustedCheckpointError, load_torch_file, set_rng_state
-from .checkpoint_dir import (LATEST, atomic_write_text, checkpoints_newest_first, is_hf_model_dir, iter_dir, read_meta,
-                             same_dir, set_aside, unfinished_saves)
+from .common import FORMAT_VERSION, file_checksums, file_digest, file_share, uses_zero
+from .data_only import DataOnlyReader, UntrustedCheckpointError, load_torch_file, set_rng_state
+from .directory import (LATEST, atomic_write_text, checkpoints_newest_first, is_hf_model_dir, iter_dir, read_meta,
+                        same_dir, set_aside, unfinished_saves)
 from .reshard import check_tp_change, merged_model_state, model_state_for, optimizer_state_for
 from .sharded_state import ShardedState
 
-FORMAT_VERSION = 3  # 3: torch.distributed.checkpoint; 2: torch files per tp rank, checksums; 1: no checksums
-
 log = logging.getLogger("megatron_lc")
-
-
-def file_digest(path: str) -> dict:
-    """``{"bytes": size, "sha256": hex}`` of a file."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return {"bytes": os.path.getsize(path), "sha256": h.hexdigest()}
-
-
-def _share(names: list, topo: Optional[Topology]) -> list:
-    """This rank's share of ``names`` (sorted; round-robin over the ranks), for hashing and checking files."""
-    names = sorted(names)
-    return names if topo is None else names[topo.rank::topo.world_size]
-
-
-def _digests(directory: str, topo: Optional[Topology]) -> dict:
-    """Size and sha256 of this rank's share of the files in ``directory`` (``topo`` None: all of them)."""
-    return {n: file_digest(os.path.join(directory, n)) for n in _share(os.listdir(directory), topo)}
-
-
-def _barrier(topo: Topology) -> None:
-    if topo.world_size > 1:
-        dist.barrier()
-
-
-def _zero(opt) -> bool:
-    return type(opt).__name__ == "ZeroRedundancyOptimizer"
 
 
 def write_model_checkpoint(save: str, cfg: Config, full: dict, extra: Optional[dict] = None) -> str:
@@ -97,7 +65,7 @@ def write_model_checkpoint(save: str, cfg: Config, full: dict, extra: Optional[d
     sharded_state.write_full_model(tmp, cfg, full)
     meta = {"format_version": FORMAT_VERSION, "iteration": 0, "consumed_samples": 0, "world_size": 1, "tp": 1,
             "cp": 1, "dp": 1, "zero": False, "optimizer": False, "config": cfg.to_dict(),
-            "files": _digests(tmp, None), **(extra or {})}
+            "files": file_checksums(tmp, None), **(extra or {})}
     atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
     os.replace(tmp, final)
     atomic_write_text(os.path.join(save, LATEST), "0")
@@ -179,15 +147,16 @@ def _check_files(path: str, meta: dict, names: list[str]) -> Optional[str]:
     return None
 
 
-def _load_v2(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> Optional[str]:
-    """Load this rank's share of a format-2 checkpoint ``path`` (resharded when it was saved at another tp); returns
+def _load_torch_files_per_tp(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> Optional[str]:
+    """Load this rank's share of a format-2 checkpoint ``path`` (one torch file per tp rank:
+    ``model_tp00.pt``, ``optim_tp00.pt`` ...) (resharded when it was saved at another tp); returns
     why it could not (naming the file), or None."""
     c, tp = cfg.checkpoint, meta["tp"]
     load_optim = opt is not None and not (c.no_load_optim or c.finetune) and meta.get("optimizer", True)
     same_tp = tp == topo.tp
     names = [f"model_tp{topo.tp_rank:02d}.pt"] if same_tp else [f"model_tp{r:02d}.pt" for r in range(tp)]
     if load_optim:
-        names += ([f"optim_tp{topo.tp_rank:02d}_dpcp{topo.axis_rank(Axis.DP_CP):04d}.pt"] if _zero(opt) else
+        names += ([f"optim_tp{topo.tp_rank:02d}_dpcp{topo.axis_rank(Axis.DP_CP):04d}.pt"] if uses_zero(opt) else
                   [f"optim_tp{topo.tp_rank:02d}.pt"] if same_tp else [f"optim_tp{r:02d}.pt" for r in range(tp)])
     rng_file = f"rng_rank{topo.rank:05d}.pt"
     restore_rng = (opt is not None and meta["world_size"] == topo.world_size and not (c.no_load_rng or c.finetune)
@@ -204,7 +173,7 @@ def _load_v2(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> 
                               f"{missing[:5]}, unexpected {unexpected[:5]}")
         if load_optim:
             name = names[-1]
-            if _zero(opt):
+            if uses_zero(opt):
                 opt.optim.load_state_dict(load_torch_file(os.path.join(path, name), c.trust_pickle))
             else:
                 opt.load_state_dict(optimizer_state_for(path, cfg, tp, topo, _param_names(model, opt)))
@@ -228,9 +197,9 @@ def _wants(meta: dict, cfg: Config, topo: Topology, opt) -> tuple[bool, Optional
     return load_optim, (rng_file if restore else None)
 
 
-def _check_v3_files(path: str, meta: dict, cfg: Config, topo: Topology) -> tuple[Optional[str], Optional[str]]:
+def _check_distributed_checkpoint_files(path: str, meta: dict, cfg: Config, topo: Topology) -> tuple[Optional[str], Optional[str]]:
     """(refusal, problem) of this rank's share of the files and, on rank 0, of DCP's metadata read as data."""
-    problem = _check_files(path, meta, _share(list(meta["files"]), topo))
+    problem = _check_files(path, meta, file_share(list(meta["files"]), topo))
     if problem is None and topo.rank == 0:
         try:
             DataOnlyReader(path, cfg.checkpoint.trust_pickle).read_metadata()
@@ -241,11 +210,11 @@ def _check_v3_files(path: str, meta: dict, cfg: Config, topo: Topology) -> tuple
     return None, problem
 
 
-def _load_v3(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> Optional[str]:
+def _load_distributed_checkpoint(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> Optional[str]:
     """Load a DCP checkpoint (collective: every rank calls it); returns why it could not, the same on every rank,
     or None. Every file is checked first, each by one rank; then DCP reads the pieces of this layout."""
     load_optim, rng_file = _wants(meta, cfg, topo, opt)
-    outcomes = all_gather_objects(_check_v3_files(path, meta, cfg, topo))  # agreed before DCP's collectives
+    outcomes = all_gather_objects(_check_distributed_checkpoint_files(path, meta, cfg, topo))  # agreed before DCP's collectives
     refused = [r for r, _ in outcomes if r is not None]
     if refused:
         raise UntrustedCheckpointError(refused[0])
@@ -328,8 +297,8 @@ def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
         meta, problem = _read_meta(path)
         problems = [p for p in all_gather_objects(problem) if p is not None]
         if not problems:
-            check_compatible(meta, cfg, topo, path, _zero(opt), opt is not None)
-            load_format = _load_v3 if meta.get("format_version", 1) >= 3 else _load_v2
+            check_compatible(meta, cfg, topo, path, uses_zero(opt), opt is not None)
+            load_format = _load_distributed_checkpoint if meta.get("format_version", 1) >= 3 else _load_torch_files_per_tp
             outcomes = all_gather_objects(_refusal_or_problem(load_format, path, meta, cfg, topo, model, opt))
             refused = [r for r, _ in outcomes if r is not None]
             if refused:  # a file that is more than data: every rank stops, whatever the other checkpoints hold

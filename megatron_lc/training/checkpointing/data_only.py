@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 
-from ..config import ConfigError
+from ...config import ConfigError
 
 log = logging.getLogger("megatron_lc")
 

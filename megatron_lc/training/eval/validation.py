@@ -23,10 +23,10 @@ from typing import Optional
 
 import torch
 
-from ..config import Config, Layout
-from ..parallel.collectives import all_reduce
-from ..parallel.topology import Axis, Topology
-from .batches import microbatches
+from ...config import Config, Layout
+from ...parallel.collectives import all_reduce
+from ...parallel.topology import Axis, Topology
+from ..batches import microbatches
 
 log = logging.getLogger("megatron_lc")
 

@@ -14,12 +14,12 @@ from typing import Optional
 
 import torch
 
-from ..config import Config, ParallelConfig, resolve_layout
-from ..model.transformer import GPTModel
-from ..compose import ModelParts
-from ..parallel.tensor_parallel import cut_shard, merge_shards, tp_partition
-from ..parallel.topology import Topology
-from .checkpoint_data import load_torch_file
+from ...config import Config, ParallelConfig, resolve_layout
+from ...model.transformer import GPTModel
+from ...compose import ModelParts
+from ...parallel.tensor_parallel import cut_shard, merge_shards, tp_partition
+from ...parallel.topology import Topology
+from .data_only import load_torch_file
 
 
 def _meta_model(cfg: Config, tp: int) -> GPTModel:
