@@ -5,7 +5,8 @@ setup(
     version="0.1.0",
     description="Megatron-style pretraining for very long context: TP/CP/Ulysses/FPDT, MsT, Memo offload and planning",
     packages=find_packages(include=["megatron_lc", "megatron_lc.*"]),
-    package_data={"megatron_lc.planning": ["csrc/*.c"]},  # the replay and the search core, compiled on use
+    # C sources compiled on first use: the CUDA replay, and the exact search core with its headers
+    package_data={"megatron_lc.planning": ["csrc/*.c"], "megatron_lc.planning.solver": ["csrc/*.c", "csrc/*.h"]},
     python_requires=">=3.10",
     # torch is installed first by scripts/install.sh (torch==2.13.0, CPU build from this disk); a range here would
     # let pip pull a multi-GB CUDA build on a machine without torch.

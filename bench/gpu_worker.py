@@ -63,7 +63,7 @@ def _profiled(spec: dict, device: torch.device, step_fn, i: int):
 def _framework(spec: dict, device: torch.device, res: dict) -> None:
     from megatron_lc.config import load_config
     from megatron_lc.parallel.topology import Topology
-    from megatron_lc.planning import runtime as plan_runtime
+    from megatron_lc.planning import memory_plan as plan_runtime
     from megatron_lc.training.loop import Trainer
 
     simulate = plan_runtime.simulate

@@ -38,7 +38,7 @@ def tiny_trace(layers: int, recompute: bool, config: str = ""):
 
     from megatron_lc.config import load_config
     from megatron_lc.memory.recompute import with_layer_checkpoint
-    from megatron_lc.planning.capture import capture_iteration
+    from megatron_lc.planning.capture.record import capture_iteration
     from tests.parity import batch_for, build, small_config
 
     if config:  # the demo model (configs/tiny_cpu.yaml), one micro-batch of random tokens
@@ -78,11 +78,11 @@ def challenging(time_limit: float, tmp: str) -> list:
     ends with (``plan_flat``, no start)."""
     import numpy as np
 
-    from megatron_lc.planning import native
-    from megatron_lc.planning.dsa import solve_dsa
+    from megatron_lc.planning.solver import native
+    from megatron_lc.planning.solver.dsa import solve_dsa
     from megatron_lc.planning.planner import flat_instance, plan_flat
-    from megatron_lc.planning.search import fit
-    from megatron_lc.planning.solvers import PlanError, Rects, best_greedy, validate
+    from megatron_lc.planning.solver.placement_search import fit
+    from megatron_lc.planning.solver.rects import PlanError, Rects, best_greedy, validate
     from megatron_lc.planning.trace import Trace
 
     rows, cap = [], MINIMALLOC_CAPACITY
@@ -157,8 +157,8 @@ def main(argv=None) -> int:
         return 0
 
     from megatron_lc.planning.cachesim import simulate
-    from megatron_lc.planning.dsa import have_ortools
-    from megatron_lc.planning.synth import LlamaShape, llama_iteration_trace, llama_layer_trace
+    from megatron_lc.planning.solver.dsa import have_ortools
+    from bench.synth_traces import LlamaShape, llama_iteration_trace, llama_layer_trace
 
     tl = args.time_limit
     traces = [("tiny-L1", lambda: tiny_trace(1, False)), ("tiny-L4", lambda: tiny_trace(4, False)),

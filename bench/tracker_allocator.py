@@ -1,6 +1,6 @@
 """The live-bytes tracker against the CPU allocator's own count: one process (one rank), the framework's training
 steps on ``configs/tiny_cpu.yaml`` (the calibration cases' base, ``tests/estimate_cases.py``), both recording the
-same run: the tracker's peak (``planning/tracker.py``) and the peak of the allocator's malloc/free events that
+same run: the tracker's peak (``planning/capture/tracker.py``) and the peak of the allocator's malloc/free events that
 ``torch.profiler`` records with ``profile_memory=True`` (exact in one process: every free happens on this thread).
 
     python bench/tracker_allocator.py                                     # FSDP2 and the plain model, 2 steps
@@ -40,7 +40,7 @@ def one_run(overrides: list, steps: int) -> dict:
 
     from megatron_lc.config import load_config
     from megatron_lc.parallel.topology import Topology
-    from megatron_lc.planning.tracker import DispatchTracer
+    from megatron_lc.planning.capture.tracker import DispatchTracer
     from megatron_lc.training.loop import Trainer
     from tests import estimate_cases
 

@@ -8,9 +8,9 @@ import torch
 from megatron_lc.config import ConfigError
 from megatron_lc.memory.arena import Arena, ArenaLayout, PlannedArena, Slot
 from megatron_lc.parallel.topology import Topology
-from megatron_lc.planning.capture import capture_iteration
+from megatron_lc.planning.capture.record import capture_iteration
 from megatron_lc.planning.planner import plan_trace
-from megatron_lc.planning.runtime import layout_from_plan
+from megatron_lc.planning.memory_plan import layout_from_plan
 from megatron_lc.training.loop import Trainer
 from tests.arena_toy import with_toy_mlp
 from tests.parity import GRAD_ATOL, LOSS_RTOL, batch_for, build, reference_loss_and_grads, small_config

@@ -79,7 +79,7 @@ def test_one_offload_and_one_prefetch_stream_per_device():
 def test_plan_capture_counts_device_storages_and_runs_backward_outside_autocast():
     """The memory plan's trace: a CUDA capture leaves host (pinned) storages out; the forward runs under the
     training autocast and the backward outside it, as in the training step."""
-    from megatron_lc.planning.capture import DispatchTracer, capture_iteration
+    from megatron_lc.planning.capture.record import DispatchTracer, capture_iteration
 
     with DispatchTracer("cuda") as t:
         torch.empty(1000)

@@ -145,7 +145,7 @@ def test_offloaded_projections_do_not_pin_the_block_input():
     input (the norm's output) and held it on the device through the layer's backward: one residual-stream tensor,
     2 GiB at Llama3-8B x 1M on 8 ranks (fp32 residual), seen by the rehearsal. Now it goes when its last user does."""
     from megatron_lc.model.rope import RotaryEmbedding
-    from megatron_lc.planning.tracker import DispatchTracer
+    from megatron_lc.planning.capture.tracker import DispatchTracer
 
     block, cfg = _p1_block()
     x = torch.randn(32, 2, cfg.model.hidden_size, requires_grad=True)

@@ -160,8 +160,10 @@ LAYERS = [
 
 # Inside a folder its subfolders are layers too, below or above the folder's own files ("*": every other module of
 # the folder). training/: the errors that end a run and a step's micro-batches <- checkpointing/ | eval/ <- the rest.
+# planning/: the trace format <- capture/ | solver/ <- the planner, the plan and the runtime that applies it.
 SUBLAYERS = {
     "training": [{"errors", "batches"}, {"checkpointing", "eval"}, {"*"}],
+    "planning": [{"trace"}, {"capture", "solver"}, {"*"}],
 }
 
 

@@ -41,7 +41,7 @@ def test_backward_runs_in_slices_with_bounded_temporaries(monkeypatch):
     backward otherwise (the rehearsal counts this twin). Sliced or not, dx is the same bit for bit (each row's
     arithmetic is), dweight the same sums in another order."""
     import megatron_lc.model.norm as norm_module
-    from megatron_lc.planning.tracker import DispatchTracer
+    from megatron_lc.planning.capture.tracker import DispatchTracer
 
     torch.manual_seed(0)
     x = torch.randn(64, 2, 64)

@@ -20,5 +20,7 @@ def test_the_c_sources_are_package_data():
     with open(os.path.join(ROOT, "setup.py")) as f:
         setup_py = f.read()
     assert '"megatron_lc.planning": ["csrc/*.c"]' in setup_py
-    for src in ("plan_alloc.c", "dsa_search.c"):  # the replay and the exact search's core, both built on use
-        assert os.path.isfile(os.path.join(ROOT, "megatron_lc", "planning", "csrc", src))
+    assert '"megatron_lc.planning.solver": ["csrc/*.c", "csrc/*.h"]' in setup_py
+    # the replay and the exact search's core (with its headers), both built on use
+    for src in ("planning/csrc/plan_alloc.c", "planning/solver/csrc/dsa_search.c"):
+        assert os.path.isfile(os.path.join(ROOT, "megatron_lc", *src.split("/")))

@@ -6,10 +6,10 @@ import random
 import pytest
 
 from megatron_lc.planning.planner import Plan, plan_trace
-from megatron_lc.planning.solvers import PlanError, Rects, best_greedy
-from megatron_lc.planning.synth import LlamaShape, llama_iteration_trace, llama_layer_trace
+from megatron_lc.planning.solver.rects import PlanError, Rects, best_greedy
+from bench.synth_traces import LlamaShape, llama_iteration_trace, llama_layer_trace
 from megatron_lc.planning.trace import Event, Trace
-from megatron_lc.planning.capture import capture_iteration
+from megatron_lc.planning.capture.record import capture_iteration
 from tests.parity import batch_for
 
 
@@ -168,7 +168,7 @@ def test_cpsat_never_worse_than_greedy_on_a_captured_trace():
 
 def test_cpsat_named_without_ortools_is_refused(monkeypatch):
     """``solver cpsat`` without OR-Tools is an error naming the extra; ``auto`` keeps the greedy plan."""
-    from megatron_lc.planning import dsa
+    from megatron_lc.planning.solver import dsa
 
     monkeypatch.setattr(dsa, "have_ortools", lambda: False)
     t = random_trace(20, 0)

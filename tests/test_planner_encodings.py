@@ -17,11 +17,11 @@ import random
 import numpy as np
 import pytest
 
-from megatron_lc.planning import native
+from megatron_lc.planning.solver import native
 from megatron_lc.planning.planner import flat_instance, plan_capacity, plan_flat
-from megatron_lc.planning.search import FEASIBLE, fit
-from megatron_lc.planning.solvers import Rects
-from megatron_lc.planning.synth import LlamaShape, llama_iteration_trace, llama_layer_trace
+from megatron_lc.planning.solver.placement_search import FEASIBLE, fit
+from megatron_lc.planning.solver.rects import Rects
+from bench.synth_traces import LlamaShape, llama_iteration_trace, llama_layer_trace
 from megatron_lc.planning.trace import Trace
 from tests.test_planner import random_trace
 

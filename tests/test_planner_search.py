@@ -1,4 +1,4 @@
-"""The exact search over canonical placements (planning/search.py, sections.py, capacity.py) on both backends,
+"""The exact search over canonical placements (planning/solver/placement_search.py, sections.py, capacity.py) on both backends,
 the pure-Python search and its C twin (native.py, csrc/dsa_search.c; skipped with the reason when it cannot be
 built): answers checked against hand instances and the big-M MIP, every plan validated, the capacity mode's three
 answers, the decomposition, MiniMalloc's published hard instances solved at its capacity, and the two backends
@@ -11,13 +11,13 @@ import random
 import numpy as np
 import pytest
 
-from megatron_lc.planning import native
-from megatron_lc.planning.capacity import minimize
-from megatron_lc.planning.mip import mip
+from megatron_lc.planning.solver import native
+from megatron_lc.planning.solver.capacity import minimize
+from megatron_lc.planning.solver.mip import mip
 from megatron_lc.planning.planner import plan_capacity, plan_trace
-from megatron_lc.planning.search import FEASIBLE, INFEASIBLE, UNDECIDED, fit
-from megatron_lc.planning.sections import prepare
-from megatron_lc.planning.solvers import Rects, best_greedy, validate
+from megatron_lc.planning.solver.placement_search import FEASIBLE, INFEASIBLE, UNDECIDED, fit
+from megatron_lc.planning.solver.sections import prepare
+from megatron_lc.planning.solver.rects import Rects, best_greedy, validate
 from megatron_lc.planning.trace import Trace
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "data",

@@ -76,7 +76,7 @@ def test_apply_rotary_is_the_formula_bit_for_bit_with_fewer_fp32_temporaries(dty
     gradients, bit for bit, as the formula, with at most 1.5 x-sized fp32 tensors above its output (the formula held
     3.5: at one GPU and 512K tokens 28 GiB for q, seen by the rehearsal)."""
     from megatron_lc.model.rope import apply_rotary
-    from megatron_lc.planning.tracker import DispatchTracer
+    from megatron_lc.planning.capture.tracker import DispatchTracer
 
     def formula(x, cos, sin):
         x1, x2 = x.float().chunk(2, dim=-1)

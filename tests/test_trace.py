@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_lc.memory.recompute import with_layer_checkpoint
-from megatron_lc.planning.capture import capture_iteration, capture_layer, trace_from_snapshot
+from megatron_lc.planning.capture.record import capture_iteration, capture_layer, trace_from_snapshot
 from megatron_lc.planning.trace import Event, Trace, TraceError, max_live_bytes
 from tests.parity import batch_for, build, small_config
 

@@ -1,4 +1,4 @@
-"""The live-bytes tracker (``planning/tracker.py``) against known truths: a tensor's bytes, ``resize_`` to 0 and
+"""The live-bytes tracker (``planning/capture/tracker.py``) against known truths: a tensor's bytes, ``resize_`` to 0 and
 back, FSDP2's peak against the CPU allocator's own count, and the same run under fake tensors to the byte."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from megatron_lc.compose import build_model
 from megatron_lc.config import resolve_layout
 from megatron_lc.memory.recompute import with_layer_checkpoint
 from megatron_lc.parallel.topology import Topology
-from megatron_lc.planning.capture import capture_iteration
-from megatron_lc.planning.tracker import DispatchTracer
+from megatron_lc.planning.capture.record import capture_iteration
+from megatron_lc.planning.capture.tracker import DispatchTracer
 from tests.dist import run_dist
 from tests.parity import batch_for, small_config
 

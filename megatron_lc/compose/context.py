@@ -20,7 +20,7 @@ memory plan allocates last: it traces a step with every other buffer in place):
                                                                      chunks (fpdt_offload)
     MemoRuntime (full / memo)        memory/memo/offload.py          layer 0 profiled, alpha   rounding buffers
     CheckpointOffload (checkpoints)  memory/checkpoint_offload.py    layers x one input        --
-    MemoryPlan (memory.plan)         planning/runtime.py             a plan file loaded        a micro-batch traced
+    MemoryPlan (memory.plan)         planning/memory_plan.py             a plan file loaded        a micro-batch traced
                                                                                                and planned; the arena
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ..memory.arena import ArenaHandle
 from ..memory.checkpoint_offload import CheckpointOffload
 from ..memory.memo import MemoRuntime
 from ..parallel.topology import Topology
-from ..planning.runtime import MemoryPlan
+from ..planning.memory_plan import MemoryPlan
 
 
 class TechniqueRuntime(Protocol):

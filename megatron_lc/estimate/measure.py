@@ -30,7 +30,7 @@ import copy
 
 import torch
 
-from ..planning.tracker import DispatchTracer
+from ..planning.capture.tracker import DispatchTracer
 from ..training.loop import Trainer
 
 

@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 
-from .dsa import align_size, solve_dsa
 from .plan import Plan
-from .solvers import Rects, best_greedy
+from .solver.dsa import align_size, solve_dsa
+from .solver.rects import Rects, best_greedy
 from .trace import Trace
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..memory.arena import ALIGNMENT
-from .dsa import align_size
-from .solvers import PlanError, validate
+from .solver.dsa import align_size
+from .solver.rects import PlanError, validate
 from .trace import Trace
 
 FORMAT = "megatron_lc.plan/1"

@@ -10,7 +10,7 @@ prove; the paper's big-M MIP on HiGHS as ``solver="mip"``). Bi-level (``bilevel.
 iteration is planned with every block as one request of its first-level peak.
 
 Capacity mode (``plan_capacity``): is there a flat plan with its peak under a given number of bytes? Feasible (a
-plan), infeasible (proved: the bound is above it, or the exact search of ``search.py`` was complete) or undecided.
+plan), infeasible (proved: the bound is above it, or the exact search of ``solver/placement_search.py`` was complete) or undecided.
 
 The plan format is in ``plan.py``; one DSA instance is solved by ``dsa.solve_dsa``.
 """
@@ -23,10 +23,10 @@ import numpy as np
 
 from ..memory.arena import ALIGNMENT
 from .bilevel import plan_bilevel
-from .dsa import align_size, solve_dsa
 from .plan import Plan
-from .search import FEASIBLE, INFEASIBLE, fit
-from .solvers import Rects, best_greedy
+from .solver.dsa import align_size, solve_dsa
+from .solver.placement_search import FEASIBLE, INFEASIBLE, fit
+from .solver.rects import Rects, best_greedy
 from .trace import Trace
 
 

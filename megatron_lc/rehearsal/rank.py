@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..config import Config, Execution, load_config, resolve_execution, resolve_layout
 from ..device.stream_check import StreamCheck
 from ..parallel.topology import Topology
-from ..planning.tracker import DispatchTracer
+from ..planning.capture.tracker import DispatchTracer
 from ..training.loop import Trainer
 from .figures import ModelStates, rank_figures
 from .host_check import HostMathCheck

@@ -24,10 +24,10 @@ from ..device import check_pool_budget
 from ..memory.arena import PlannedArena
 from ..parallel.fsdp import apply_fsdp
 from ..parallel.topology import Topology
-from ..planning.runtime import check_plan_setting
+from ..planning.memory_plan import check_plan_setting
 from .batches import microbatches
-from .checkpointing.load import load_checkpoint
 from .checkpointing.directory import check_save_dir, find_latest, read_meta
+from .checkpointing.load import load_checkpoint
 from .optimizer import build_optimizer
 
 log = logging.getLogger("megatron_lc")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .solvers import Rects
+from .rects import Rects
 
 _CHUNK = 1 << 21  # run pairs compared per numpy step
 INF = np.iinfo(np.int64).max // 4  # above every offset

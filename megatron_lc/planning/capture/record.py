@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from ..memory.arena import Arena
-from .trace import Event, Trace
+from ...memory.arena import Arena
+from ..trace import Event, Trace
 from .tracker import DispatchTracer
 
 

@@ -25,7 +25,7 @@ typedef struct {
     char *placed;
     i64 *arena; size_t top, cap;   /* cands (o, rank, item), undo (item, old), parts (lo, hi), saved ranks
                                       (item, old): LIFO */
-    /* backjumping (dsa_blame.h; planning/blame.py): sets of frames as bit words, nw words a set */
+    /* backjumping (dsa_blame.h; planning/solver/blame.py): sets of frames as bit words, nw words a set */
     int cbj, nw, sp;               /* this run backjumps; the stack index of the node being made */
     const i64 *adj_rev;            /* adjacency entry (i, j) -> the entry (j, i) */
     struct Frame *st;

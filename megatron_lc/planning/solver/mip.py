@@ -12,7 +12,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from .solvers import Rects, _unit
+from .rects import Rects, _unit
 
 
 def mip(inst: Rects, *, lower_bound: int, upper_bound: int, time_limit: float

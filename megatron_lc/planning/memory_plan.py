@@ -26,11 +26,11 @@ import torch
 from ..config import ConfigError
 from ..memory.arena import ArenaHandle, ArenaLayout, PlannedArena, Slot
 from .cachesim import simulate
-from .capture import capture_iteration
-from .dsa import have_ortools
+from .capture.record import capture_iteration
 from .plan import Plan
 from .planner import plan_trace
-from .solvers import PlanError
+from .solver.dsa import have_ortools
+from .solver.rects import PlanError
 
 log = logging.getLogger("megatron_lc")
 AUTO_GAP = 1e-3  # auto: a plan within 0.1% of the lower bound is not worth solver time before step 1

@@ -13,9 +13,9 @@ from typing import Optional
 
 import numpy as np
 
-from .search import FEASIBLE, INFEASIBLE, fit
+from .placement_search import FEASIBLE, INFEASIBLE, fit
+from .rects import Rects, _unit
 from .sections import Prepared, prepare
-from .solvers import Rects, _unit
 
 FIRST_SHARE = 0.5  # of the time limit, for the question "fits at the lower bound?"
 

@@ -1,5 +1,6 @@
-"""Traces generated from shapes (no model run): a Llama layer's forward and backward as eager PyTorch would allocate
-them, for planning benchmarks at sizes this machine cannot run (e.g. Llama3-8B at 32K tokens per GPU).
+"""Synthetic traces for the planner's benchmarks (``bench/planner.py``) and tests, generated from shapes (no model
+run): a Llama layer's forward and backward as eager PyTorch would allocate them, at sizes this machine cannot run
+(e.g. Llama3-8B at 32K tokens per GPU).
 
 A layer is a list of ``Op``s. Forward: each op allocates its outputs; a tensor is freed after its last forward
 reader unless some op saved it for backward. Backward, ops in reverse: allocate the op's backward temporaries and
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .trace import Event, Trace
+from megatron_lc.planning.trace import Event, Trace
 
 
 @dataclass

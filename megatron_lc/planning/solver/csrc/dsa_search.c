@@ -1,10 +1,11 @@
-/* The exact DSA search's inner loop in C99: a line-by-line twin of planning/search.py (_Search.run and the
- * restart loop of fit), loaded through ctypes by planning/native.py; search.py stays the reference and fallback.
+/* The exact DSA search's inner loop in C99: a line-by-line twin of planning/solver/placement_search.py (_Search.run
+ * and the restart loop of fit), loaded through ctypes by planning/solver/native.py; placement_search.py stays the
+ * reference and fallback.
  *
  * Same semantics, node for node: candidates (min offset, preorder rank) in the same order, the same spatial
  * inference, dominance, hatless cut, decomposition (each part ranked anew among its own items when it starts)
  * and failed-state table (keys: 128-bit hashes of the unplaced items, their min offsets and ranks, plus the
- * canonical threshold), the same backjumps (dsa_blame.h; planning/blame.py), the same node limits doubling per
+ * canonical threshold), the same backjumps (dsa_blame.h; planning/solver/blame.py), the same node limits doubling per
  * round. Only the deadline differs (a node is ~100x cheaper here).
  *
  * A node's unplaced items are never copied: they are exactly the unplaced items whose first section lies in the
@@ -288,7 +289,7 @@ static int run(Ctx *c, Frame *st, const i64 *parts, int nparts, Set *failed, i64
  * is complete or ``time_limit`` seconds pass. Returns OK (``sol``), FAIL (proved infeasible: a run without
  * backjumping failed), ABORT (undecided) or NOMEM; ``nodes_out`` counts the placements tried. A backjumping run
  * that fails is not tried again (it proves nothing). Arrays as in sections.Prepared, flattened by
- * planning/native.py; ``heur`` is H x 5: up to 4 letter codes (enum Key, -1 after the last: "WAT" is KEY_W, KEY_A,
+ * planning/solver/native.py; ``heur`` is H x 5: up to 4 letter codes (enum Key, -1 after the last: "WAT" is KEY_W, KEY_A,
  * KEY_T, -1), then 1 for a backjumping run, 0 for a plain one; ``parts`` the (lo, hi) section ranges of the
  * partitions. */
 int dsa_fit(int n, int S, const i64 *height, const i64 *reach, const i64 *first, const i64 *span_lo,

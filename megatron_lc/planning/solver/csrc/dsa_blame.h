@@ -1,4 +1,4 @@
-/* Backjumping for the exact DSA search's C core, the twin of planning/blame.py: which frames (placements on the
+/* Backjumping for the exact DSA search's C core, the twin of planning/solver/blame.py: which frames (placements on the
  * stack) a failure blames, as bit sets of nw words (bit b: frame b). Included by dsa_search.c. */
 #ifndef DSA_BLAME_H
 #define DSA_BLAME_H

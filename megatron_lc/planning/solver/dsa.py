@@ -18,7 +18,7 @@ import numpy as np
 
 from .capacity import minimize
 from .mip import mip
-from .solvers import PlanError, Rects, best_greedy, cpsat, cpsat_bisect, validate
+from .rects import PlanError, Rects, best_greedy, cpsat, cpsat_bisect, validate
 
 SOLVERS = ("auto", "greedy", "search", "cpsat", "mip")
 SEARCH_SHARE = 0.6  # auto with OR-Tools: the exact search's share of the time left after greedy

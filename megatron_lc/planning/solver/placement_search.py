@@ -40,8 +40,8 @@ import numpy as np
 
 from . import native
 from .blame import Blame
+from .rects import Rects
 from .sections import INF, Prepared, prepare
-from .solvers import Rects
 
 FEASIBLE, INFEASIBLE, UNDECIDED = "feasible", "infeasible", "undecided"
 # preorders (each key descending, see Prepared.rank): W lifetime, A area, V events (in sections), T max unplaced

@@ -47,8 +47,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from ..device import storage_id
-from .trace import Event, Trace
+from ...device import storage_id
+from ..trace import Event, Trace
 
 
 @dataclass
