@@ -11,7 +11,7 @@ import torch
 
 from megatron_lc.attention.backends import Kernels
 from megatron_lc.attention.fpdt.block import FPDTSelfAttention
-from megatron_lc.attention.fpdt.calibrate import reserve_for_layers
+from megatron_lc.attention.fpdt.host_share import reserve_for_layers
 from megatron_lc.config import resolve_layout
 from megatron_lc.model.attention import SelfAttention
 from megatron_lc.model.rope import RotaryEmbedding
@@ -48,7 +48,7 @@ def _block_case(topo: Topology, P: int, u: int, nq: int, nkv: int, offload: bool
 
     idx = fpdt_token_index(seq, P, topo.cp_rank, u)
     x_loc = x.detach()[idx].clone().requires_grad_(True)
-    if offload:  # the host pool: one block's parked chunks, measured (attention/fpdt/calibrate.py)
+    if offload:  # the host pool: one block's parked chunks, measured (attention/fpdt/host_share.py)
         reserve_for_layers(block, x_loc.detach(), tuple(t[idx] for t in rope), 1)
     out = block(x_loc, tuple(t[idx] for t in rope))
     err_out = (out - ref_out.detach()[idx]).abs().max().item()

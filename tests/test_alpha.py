@@ -18,7 +18,7 @@ import torch
 
 from megatron_lc.config import resolve_layout
 from megatron_lc.memory.memo.alpha import AlphaInputs, HostMemoryError, check_fixed_alpha, closed_form, solve_alpha
-from megatron_lc.memory.memo.calibrate import profile_layer
+from megatron_lc.memory.memo.profiler import profile_layer
 from megatron_lc.units import GIB
 from tests.dist_cases_offload import GPT, one_thread  # noqa: F401 (fixture)
 from tests.parity import build, small_config

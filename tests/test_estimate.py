@@ -112,7 +112,7 @@ def test_memo_alpha_auto_and_host_limit():
 
 
 def test_memo_alpha_auto_leaves_fpdts_host_chunks_their_share():
-    """FPDT's parked chunks are reserved in the host pool before Memo calibrates (memory/memo/calibrate.py), so the
+    """FPDT's parked chunks are reserved in the host pool before Memo calibrates (memory/memo/profiler.py), so the
     LP's budget is what they leave: α chosen by host memory keeps the node within its host memory. Before, the LP
     took the whole share and FPDT came on top (bf16 residual: α 1, 2124 of 1638 GiB, "out of host memory" at the α it
     chose; now α 0.325 and the node's 1638 GiB to the byte)."""

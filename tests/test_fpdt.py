@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_lc.attention.fpdt.block import FPDTSelfAttention
-from megatron_lc.attention.fpdt.calibrate import reserve_for_layers
+from megatron_lc.attention.fpdt.host_share import reserve_for_layers
 from megatron_lc.config import ConfigError, resolve_layout
 from megatron_lc.config.layout import kv_replication
 from megatron_lc.model.attention import SelfAttention

@@ -53,7 +53,7 @@ def test_rope_tables_of_the_split_are_computed_once_for_all_layers():
     layer) share one copy through their runtime, so L layers do not hold L copies of cos and sin until the next
     forward (0.25 GiB a layer for Llama3-8B at 1M tokens, tp2 cp4)."""
     from megatron_lc.memory.memo.executor import MemoExecutor
-    from megatron_lc.memory.memo.offload import MemoRuntime
+    from megatron_lc.memory.memo.runtime import MemoRuntime
 
     rt = MemoRuntime(num_layers=3, offload=False)
     layers = [MemoExecutor(rt, sp_groups=2) for _ in range(3)]

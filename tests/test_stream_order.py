@@ -16,7 +16,7 @@ from megatron_lc.attention.fpdt.buffers import FPDTBuffers
 from megatron_lc.config import load_config, resolve_layout
 from megatron_lc.device import BufferAccount, DeviceAdapter, HostPool, StreamCheck, has_values, use_adapter
 from megatron_lc.memory.arena import Arena
-from megatron_lc.memory.memo.offload import MemoRuntime
+from megatron_lc.memory.memo.runtime import MemoRuntime
 from megatron_lc.parallel.topology import Topology
 from megatron_lc.rehearsal.rank import rehearsal_config, stand_in_execution
 from megatron_lc.rehearsal.world import fake_world
@@ -80,13 +80,13 @@ def drop_wait(monkeypatch, caller: str) -> None:
 # (technique, plant, expected kind, the earlier access's file and function, the racing access's file)
 FAULTS = {
     "memo-prefetch-not-waited": ("memo-alpha-0.25", "ensure_resident", "read before its write's event",
-                                 "memory/memo/offload.py", "_fetch", "megatron_lc/"),
+                                 "memory/memo/runtime.py", "_fetch", "megatron_lc/"),
     "checkpoints-prefetch-not-waited": ("checkpoints", "fetch", "read before its write's event",
                                         "memory/checkpoint_offload.py", "prefetch", "megatron_lc/model/"),
     "fpdt-fetch-not-waited": ("fpdt-u4-offload", "wait", "read before its write's event",
                               "attention/fpdt/buffers.py", "fetch", "megatron_lc/"),
     "memo-rounding-buffer-reused-before-offload": ("memo-alpha-1", "new_slot", "overwritten while read",
-                                                   "memory/memo/offload.py", "after_forward",
+                                                   "memory/memo/runtime.py", "after_forward",
                                                    "megatron_lc/memory/memo/slots.py"),
     "arena-block-reused-before-side-stream": ("fpdt-plan-arena", "_wait_pending", "overwritten while read",
                                              "attention/fpdt/buffers.py", "to_host",
@@ -270,7 +270,7 @@ def test_memo_offload_under_fake_tensors(fault):
         return
     kinds = {(v.kind, v.first.function) for v in check.violations}
     assert ("read before its write's event", "_fetch") in kinds, check.report()
-    assert all("allocated at megatron_lc/memory/memo/offload.py" in v.buffer for v in check.violations)
+    assert all("allocated at megatron_lc/memory/memo/runtime.py" in v.buffer for v in check.violations)
 
 
 @pytest.mark.parametrize("fault", [False, True])

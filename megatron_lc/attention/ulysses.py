@@ -113,7 +113,7 @@ class UlyssesAttention(CoreAttention):
     def __init__(self, topo: Topology, inner: CoreAttention, nq: int, nkv: int, kv_rep: int, tag: str = "attn"):
         super().__init__()
         self.topo, self.inner, self.tag = topo, inner, tag
-        self.U = topo.ulysses
+        self.ulysses_size = topo.ulysses
         self.rep = kv_rep
         self.nq, self.nkv = nq, nkv
 
@@ -123,11 +123,11 @@ class UlyssesAttention(CoreAttention):
         if nq != self.nq or k.shape[2] != self.nkv:
             raise ValueError(f"UlyssesAttention built for {self.nq}/{self.nkv} heads, got {nq}/{k.shape[2]}")
         k, v = replicate_kv(k, v, self.rep)
-        return torch.cat([t.reshape(s, b, self.U, t.shape[2] // self.U, d) for t in (q, k, v)], dim=3)
+        return torch.cat([t.reshape(s, b, self.ulysses_size, t.shape[2] // self.ulysses_size, d) for t in (q, k, v)], dim=3)
 
     def _split(self, full):
         """The gathered ``[U*s, b, (nq+2nkv')/U, d]`` -> local-head q, k, v."""
-        U, n_kv = self.U, self.nkv * self.rep // self.U
+        U, n_kv = self.ulysses_size, self.nkv * self.rep // self.ulysses_size
         return torch.split(full, [self.nq // U, n_kv, n_kv], dim=2)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
@@ -139,7 +139,7 @@ class UlyssesAttention(CoreAttention):
 
     def _gather_heads(self, t, op: str):
         s, b, n, d = t.shape
-        return gather_seq(t.reshape(s, b, self.U, n // self.U, d), self.topo, Axis.ULYSSES, op)
+        return gather_seq(t.reshape(s, b, self.ulysses_size, n // self.ulysses_size, d), self.topo, Axis.ULYSSES, op)
 
     def forward_with_lse(self, q, k, v, documents=None):
         s, b, nq, d = q.shape
@@ -165,6 +165,6 @@ class UlyssesAttention(CoreAttention):
             back = scatter_seq(packed, self.topo, Axis.ULYSSES, "a2a_bwd")  # [s, b, U, m, d]
             del packed
         nkv_rep = self.nkv * self.rep
-        dq, dk, dv = torch.split(back, [nq // self.U, nkv_rep // self.U, nkv_rep // self.U], dim=3)
+        dq, dk, dv = torch.split(back, [nq // self.ulysses_size, nkv_rep // self.ulysses_size, nkv_rep // self.ulysses_size], dim=3)
         dk, dv = (sum_kv_replicas(t.reshape(s, b, nkv_rep, d), self.rep) for t in (dk, dv))
         return dq.reshape(s, b, nq, d), dk, dv

@@ -16,11 +16,11 @@ The runtimes, in order (FPDT measures first: Memo's alpha LP gets the host budge
 memory plan allocates last: it traces a step with every other buffer in place):
 
     runtime                          home                            calibrate                 allocate
-    FPDTState (cp_comm_type fpdt)    attention/fpdt/buffers.py       one block's parked        --
+    FPDTRuntime (cp_comm_type fpdt)  attention/fpdt/runtime.py       one block's parked        --
                                                                      chunks (fpdt_offload)
-    MemoRuntime (full / memo)        memory/memo/offload.py          layer 0 profiled, alpha   rounding buffers
+    MemoRuntime (full / memo)        memory/memo/runtime.py          layer 0 profiled, alpha   rounding buffers
     CheckpointOffload (checkpoints)  memory/checkpoint_offload.py    layers x one input        --
-    MemoryPlan (memory.plan)         planning/memory_plan.py             a plan file loaded        a micro-batch traced
+    MemoryPlan (memory.plan)         planning/memory_plan.py         a plan file loaded        a micro-batch traced
                                                                                                and planned; the arena
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from ..attention.fpdt.buffers import FPDTState
+from ..attention.fpdt.runtime import FPDTRuntime
 from ..config import Config, Execution, Layout
 from ..device import HostPool
 from ..memory.arena import ArenaHandle
@@ -70,7 +70,7 @@ class ModelContext:
 
     arena: ArenaHandle = field(default_factory=ArenaHandle)  # where framework buffers come from (memory plan)
     host_pool: HostPool = field(default_factory=HostPool)  # the offload techniques' host memory: one allocation
-    fpdt: Optional[FPDTState] = None  # FPDT blocks: device / host accounts, per-device buffers and streams
+    fpdt: Optional[FPDTRuntime] = None  # FPDT blocks: device / host accounts, per-device buffers and streams
     memo: Optional[MemoRuntime] = None  # recompute_granularity full / Memo offload: buffers, host copies, counters
     checkpoints: Optional[CheckpointOffload] = None  # activation_offload checkpoints: layer inputs on the host
     plan: Optional[MemoryPlan] = None  # memory.plan auto / a plan file: the planned arena
@@ -86,7 +86,7 @@ def model_context(cfg: Config, layout: Layout) -> ModelContext:
     m = cfg.memory
     ctx = ModelContext()
     if layout.cp_comm_type == "fpdt":
-        ctx.fpdt = FPDTState(ctx.arena, ctx.host_pool)
+        ctx.fpdt = FPDTRuntime(ctx.arena, ctx.host_pool)
     if m.token_wise:
         ctx.memo = MemoRuntime(cfg.model.num_layers, offload=m.activation_offload == "memo", pool=ctx.host_pool,
                                chunk_tokens=m.layer_chunk_size)

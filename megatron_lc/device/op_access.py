@@ -7,7 +7,7 @@
 - views (``view``, ``slice``, ``detach``...), metadata ops (``t_``, ``set_``, ``prim.device``...) touch no bytes;
 - ``extent(t)``: the bytes of its storage a tensor covers (a strided view: from its first to its last element);
 - ``site()``: the first frame inside ``megatron_lc/`` (other than this module, ``stream_check.py``, the adapter and
-  other dispatch modes), e.g. ``megatron_lc/memory/memo/offload.py:212 (_fetch)``; outside our code (a test), the
+  other dispatch modes), e.g. ``megatron_lc/memory/memo/runtime.py:212 (_fetch)``; outside our code (a test), the
   first frame outside torch.
 
 Example: ``host[:n].copy_(buf[:n], non_blocking=True)`` reaches the mode as ``aten.copy_.default`` with

@@ -1,7 +1,7 @@
 """Hardware profiles (``configs/hardware/*.yaml``) and measured overrides.
 
     hw = load_hardware("h100")                        # or a path: configs/hardware/h100.yaml
-    hw = hw.with_measured({"pcie_gbps": 21.3})        # e.g. from the Memo profiler (memory/memo/calibrate.py)
+    hw = hw.with_measured({"pcie_gbps": 21.3})        # e.g. from the Memo profiler (memory/memo/profiler.py)
 
 Bandwidths are *effective* figures in GB/s (1e9 bytes/s), one direction, per GPU: what a collective or a pinned copy
 reaches, not the datasheet peak. Memory sizes are GiB (2**30 bytes), as ``nvidia-smi`` and ``torch.cuda`` report.

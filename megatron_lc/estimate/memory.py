@@ -156,7 +156,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
             mem.recompute_granularity == "full" or mem.activation_offload == "memo"))
         layers = 1 if rerun else x.L
         fpdt_host += layers * x.tokens * (x.h * x.act + (2 * x.nq_l + 2 * kv) * x.d * x.act + x.nq_l * 4)
-        # the host pool also holds one backward's do^ and fp32 dq chunks (attention/fpdt/calibrate.py: L * F + B),
+        # the host pool also holds one backward's do^ and fp32 dq chunks (attention/fpdt/host_share.py: L * F + B),
         # and rounds each parked view up to HostPool.ALIGN (per chunk: ~6 per layer, 2 for the backward)
         fpdt_host += x.tokens * x.nq_l * x.d * (x.act + 4) + (6 * layers + 2) * x.fpdt_chunks * HostPool.ALIGN
     if mem.activation_offload == "memo":

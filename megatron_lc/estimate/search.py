@@ -22,7 +22,7 @@ Skipped: anything ``config.resolve_layout`` rejects; recompute/Memo with FPDT un
 framework runs them in Memo's block mode, but no calibration case covers the estimate of it yet); selective recompute
 (saves nothing with flash-style kernels, runs attention twice). With ``memory.offload_fraction: auto`` the α written
 to the config is the estimator's LP solution; the framework re-solves it from its own profiler at start-up
-(memory/memo/calibrate.py).
+(memory/memo/profiler.py).
 """
 from __future__ import annotations
 

@@ -194,7 +194,7 @@ def tokenwise_backward(cfg: Config, x: Dims, rerun: float, merged: float = 0.0) 
     the kernel (Memo's 0 < alpha < 1). The largest of these moments, in autograd's order (U: one residual-stream
     tensor of the rank, fp32; Q: q of the rank's tokens):
 
-    * dropped post: beside the incoming grad dy (U) and the dropped rows' dx and dout (``_PostDropped.backward``'s
+    * dropped post: beside the incoming grad dy (U) and the dropped rows' dx and dout (``PostDropped.backward``'s
       buffers), the re-run's forward at its MLP; its saved tensors (the residual after attention; norm 2's output
       in the compute dtype, gathered with SP, as fc1 or MsT keep it; the MLP's intermediates unless MsT chunks
       them) and the MLP's backward; norm 2's backward (its incoming grad and its input grad, residual dtype, beside

@@ -44,7 +44,8 @@ class CheckpointOffload:
 
     def __init__(self, num_layers: int, pool: HostPool, chunk_tokens: Optional[int] = None, sp_groups: int = 1):
         self.n, self.pool = num_layers, pool
-        self.chunk_tokens, self.G = chunk_tokens, sp_groups  # memory.layer_chunk_size; tp blocks of gathered rows
+        # memory.layer_chunk_size; the tp blocks of gathered rows (sequence parallelism)
+        self.chunk_tokens, self.sp_blocks = chunk_tokens, sp_groups
         self.dev: Optional[DeviceAdapter] = None
         self.host: dict = {}  # layer -> (host tensor, its offload event)
         self.fetched: dict = {}  # layer -> (device tensor, its prefetch event)
@@ -75,7 +76,7 @@ class CheckpointOffload:
         """The layer's run in mini-sequences (``chunked_layer.py``), or None when a chunk holds all S rows."""
         if self.chunk_tokens is None or self.chunk_tokens >= S:
             return None
-        return ChunkedLayer(layer, rope, documents, S, self.chunk_tokens, self.G, autocast)
+        return ChunkedLayer(layer, rope, documents, S, self.chunk_tokens, self.sp_blocks, autocast)
 
     def offload(self, layer: int, x: torch.Tensor) -> None:
         """Copy layer ``layer``'s input to the host on the offload stream (``x`` kept alive until it is done)."""

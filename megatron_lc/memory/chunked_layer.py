@@ -46,7 +46,7 @@ class ChunkedLayer:
     def _put(self, whole: torch.Tensor, a: int, b: int, part: torch.Tensor) -> None:
         """Write a chunk's gathered rows (G blocks of b - a) into the whole (G blocks of S)."""
         sp = self.split
-        whole.view(sp.G, sp.S, *whole.shape[1:])[:, a:b] = part.view(sp.G, b - a, *whole.shape[1:])
+        whole.view(sp.blocks, sp.tokens, *whole.shape[1:])[:, a:b] = part.view(sp.blocks, b - a, *whole.shape[1:])
 
     def _rope(self, a: int, b: int):
         return None if self.rope is None else tuple(self._rows(t, a, b) for t in self.rope)
@@ -58,7 +58,7 @@ class ChunkedLayer:
             for a, b in self.chunks:
                 part = self.layer.pre_attention(x[a:b], self._rope(a, b))
                 if qkv is None:
-                    qkv = [p.new_empty(self.split.G * self.split.S, *p.shape[1:]) for p in part]
+                    qkv = [p.new_empty(self.split.blocks * self.split.tokens, *p.shape[1:]) for p in part]
                 for whole, p in zip(qkv, part):
                     self._put(whole, a, b, p)
             out, lse = self.core.forward_with_lse(*qkv, self.documents)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.tensor_parallel import _replicated
+from ..parallel.tensor_parallel import replicated_parameter
 
 
 RMS_NORM_SLICE_ELEMS = 1 << 24  # elements of x per slice of the CPU backward (64 MiB of fp32)
@@ -92,8 +92,8 @@ def build_norm(kind: str, hidden: int, eps: float, sequence_parallel: bool) -> n
         norm = RMSNorm(hidden, eps=eps)
     elif kind == "LayerNorm":
         norm = nn.LayerNorm(hidden, eps=eps)
-        _replicated(norm.bias, ("zeros",), sequence_parallel)
+        replicated_parameter(norm.bias, ("zeros",), sequence_parallel)
     else:
         raise ValueError(f"unknown normalization {kind}")
-    _replicated(norm.weight, ("ones",), sequence_parallel)
+    replicated_parameter(norm.weight, ("ones",), sequence_parallel)
     return norm

@@ -119,7 +119,8 @@ def _mark(p: nn.Parameter, dim: int, stride: int = 1, init: tuple = ("normal", 0
     return p
 
 
-def _replicated(p: nn.Parameter, init: tuple, sequence_parallel: bool = False) -> nn.Parameter:
+def replicated_parameter(p: nn.Parameter, init: tuple, sequence_parallel: bool = False) -> nn.Parameter:
+    """``p`` marked as whole on every tp rank, with its init rule (e.g. ``("ones",)`` for a norm's weight)."""
     p.tensor_model_parallel = False
     p.init = init
     p.sequence_parallel = sequence_parallel  # grads are partial per tp rank under SP -> all-reduced over tp
@@ -156,7 +157,7 @@ class RowParallelLinear(nn.Module):
         self.topo, self.sequence_parallel = topo, sequence_parallel
         self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // topo.tp)), 1, 1,
                             ("normal", init_std))
-        self.bias = (_replicated(nn.Parameter(torch.empty(out_features)), ("zeros",), sequence_parallel)
+        self.bias = (replicated_parameter(nn.Parameter(torch.empty(out_features)), ("zeros",), sequence_parallel)
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from megatron_lc.attention.fpdt.block import FPDTSelfAttention
 from megatron_lc.config import load_config
 from megatron_lc.device import BufferAccount, DeviceAdapter
-from megatron_lc.memory.memo.offload import MemoRuntime
+from megatron_lc.memory.memo.runtime import MemoRuntime
 from megatron_lc.model.rope import RotaryEmbedding
 from tests.gpu.conftest import DRYRUN
 from tests.gpu.test_t2_parity import CASES, loss_and_grads

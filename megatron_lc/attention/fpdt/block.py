@@ -17,7 +17,7 @@ the device). P = 1 (cp = 1) with u chunks is valid: chunked attention without co
 
 Interface for other memory techniques: the block's forward is ``(x [s, b, h], rope) -> [s, b, h]`` like
 ``SelfAttention``; it manages its own saved tensors (with offload on, nothing of the block stays on the device
-between forward and backward except its output). Its buffers are counted in the model context's ``FPDTState``.
+between forward and backward except its output). Its buffers are counted in the model context's ``FPDTRuntime``.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ framework's own accounting (on CPU host and device are one memory; the figure st
     fpdt.grad_local  a finished chunk's dq/dk/dv after the all-to-all back (projection backward input)
 
 Host side: every parked chunk is a view of the model's ``device.HostPool`` (one pinned allocation, sized before
-training by ``calibrate.py``); ``host_account`` counts the pool bytes the blocks hold (tag ``fpdt.host``, each view
+training by ``host_share.py``); ``host_account`` counts the pool bytes the blocks hold (tag ``fpdt.host``, each view
 rounded up to ``HostPool.ALIGN`` as in the pool), so its peak is what the pool must hold.
 
 Not counted: kernels' internal workspace (flash-attention keeps O(chunk) temporaries), the online-softmax merge's
@@ -36,7 +36,6 @@ import torch
 from ...device import BufferAccount, DeviceAdapter, HostPool
 from ...parallel.collectives import all_to_all
 from ...parallel.topology import Axis, Topology
-from .calibrate import calibrate_fpdt
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -65,45 +64,8 @@ class Pending:
     owned: list = field(default_factory=list)
 
 
-class FPDTState:
-    """Run-time state of a model's FPDT blocks, shared by all its layers and returned in the model's context:
-    the device and host byte accounts and, per device, one ``FPDTBuffers`` (so one pair of copy streams).
-
-    ``arena``: where framework buffers come from -- anything with ``buffer(tag, shape, dtype, device=...)`` and
-    ``record_stream(t, stream)`` (``memory.arena``'s handle: plain allocations until a memory plan is installed).
-    ``pool``: the host pool the parked chunks come from (the model context's, shared with Memo; a fresh one if
-    None), sized by ``calibrate.py``.
-
-    A technique runtime (``compose/context.py``): ``bind`` (nothing: each device's buffers bind on first use),
-    ``calibrate`` (one block's parked chunks measured, the pool's ``fpdt`` share reserved), ``allocate`` (nothing:
-    chunk buffers come from the arena as the blocks run)."""
-
-    TAG = "fpdt"
-
-    def __init__(self, arena, pool: Optional[HostPool] = None):
-        self.arena = arena
-        self.pool = pool if pool is not None else HostPool()
-        self.account = BufferAccount()  # device-resident bytes of the blocks' buffers
-        self.host_account = BufferAccount()  # pool bytes parked on the host
-        self._by_device: dict = {}
-
-    def bind(self, device: torch.device) -> None:
-        pass
-
-    def calibrate(self, model, env) -> None:
-        calibrate_fpdt(model, env)
-
-    def allocate(self) -> None:
-        pass
-
-    def buffers(self, device: torch.device) -> "FPDTBuffers":
-        if device not in self._by_device:
-            self._by_device[device] = FPDTBuffers(device, self.account, self.host_account, self.arena, self.pool)
-        return self._by_device[device]
-
-
 class FPDTBuffers:
-    """Accounting + transfers for one device; shared by the FPDT blocks of a model (see ``FPDTState``)."""
+    """Accounting + transfers for one device; shared by the FPDT blocks of a model (see ``runtime.FPDTRuntime``)."""
 
     def __init__(self, device: torch.device, account: BufferAccount, host_account: BufferAccount, arena,
                  pool: HostPool):

@@ -19,8 +19,8 @@ import torch
 
 from ...device import storage_id
 from ..token_split import TokenSplit
-from .offload import MemoRuntime
-from .steps import LayerStep, _Attention, _PostDropped, _PreDropped
+from .runtime import MemoRuntime
+from .steps import LayerStep, SplitAttention, PostDropped, PreDropped
 
 
 def _param_storages(layer) -> set:
@@ -34,14 +34,14 @@ class MemoExecutor:
     block_mode = False
 
     def __init__(self, runtime: MemoRuntime, sp_groups: int):
-        self.runtime, self.G = runtime, sp_groups
+        self.runtime, self.sp_blocks = runtime, sp_groups
         # passed to the dropped-token Functions so their outputs require grad (and parameter grads flow) even
         # when the layer input does not
         self._always_grad = torch.empty(0, requires_grad=True)
 
     def with_runtime(self, runtime: MemoRuntime) -> "MemoExecutor":
         """The same executor on another runtime (the calibration's measuring one)."""
-        return type(self)(runtime, self.G)
+        return type(self)(runtime, self.sp_blocks)
 
     def rope_parts(self, rope, split: TokenSplit):
         """RoPE tables of the kept and dropped tokens, computed once per model forward and shared by the layers: the
@@ -51,7 +51,7 @@ class MemoExecutor:
         if rope is None:
             return None, None, set()
         rt = self.runtime
-        key = (id(rope[0]), storage_id(rope[0]), split.S, split.sA)
+        key = (id(rope[0]), storage_id(rope[0]), split.tokens, split.kept)
         if rt.rope_split is None or rt.rope_split[0] != key:
             cos_a, cos_d = split.gathered(rope[0])
             sin_a, sin_d = split.gathered(rope[1])
@@ -63,7 +63,7 @@ class MemoExecutor:
         """The layer's ``LayerStep`` (its slot placed from now on) and the RoPE rows of the kept tokens."""
         rt = self.runtime
         S = x.shape[0]
-        split = TokenSplit(S, rt.kept_tokens(S), self.G)
+        split = TokenSplit(S, rt.kept_tokens(S), self.sp_blocks)
         rope_a, rope_d, rope_refs = self.rope_parts(rope, split)
         slot = rt.new_slot(layer.layer_number, _param_storages(layer) | rope_refs)
         st = LayerStep(rt, layer, layer.self_attention.core_attention, slot, split, rope_d, layer.pre_attention,
@@ -71,7 +71,7 @@ class MemoExecutor:
         return st, rope_a
 
     def _attend(self, st: LayerStep, layer, pre_a, pre_d, rope) -> torch.Tensor:
-        return _Attention.apply(st, *(pre_a or (None,) * 3), *(pre_d or (None,) * 3))
+        return SplitAttention.apply(st, *(pre_a or (None,) * 3), *(pre_d or (None,) * 3))
 
     def __call__(self, layer, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
         if not torch.is_grad_enabled():
@@ -80,19 +80,19 @@ class MemoExecutor:
         x = x.contiguous()
         st, rope_a = self._step(layer, x, rope, documents)
         split, slot = st.split, st.slot
-        slot.stats.tokens, slot.stats.tokens_kept, slot.stats.tokens_recomputed = split.S, split.sA, split.sD
+        slot.stats.tokens, slot.stats.tokens_kept, slot.stats.tokens_recomputed = split.tokens, split.kept, split.dropped
         st.h_input = slot.keep("input", x)
         x_a, x_d = split.local(x)
         with torch.autograd.graph.saved_tensors_hooks(slot.pack, slot.unpack):
-            pre_a = st.pre_fn(x_a, rope_a) if split.sA else None
-            pre_d = _PreDropped.apply(st, x_d, self._always_grad) if split.sD else None
+            pre_a = st.pre_fn(x_a, rope_a) if split.kept else None
+            pre_d = PreDropped.apply(st, x_d, self._always_grad) if split.dropped else None
             out = self._attend(st, layer, pre_a, pre_d, rope)
-            n = split.G * split.sA
+            n = split.blocks * split.kept
             ys = []
-            if split.sA:
+            if split.kept:
                 ys.append(st.post_fn(x_a, out[:n]))
-            if split.sD:
-                ys.append(_PostDropped.apply(st, x_d, out[n:], self._always_grad))
+            if split.dropped:
+                ys.append(PostDropped.apply(st, x_d, out[n:], self._always_grad))
             y = torch.cat(ys) if len(ys) > 1 else ys[0]
         rt.after_forward(slot)
         if y.requires_grad:
@@ -129,6 +129,6 @@ class MemoBlockExecutor(MemoExecutor):
             slot.default_kind = "other"
         st.runtime.attn_forward_calls += 1
         st.h_attn = slot.keep("attn", out)  # the dropped tokens' post part is recomputed from it
-        if not st.split.sD:
+        if not st.split.dropped:
             out.register_hook(lambda g: (st.backward_done(), g)[1])
         return out

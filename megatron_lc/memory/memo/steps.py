@@ -28,7 +28,7 @@ import torch
 from ...device import storage_id
 from ..forward_state import as_in_forward, autocast_state, backward_from
 from ..token_split import TokenSplit
-from .offload import MemoRuntime
+from .runtime import MemoRuntime
 from .slots import SkeletalSlot
 
 
@@ -83,7 +83,7 @@ class LayerStep:
     def chunk(self) -> Optional[int]:
         """Tokens per mini-sequence of the dropped tokens' recompute (None: all at once)."""
         c = self.runtime.chunk_tokens
-        return c if c is not None and c < self.split.sD else None
+        return c if c is not None and c < self.split.dropped else None
 
     def dropped_qkv(self):
         """q, k, v of the dropped tokens for the attention backward: with mini-sequences, recomputed whole without a
@@ -104,7 +104,7 @@ class LayerStep:
         return self.pre_d
 
 
-class _PreDropped(torch.autograd.Function):
+class PreDropped(torch.autograd.Function):
     """q, k, v (or the norm output, block mode) of the dropped tokens: no graph; recomputed before their backward."""
 
     @staticmethod
@@ -144,7 +144,7 @@ def _pre_backward_chunks(st: LayerStep, grads) -> torch.Tensor:
     return dx
 
 
-class _PostDropped(torch.autograd.Function):
+class PostDropped(torch.autograd.Function):
     """Out-proj + residual + MLP of the dropped tokens: no graph in forward, recomputed in backward."""
 
     @staticmethod
@@ -162,7 +162,7 @@ class _PostDropped(torch.autograd.Function):
         st = ctx.st
         sp = st.split
         x_all = sp.local(st.kept_input())[1]
-        o_all = st.kept_attn()[sp.G * sp.sA:]  # dropped rows come last
+        o_all = st.kept_attn()[sp.blocks * sp.kept:]  # dropped rows come last
         dx, do = torch.empty_like(x_all), torch.empty_like(o_all)
         for a, b in sp.dropped_chunks(st.chunk):
             x = x_all[a:b].detach().requires_grad_()
@@ -172,14 +172,14 @@ class _PostDropped(torch.autograd.Function):
             del y
             st.runtime.account.release("memo.recompute", nbytes)
             dx[a:b] = x.grad
-            if sp.G == 1:
+            if sp.blocks == 1:
                 do[a:b] = o.grad
             else:
-                do.view(sp.G, sp.sD, *do.shape[1:])[:, a:b] = o.grad.view(sp.G, b - a, *do.shape[1:])
+                do.view(sp.blocks, sp.dropped, *do.shape[1:])[:, a:b] = o.grad.view(sp.blocks, b - a, *do.shape[1:])
         return None, dx, do, None
 
 
-class _Attention(torch.autograd.Function):
+class SplitAttention(torch.autograd.Function):
     """Core attention once; keeps out (in kept-then-dropped token order) and lse, and the kept tokens' q, k, v."""
 
     @staticmethod
@@ -188,11 +188,11 @@ class _Attention(torch.autograd.Function):
         q, k, v = sp.merge(qa, qd), sp.merge(ka, kd), sp.merge(va, vd)
         out, lse = st.core.forward_with_lse(q, k, v, st.documents)
         st.runtime.attn_forward_calls += 1
-        if sp.G > 1 and sp.sA and sp.sD:
+        if sp.blocks > 1 and sp.kept and sp.dropped:
             out = torch.cat(sp.gathered(out))  # kept rows first, so both parts are views of one tensor
         st.h_attn = st.slot.keep("attn", out)
         st.h_lse = st.slot.keep("lse", lse)
-        if sp.sA:
+        if sp.kept:
             st.h_qkv_kept = [st.slot.keep("other", t) for t in (qa, ka, va)]
         ctx.st = st
         return out
@@ -203,18 +203,18 @@ class _Attention(torch.autograd.Function):
         sp, slot = st.split, st.slot
         out, lse = st.kept_attn(), slot.unpack(st.h_lse)
         qa = ka = va = qd = kd = vd = None
-        if sp.sA:
+        if sp.kept:
             qa, ka, va = (slot.unpack(h) for h in st.h_qkv_kept)
-        if sp.sD:
+        if sp.dropped:
             qd, kd, vd = st.dropped_qkv()
         q, k, v = sp.merge(qa, qd), sp.merge(ka, kd), sp.merge(va, vd)
-        if sp.G > 1 and sp.sA and sp.sD:
-            n = sp.G * sp.sA
+        if sp.blocks > 1 and sp.kept and sp.dropped:
+            n = sp.blocks * sp.kept
             out, dout = sp.merge(out[:n], out[n:]), sp.merge(dout[:n], dout[n:])
         dq, dk, dv = st.core.backward_with_lse(dout, q, k, v, out, lse, st.documents)
         grads = []
         for g in (dq, dk, dv):
-            grads.append(sp.gathered(g) if (sp.sA and sp.sD) else ((g, None) if sp.sA else (None, g)))
-        if not sp.sD:
+            grads.append(sp.gathered(g) if (sp.kept and sp.dropped) else ((g, None) if sp.kept else (None, g)))
+        if not sp.dropped:
             st.backward_done()
         return (None, grads[0][0], grads[1][0], grads[2][0], grads[0][1], grads[1][1], grads[2][1])

@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 from ...device import has_values
 from ...parallel.collectives import all_reduce
 from ...parallel.topology import Axis, Topology
-from .mlp_function import _accumulate_mm, _cast, _compute_dtype, chunk_bounds
+from .mlp_function import accumulate_mm, cast_to, chunk_bounds, compute_dtype
 
 
 def _target(labels: torch.Tensor, per: int, start: int, ignore_index: int):
@@ -51,7 +51,7 @@ class _MiniSequenceLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, labels, topo: Topology, chunk: int, ignore_index: int, grad_in_forward: bool):
-        dtype, per = _compute_dtype(x), weight.shape[0]
+        dtype, per = compute_dtype(x), weight.shape[0]
         start, n = topo.tp_rank * per, x.shape[0]
         out = torch.empty(labels.shape, dtype=torch.float32, device=x.device)  # shaped like labels: not a view
         loss, labels = out.view(-1), labels.reshape(-1)
@@ -61,7 +61,7 @@ class _MiniSequenceLinearCE(torch.autograd.Function):
         u = torch.empty(n, x.shape[1], dtype=dtype, device=x.device) if want_u else None
         dw = torch.zeros_like(weight) if want_dw else None
         with torch.autocast(x.device.type, enabled=False):
-            xc_, wc = _cast(x, dtype), _cast(weight, dtype)
+            xc_, wc = cast_to(x, dtype), cast_to(weight, dtype)
             for i0, i1 in chunk_bounds(n, chunk):
                 lab = labels[i0:i1]
                 valid = lab != ignore_index
@@ -76,11 +76,11 @@ class _MiniSequenceLinearCE(torch.autograd.Function):
                 loss[i0:i1] = (log_z - sums[0]) * valid
                 lse[i0:i1] = log_z + vmax
                 if want_u or want_dw:
-                    grad = _cast(_grad_from_exp_(z, valid / sums[1], in_shard, idx), dtype)
+                    grad = cast_to(_grad_from_exp_(z, valid / sums[1], in_shard, idx), dtype)
                     if want_u:
                         torch.mm(grad, wc, out=u[i0:i1])
                     if want_dw:
-                        _accumulate_mm(dw, grad.t(), xc_[i0:i1])
+                        accumulate_mm(dw, grad.t(), xc_[i0:i1])
                     del grad
                 del z
         ctx.save_for_backward(xc_, weight, labels, lse)  # the input in the compute dtype (bf16 under autocast)
@@ -124,15 +124,15 @@ def _recompute_backward(ctx, x, weight, labels, lse, scale, need_x: bool, need_w
     dx = torch.empty(x.shape, dtype=ctx.x_dtype, device=x.device) if need_x else None
     dw = torch.zeros_like(weight) if need_w else None
     with torch.autocast(x.device.type, enabled=False):
-        xc_, wc = _cast(x, dtype), _cast(weight, dtype)
+        xc_, wc = cast_to(x, dtype), cast_to(weight, dtype)
         for i0, i1 in chunk_bounds(x.shape[0], ctx.chunk):
             xi = xc_[i0:i1]
             p = xi.mm(wc.t()).float().sub_(lse[i0:i1].unsqueeze(-1)).exp_()  # softmax from the saved lse
             idx, in_shard = _target(labels[i0:i1], per, ctx.start, ctx.ignore_index)
             f = scale[i0:i1]
-            grad = _cast(_grad_from_exp_(p, f, in_shard * f, idx), dtype)
+            grad = cast_to(_grad_from_exp_(p, f, in_shard * f, idx), dtype)
             if dw is not None:
-                _accumulate_mm(dw, grad.t(), xi)
+                accumulate_mm(dw, grad.t(), xi)
             if dx is not None:
                 dx[i0:i1] = grad.mm(wc)
     return dx, dw

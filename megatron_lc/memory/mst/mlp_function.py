@@ -32,18 +32,20 @@ def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(i, min(i + chunk, n)) for i in range(0, n, chunk)]
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the chunks compute in: autocast's on ``x``'s device when it is on (bf16 on a GPU), else ``x``'s."""
     dev = x.device.type
     if torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return x.dtype
 
 
-def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+def cast_to(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``t`` in ``dtype`` (no copy when it already is; None stays None)."""
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
-def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` in acc's dtype (fp32 master grads even when a, b are bf16)."""
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
@@ -84,10 +86,10 @@ class _MiniSequenceMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, swiglu: bool, chunk: int):
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         ctx.dtype, ctx.swiglu, ctx.chunk, ctx.x_dtype = dtype, swiglu, chunk, x.dtype
         with torch.autocast(x.device.type, enabled=False):
-            xc_, w1c, b1c, w2c = _cast(x, dtype), _cast(w1, dtype), _cast(b1, dtype), _cast(w2, dtype)
+            xc_, w1c, b1c, w2c = cast_to(x, dtype), cast_to(w1, dtype), cast_to(b1, dtype), cast_to(w2, dtype)
             # the input in the compute dtype, as the unchunked linear keeps it (bf16 under autocast, not fp32)
             ctx.save_for_backward(xc_, w1, b1, w2)
             out = torch.empty(x.shape[0], w2.shape[0], dtype=dtype, device=x.device)
@@ -107,19 +109,19 @@ class _MiniSequenceMLP(torch.autograd.Function):
         db1 = torch.zeros_like(b1) if b1 is not None and ctx.needs_input_grad[2] else None
         dw2 = torch.zeros_like(w2) if ctx.needs_input_grad[3] else None
         with torch.autocast(x.device.type, enabled=False):
-            xc_, w1c, b1c, w2c = _cast(x, dtype), _cast(w1, dtype), _cast(b1, dtype), _cast(w2, dtype)
-            g = _cast(g, dtype)
+            xc_, w1c, b1c, w2c = cast_to(x, dtype), cast_to(w1, dtype), cast_to(b1, dtype), cast_to(w2, dtype)
+            g = cast_to(g, dtype)
             for i0, i1 in chunk_bounds(x.shape[0], ctx.chunk):
                 xi, gi = xc_[i0:i1], g[i0:i1]
                 h = F.linear(xi, w1c, b1c)  # recomputed: [n, f1] lives for this chunk only
                 a, act_grad = _activation_and_grad_fn(h, swiglu)
                 if dw2 is not None:
-                    _accumulate_mm(dw2, gi.t(), a)
+                    accumulate_mm(dw2, gi.t(), a)
                 del a
                 dh = act_grad(gi.mm(w2c))
                 del h, act_grad
                 if dw1 is not None:
-                    _accumulate_mm(dw1, dh.t(), xi)
+                    accumulate_mm(dw1, dh.t(), xi)
                 if db1 is not None:
                     db1.add_(dh.sum(dim=0).to(db1.dtype))
                 if need_x:

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from .placement_search import FEASIBLE, INFEASIBLE, fit
-from .rects import Rects, _unit
+from .rects import Rects, size_unit
 from .sections import Prepared, prepare
 
 FIRST_SHARE = 0.5  # of the time limit, for the question "fits at the lower bound?"
@@ -28,7 +28,7 @@ def minimize(inst: Rects, *, lower_bound: int, best: tuple, time_limit: float,
     deadline = t0 + time_limit
     off, peak = best
     p = prepared if prepared is not None else prepare(inst)
-    unit = _unit(np.concatenate([inst.height, inst.extra, [lower_bound]]))
+    unit = size_unit(np.concatenate([inst.height, inst.extra, [lower_bound]]))
     proved = lower_bound  # no plan below this
     lo = lower_bound  # next capacity worth asking
     info = {"searches": 0, "nodes": 0}

@@ -12,7 +12,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from .rects import Rects, _unit
+from .rects import Rects, size_unit
 
 
 def mip(inst: Rects, *, lower_bound: int, upper_bound: int, time_limit: float
@@ -20,7 +20,7 @@ def mip(inst: Rects, *, lower_bound: int, upper_bound: int, time_limit: float
     """The paper's big-M MIP with scipy's HiGHS, M_cap = ``upper_bound``: min M s.t. A_i + S_i <= M and, for every
     pair of time-overlapping items, A_i + S_i <= A_j + z_ij M_cap and A_j + S_j <= A_i + (1 - z_ij) M_cap (for a
     shaped item, S is the height of its rectangle that overlaps the other's)."""
-    unit = _unit(np.concatenate([inst.height, [upper_bound]]))
+    unit = size_unit(np.concatenate([inst.height, [upper_bound]]))
     H = inst.height // unit
     n = inst.n
     cap = upper_bound // unit

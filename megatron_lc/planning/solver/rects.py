@@ -30,7 +30,8 @@ class PlanError(ValueError):
     """An invalid plan (two live tensors overlap, an offset out of range)."""
 
 
-def _unit(sizes: np.ndarray) -> int:
+def size_unit(sizes: np.ndarray) -> int:
+    """The largest unit every non-zero size is a multiple of (their gcd; 1 for none): solvers count in it."""
     nz = [int(s) for s in sizes if s > 0]
     return reduce(math.gcd, nz) if nz else 1
 
@@ -172,7 +173,7 @@ def cpsat(inst: Rects, *, lower_bound: int, upper_bound: int, hint: Optional[np.
     # OR-Tools is optional (the ``planning`` extra): without it ``solve_dsa`` keeps the greedy plan
     from ortools.sat.python import cp_model
 
-    unit = _unit(np.concatenate([inst.height, [lower_bound, upper_bound]]))
+    unit = size_unit(np.concatenate([inst.height, [lower_bound, upper_bound]]))
     cap = (capacity if capacity is not None else upper_bound) // unit
     m = cp_model.CpModel()
     peak = m.NewIntVar(-(-lower_bound // unit), cap, "peak")
@@ -217,7 +218,7 @@ def cpsat_bisect(inst: Rects, *, lower_bound: int, best: tuple, time_limit: floa
     question with the best placement as hint. Returns (offsets, peak, status)."""
     off, peak = best
     lo = lower_bound
-    unit = _unit(np.concatenate([inst.height, [lower_bound]]))
+    unit = size_unit(np.concatenate([inst.height, [lower_bound]]))
     deadline = time.perf_counter() + time_limit
     while peak - lo >= unit and time.perf_counter() < deadline:
         mid = (lo + peak) // 2 // unit * unit

@@ -17,7 +17,7 @@ smallest alpha, and the two rounding buffers are allocated with the exact bytes 
 region padded to ``slots.ALIGN``): a buffer never grows during training.
 
 Host memory is the model's ``device.HostPool``, counted exactly: the LP's budget is this rank's share less what the
-pool already holds for others (FPDT's parked chunks, ``attention/fpdt/calibrate.py``, which runs first) less a bound
+pool already holds for others (FPDT's parked chunks, ``attention/fpdt/host_share.py``, which runs first) less a bound
 on the alignment padding of the swapped layers' copies; after alpha is chosen, Memo reserves one buffer's capacity
 per swapped layer and the pool's exact size is checked against the budget (``HostMemoryError`` naming the numbers).
 The probes run with the pool in measuring mode (an FPDT block inside the layer parks into plain tensors).

@@ -12,7 +12,7 @@ buffer ``i % 2``. Example, 6 layers (layers 4 and 5 are the last two: never swap
               when layer i's backward starts, buffer (i-1)%2 is free (layer i+1 is done): host[i-1] -> buffer
               (i-1)%2 on the prefetch stream while layer i computes; layer i-1 waits for that event.
 
-The buffers are sized and allocated by the calibration before training (``calibrate.py``: the exact bytes one layer
+The buffers are sized and allocated by the calibration before training (``profiler.py``: the exact bytes one layer
 places at the chosen alpha); a layer that would place more is an error, never a buffer that grows mid-step. The
 host copies come from the model's ``device.HostPool``: ``allocate`` reserves one buffer's capacity per swapped layer
 (``host_bytes()`` is exactly that reservation), and each swapped layer takes its copy at its first forward.
@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from ...device import BufferAccount, DeviceAdapter, HostPool
-from .calibrate import calibrate_memo
+from .profiler import calibrate_memo
 from .slots import ALIGN, SkeletalSlot
 
 
@@ -86,7 +86,7 @@ class MemoRuntime:
         self.n = num_layers
         self.chunk_tokens = chunk_tokens  # memory.layer_chunk_size: mini-sequences of the dropped tokens (steps.py)
         self.measure = measure  # calibration probe: count bytes by kind, copy nothing
-        self.alpha = alpha if offload else 0.0  # offload: set by the calibration (``calibrate.py``)
+        self.alpha = alpha if offload else 0.0  # offload: set by the calibration (``profiler.py``)
         self.offload = offload
         self.account = BufferAccount()
         self.pool = pool if pool is not None else HostPool()
@@ -142,7 +142,7 @@ class MemoRuntime:
 
     # ---- a technique runtime (compose/context.py): bind (above), calibrate, allocate -----------------------
     def calibrate(self, model, env) -> None:
-        """With offload: layer 0 profiled, alpha solved, buffers and host share sized (``calibrate.py``)."""
+        """With offload: layer 0 profiled, alpha solved, buffers and host share sized (``profiler.py``)."""
         calibrate_memo(model, self, env)
 
     def allocate(self) -> None:
