@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--set", nargs="*", default=[], help="config overrides (a bigger model)")
     args = ap.parse_args()
-    from tests.dist import run_dist
+    from tests.support.dist import run_dist
 
     rows = []
     for world in args.world:

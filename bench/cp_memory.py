@@ -4,7 +4,7 @@ attention layer sends (ring vs Ulysses vs hybrid) measured against the formulas 
     python bench/cp_memory.py [--seq 2048] [--layers 4]      # JSON on stdout, a side-by-side table on stderr
 
 Every variant runs one forward+backward of one micro-batch (b=1, fp32, mock tokens) of the model of
-configs/tiny_cpu.yaml, on gloo ranks (tests/dist.py's launcher). Memory: torch's ``MemTracker``
+configs/tiny_cpu.yaml, on gloo ranks (tests/support/dist.py's launcher). Memory: torch's ``MemTracker``
 (``torch.distributed._tools.mem_tracker``, private API) follows every tensor storage the step allocates on the CPU;
 "step_peak" is the peak of all live bytes minus the parameters and their (pre-allocated) gradients, i.e.
 activations + temporaries + communication buffers. On CPU this is the accounting that stands for GPU memory
@@ -48,7 +48,7 @@ def rank_step(rank, world, overrides):
     from megatron_lc.data import build_dataset, make_batch
     from megatron_lc.parallel.token_layout import shard_batch
     from megatron_lc.parallel.topology import Topology
-    from tests.parity import build
+    from tests.support.parity import build
 
     cfg = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml"), overrides)
     layout = resolve_layout(cfg, world)
@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
 
     from megatron_lc.attention.cp_bytes import cp_attention_bytes
     from megatron_lc.config import load_config
-    from tests.dist import run_dist
+    from tests.support.dist import run_dist
 
     m = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml")).model
     out = {"command": "python bench/cp_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),

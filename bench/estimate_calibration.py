@@ -1,4 +1,4 @@
-"""Estimated vs measured peak memory per rank for every calibration case (tests/estimate_cases.py); prints JSON.
+"""Estimated vs measured peak memory per rank for every calibration case (tests/support/estimate_cases.py); prints JSON.
 
     python bench/estimate_calibration.py                 # all cases this checkout implements
     python bench/estimate_calibration.py plain tp2-sp    # some cases
@@ -20,8 +20,8 @@ if ROOT not in sys.path:
 
 def main(names: list) -> dict:
     from megatron_lc.estimate import estimate, load_hardware
-    from tests import estimate_cases
-    from tests.dist import run_dist
+    from tests.support import estimate_cases
+    from tests.support.dist import run_dist
 
     rows = []
     for case in estimate_cases.CASES:

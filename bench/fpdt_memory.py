@@ -63,13 +63,13 @@ def model_bytes(a, u: int, offload: bool, P: int, kv_repeat: int) -> int:
 
 def measure(rank: int, world: int, a, out_path: str) -> None:
     from megatron_lc.attention.fpdt.block import FPDTSelfAttention
-    from megatron_lc.attention.fpdt.calibrate import reserve_for_layers
+    from megatron_lc.attention.fpdt.host_share import reserve_for_layers
     from megatron_lc.config import load_config
     from megatron_lc.model.attention import SelfAttention
     from megatron_lc.model.rope import RotaryEmbedding
     from megatron_lc.parallel.token_layout import fpdt_token_index
     from megatron_lc.parallel.topology import Topology
-    from tests.parity import block_parts
+    from tests.support.parity import block_parts
 
     torch.set_num_threads(1 if world > 1 else 2)
     topo = Topology.build(cp=world, ulysses=world)
@@ -92,7 +92,7 @@ def measure(rank: int, world: int, a, out_path: str) -> None:
             pos = idx.view(s_local, 1).expand(s_local, a.batch)
             rope = RotaryEmbedding(a.head_dim, 10000.0)(pos)
             x = torch.randn(s_local, a.batch, a.hidden, requires_grad=True)
-            if offload:  # the host pool: this block's parked chunks, measured (attention/fpdt/calibrate.py)
+            if offload:  # the host pool: this block's parked chunks, measured (attention/fpdt/host_share.py)
                 reserve_for_layers(block, x.detach(), rope, 1)
                 acct.reset_peak()
             t0 = time.perf_counter()

@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 def main() -> None:
 
     from megatron_lc.config import load_config
-    from tests.parity import build
+    from tests.support.parity import build
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=os.path.join(ROOT, "configs/tiny_cpu.yaml"))

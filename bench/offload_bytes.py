@@ -78,7 +78,7 @@ class LayerSavedBytes:
 
 def run_row(name: str, overrides: list, seq: int, steps: int) -> dict:
     from megatron_lc.config import load_config
-    from tests.parity import build
+    from tests.support.parity import build
 
     cfg = load_config(None, BASE + [f"data.seq_length={seq}", f"model.max_position_embeddings={seq}"] + overrides)
     model, ctx = build(cfg)

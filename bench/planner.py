@@ -39,7 +39,7 @@ def tiny_trace(layers: int, recompute: bool, config: str = ""):
     from megatron_lc.config import load_config
     from megatron_lc.memory.recompute import with_layer_checkpoint
     from megatron_lc.planning.capture.record import capture_iteration
-    from tests.parity import batch_for, build, small_config
+    from tests.support.parity import batch_for, build, small_config
 
     if config:  # the demo model (configs/tiny_cpu.yaml), one micro-batch of random tokens
         cfg = load_config(config, ["data.mock_data=true", "train.device=cpu"])

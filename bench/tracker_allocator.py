@@ -1,5 +1,6 @@
 """The live-bytes tracker against the CPU allocator's own count: one process (one rank), the framework's training
-steps on ``configs/tiny_cpu.yaml`` (the calibration cases' base, ``tests/estimate_cases.py``), both recording the
+steps on ``configs/tiny_cpu.yaml`` (the calibration cases' base, ``tests/support/estimate_cases.py``), both recording
+the
 same run: the tracker's peak (``planning/capture/tracker.py``) and the peak of the allocator's malloc/free events that
 ``torch.profiler`` records with ``profile_memory=True`` (exact in one process: every free happens on this thread).
 
@@ -42,7 +43,7 @@ def one_run(overrides: list, steps: int) -> dict:
     from megatron_lc.parallel.topology import Topology
     from megatron_lc.planning.capture.tracker import DispatchTracer
     from megatron_lc.training.loop import Trainer
-    from tests import estimate_cases
+    from tests.support import estimate_cases
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,7 +17,8 @@ by length x depth, under the config's parallel layout (tp, ring / Ulysses / hybr
 
 The weights are loaded at any layout (``load_checkpoint`` with no optimizer); nothing is saved (``checkpoint.save``
 is ignored). Exit status: 0 done, 2 a config, data or checkpoint error (one line).
-Library: ``megatron_lc/training/eval/by_position.py`` and ``passkey.py``; fields of the JSON: ``docs/context_extension.md``.
+Library: ``megatron_lc/training/eval/by_position.py`` and ``passkey.py``; fields of the JSON:
+``docs/context_extension.md``.
 """
 from __future__ import annotations
 

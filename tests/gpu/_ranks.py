@@ -1,4 +1,5 @@
-"""Rank functions of ``test_ranks_one_gpu.py`` (run under ``tests.dist.run_dist``: gloo, one process per rank; the
+"""Rank functions of ``test_ranks_one_gpu.py`` (run under ``tests.support.dist.run_dist``: gloo, one process per rank;
+the
 model and every collective's tensors on ``cuda:0`` where there is a GPU, on the CPU in the dry run)."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from megatron_lc.parallel.token_layout import shard_batch
 from megatron_lc.parallel.topology import Axis, Topology
 from megatron_lc.training.optimizer import sync_gradients
 from megatron_lc.training.setup import build_and_calibrate
-from tests.parity import batch_for, full_grads, small_config
+from tests.support.parity import batch_for, full_grads, small_config
 
 WAIT = datetime.timedelta(seconds=60)
 

@@ -1,14 +1,15 @@
 """Several ranks on one GPU: 2 processes on ``cuda:0`` joined by gloo (NCCL refuses two ranks on one device) run
 ring attention (cp = 2), Ulysses (cp = 2) and tensor parallelism (tp = 2) of the small parity model; the global
 loss within 1e-5 relative and every gradient within 1e-4 of one rank on the same device (the CPU contract,
-tests/parity.py; fp32, TF32 off). First a probe records which collectives gloo takes with CUDA tensors (each in its
+tests/support/parity.py; fp32, TF32 off). First a probe records which collectives gloo takes with CUDA tensors (each in
+its
 own processes: a refusal may kill them); a case whose collectives it refuses is skipped, saying which. Dry run:
 the same on the CPU (what the CPU suite checks), through the same harness."""
 import pytest
 
-from tests.dist import run_dist
+from tests.support.dist import run_dist
 from tests.gpu import _ranks
-from tests.parity import GRAD_ATOL, LOSS_RTOL
+from tests.support.parity import GRAD_ATOL, LOSS_RTOL
 
 SEQ = ["data.seq_length=64"]
 CASES = {  # name -> (overrides, the collectives it needs on device tensors)

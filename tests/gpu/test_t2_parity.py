@@ -1,5 +1,6 @@
 """T2: the CPU parity cases that fit one device, on this device. fp32 (TF32 off): loss within 1e-5 relative and
-every gradient within 1e-4 of the plain model on the same device (the CPU contract, tests/parity.py); bf16 autocast:
+every gradient within 1e-4 of the plain model on the same device (the CPU contract, tests/support/parity.py); bf16
+autocast:
 loss within 2e-2 of the fp32 plain model. Memo alpha 0 / 1/4 / 1, full and selective recompute, FPDT P=1 u=4 with
 and without offload, MsT, ``memory.plan: auto``."""
 import pytest
@@ -8,7 +9,7 @@ import torch
 from megatron_lc.config import resolve_execution, resolve_layout
 from megatron_lc.parallel.topology import Topology
 from megatron_lc.training.setup import build_and_calibrate
-from tests.parity import GRAD_ATOL, LOSS_RTOL, batch_for, small_config
+from tests.support.parity import GRAD_ATOL, LOSS_RTOL, batch_for, small_config
 
 SEQ = ["data.seq_length=256", "model.num_layers=3"]
 CASES = {

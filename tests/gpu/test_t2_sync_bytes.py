@@ -19,7 +19,7 @@ from megatron_lc.memory.memo.runtime import MemoRuntime
 from megatron_lc.model.rope import RotaryEmbedding
 from tests.gpu.conftest import DRYRUN
 from tests.gpu.test_t2_parity import CASES, loss_and_grads
-from tests.parity import block_parts
+from tests.support.parity import block_parts
 
 SYNC_RTOL = 1e-6
 BYTES_RTOL = 0.05

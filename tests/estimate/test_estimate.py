@@ -1,0 +1,304 @@
+"""Unit tests of the estimator: hardware profiles, formulas against hand-worked numbers and the papers, the α LP,
+the layout search and the command line. The calibration against measured peaks is
+tests/estimate/test_estimate_calibration.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+
+from megatron_lc.config import ConfigError, load_config, resolve_layout
+from megatron_lc.estimate import estimate, load_hardware
+from megatron_lc.estimate import transient as T
+from megatron_lc.estimate.flops import model_flops_per_sample
+from megatron_lc.estimate.hardware import HARDWARE_DIR
+from megatron_lc.estimate.inventory import Dims, group_bytes, layer_chunk_share, layer_skeletal, param_shards
+from megatron_lc.estimate.memory import solve_alpha
+from megatron_lc.estimate.report import activation_peak_from, load_measured
+from megatron_lc.estimate.search import LAYER_CHUNK, apply_overrides, config_overrides, pick_best, search_layouts
+from megatron_lc.planning.trace import Trace, max_live_bytes
+from megatron_lc.training.metrics import flops_per_sample
+from megatron_lc.units import GIB
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+CONFIGS = os.path.join(ROOT, "configs")
+PROFILES = sorted(f[:-5] for f in os.listdir(HARDWARE_DIR) if f.endswith(".yaml"))
+# the shipped llama3_8b_1m.yaml carries the layout --auto wrote; tests start from a fixed one
+RESET = ["parallel.tensor_model_parallel_size=1", "parallel.context_parallel_size=8", "parallel.cp_comm_type=a2a",
+         "parallel.ulysses_size=8", "parallel.sequence_parallel=false", "memory.activation_offload=none",
+         "memory.offload_fraction=auto", "memory.mst=false", "memory.recompute_granularity=none"]
+
+
+def llama(*overrides):
+    """Llama3-8B at 1M tokens (configs/llama3_8b_1m.yaml) with Ulysses over 8 GPUs and no memory feature, then
+    ``overrides``."""
+    return load_config(os.path.join(CONFIGS, "llama3_8b_1m.yaml"), RESET + list(overrides))
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_every_hardware_profile_loads(name):
+    hw = load_hardware(name)
+    assert hw.device_bytes > 0 and hw.peak_flops(True) > 0 and hw.host_bytes_per_node > 0
+
+
+def test_hardware_profiles_shipped():
+    assert {"a100", "a800", "h100", "h200"} <= set(PROFILES)
+
+
+def test_hardware_errors_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="hardware profile not found: b200"):
+        load_hardware("b200")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nhbm_gbit: 3\n")
+    with pytest.raises(ConfigError, match="unknown key 'hardware.hbm_gbit'"):
+        load_hardware(str(bad))
+    bad.write_text("name: x\nreserved_gib: 90\nmemory_gib: 80\n")
+    with pytest.raises(ConfigError, match=r"reserved_gib \(90.0\)"):
+        load_hardware(str(bad))
+
+
+@pytest.mark.parametrize("config", ["tiny_cpu.yaml", "llama3_8b_1m.yaml", "gpt_7b.yaml"])
+def test_parameter_inventory_matches_model_count(config):
+    cfg = load_config(os.path.join(CONFIGS, config))
+    x = Dims.from_config(cfg, resolve_layout(cfg, 8 if "1m" in config or "7b" in config else 1), "cuda")
+    full = Dims(**{**x.__dict__, "tp": 1, "cp": 1, "dp": 1, "sp": False})
+    assert sum(n for _, n, _ in param_shards(full)) == cfg.model.num_parameters()
+
+
+def test_model_flops_are_memos_formula_and_the_trainers():
+    """Memo §5.1: 6·s·P + 6·n·h·s², the same figure training/metrics.py logs as MFU."""
+    cfg = llama()
+    x = Dims.from_config(cfg, resolve_layout(cfg, 8), "cuda")
+    s, m = cfg.data.seq_length, cfg.model
+    assert model_flops_per_sample(x) == pytest.approx(6 * s * m.num_parameters() + 6 * m.num_layers * 4096 * s * s)
+    assert model_flops_per_sample(x) == pytest.approx(flops_per_sample(cfg))
+
+
+def test_skeletal_bytes_reproduce_memo_figure5_16bsh():
+    """GPT layer, MHA, f = 4h, everything in 16-bit (as Megatron keeps it), token-wise grouping: input 1 + attention
+    output 1 + others 14 = 16·b·s·h elements (Memo §3.2, Figure 5); only norm statistics and lse come on top."""
+    cfg = load_config(None, ["model.hidden_size=4096", "model.num_attention_heads=32", "model.ffn_hidden_size=16384",
+                             "model.normalization=LayerNorm", "model.swiglu=false", "data.seq_length=8192",
+                             "train.bf16=true"])
+    x = Dims(**{**Dims.from_config(cfg, resolve_layout(cfg, 1), "cuda").__dict__, "res": 2})
+    g = group_bytes(layer_skeletal(x, mlp_chunked=False, fpdt_offload=False, token_wise=True))
+    bsh = x.tokens * x.h
+    assert g["input"] == 2 * bsh
+    assert g["attn"] == pytest.approx(2 * bsh, rel=0.02)  # + lse: nq fp32 per token = 1.6% of 2h bytes
+    assert g["others"] == pytest.approx(28 * bsh, rel=0.01)  # + LayerNorm mean/rstd
+
+
+def test_alpha_lp_memo_example():
+    """The worked example of docs/memo_offload.md (Memo §5.1 hardware, 7B at 1M tokens, tp 8): host-bound at
+    α = (256/30 - 2)/14 = 0.4667, bandwidth would allow 15.8."""
+    a, why = solve_alpha(GIB, GIB, 14 * GIB, 32e9, 7.5, 32, 256 * GIB)
+    assert a == pytest.approx((256 / 30 - 2) / 14, rel=1e-9) and why == "host memory"
+    a, why = solve_alpha(GIB, GIB, 14 * GIB, 1e9, 0.5, 32, 256 * GIB)  # slow link: input+attn do not even overlap
+    assert a == 0.0 and why == "PCIe bandwidth"
+    assert solve_alpha(GIB, GIB, 14 * GIB, 32e9, 100.0, 32, 10_000 * GIB) == (1.0, "alpha = 1")
+
+
+def test_memo_alpha_auto_and_host_limit():
+    cfg = llama("parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=4",
+                "parallel.cp_comm_type=p2p", "parallel.ulysses_size=1", "parallel.sequence_parallel=true",
+                "memory.activation_offload=memo", "memory.mst=true")
+    hw = load_hardware("h100")
+    est = estimate(cfg, hw, 8)
+    assert 0 < est.memory.alpha < 1 and est.memory.host_per_node <= est.memory.host_capacity * (1 + 1e-9)
+    small = estimate(cfg, hw.with_measured({"host_memory_gib": 64.0}), 8)  # α = 0 does not fit 64 GiB
+    assert small.memory.alpha == 0.0 and small.status == "oohm"
+
+
+def test_memo_alpha_auto_leaves_fpdts_host_chunks_their_share():
+    """FPDT's parked chunks are reserved in the host pool before Memo calibrates (memory/memo/profiler.py), so the
+    LP's budget is what they leave: α chosen by host memory keeps the node within its host memory. Before, the LP
+    took the whole share and FPDT came on top (bf16 residual: α 1, 2124 of 1638 GiB, "out of host memory" at the α it
+    chose; now α 0.325 and the node's 1638 GiB to the byte)."""
+    cfg = llama("parallel.cp_comm_type=fpdt", "memory.fpdt_chunk_size=65536", "memory.fpdt_offload=true",
+                "memory.activation_offload=memo", "memory.mst=true", "model.fp32_residual_connection=false")
+    est = estimate(cfg, load_hardware("h100"), 8)
+    assert 0 < est.memory.alpha < 1 and any("binding: host memory" in n for n in est.memory.notes)
+    assert est.memory.host_per_node <= est.memory.host_capacity * (1 + 1e-9), est.memory.host_per_node / GIB
+    assert est.status == "fits"
+
+
+def test_features_reduce_memory_in_the_expected_order():
+    base = ["data.seq_length=131072", "parallel.tensor_model_parallel_size=8", "parallel.context_parallel_size=1",
+            "parallel.cp_comm_type=p2p", "parallel.ulysses_size=1", "parallel.sequence_parallel=true"]
+    hw = load_hardware("h100")
+    peak = {}
+    for name, extra in {"none": [], "full": ["memory.recompute_granularity=full"], "mst": ["memory.mst=true"],
+                        "memo": ["memory.activation_offload=memo", "memory.offload_fraction=0.25",
+                                 "memory.mst=true"]}.items():
+        peak[name] = estimate(llama(*base, *extra), hw, 8).memory.peak
+    assert peak["memo"] < peak["full"] < peak["none"] and peak["mst"] < peak["none"]
+
+
+def test_time_model_is_consistent():
+    cfg = llama("data.seq_length=262144")
+    hw = load_hardware("h100")
+    t = estimate(cfg, hw, 8).time
+    assert t.step_seconds == pytest.approx(sum(t.parts.values()), rel=1e-9)
+    assert 0 < t.mfu < hw.efficiency.gemm  # below the best kernel efficiency: communication and attention cost
+    assert t.tokens_per_gpu_per_s == pytest.approx(262144 / (t.step_seconds * 8))
+    # a measured layer time (Memo profiler) replaces the computed one: twice the layer time, about twice the step
+    slow = estimate(cfg, hw.with_measured({"layer_forward_seconds": 2 * t.t_layer_fwd}), 8).time
+    assert slow.step_seconds > 1.8 * t.step_seconds
+
+
+def test_bad_layout_is_a_config_error():
+    cfg = llama("parallel.tensor_model_parallel_size=3")
+    with pytest.raises(ConfigError, match=r"divisible by tp \(3\) x cp \(8\)"):
+        estimate(cfg, load_hardware("h100"), 8)
+
+
+def test_auto_on_llama3_8b_1m_fits_on_8_h100():
+    cfg = llama()
+    cands = search_layouts(cfg, load_hardware("h100"), 8)
+    assert cands and all(c.est.status == "fits" for c in cands)
+    best = pick_best(cands)
+    assert best.est.memory.peak <= best.est.memory.capacity
+    assert best.step_seconds <= cands[0].step_seconds * 1.005
+    # memory.layer_chunk_size is searched (16K local rows of 128K) and always written, None when unchunked
+    chunked = [c for c in cands if c.overrides["memory.layer_chunk_size"] == LAYER_CHUNK]
+    assert chunked and all("chunks16K" in c.label() for c in chunked)
+    assert all(config_overrides(c)["memory.layer_chunk_size"] in (None, LAYER_CHUNK) for c in cands)
+    assert not any(c.overrides["memory.activation_offload"] == "none" and c.overrides["memory.recompute_granularity"]
+                   == "none" and c.overrides["memory.layer_chunk_size"] for c in cands)
+
+
+def test_layer_chunks_share_and_working_set():
+    """c local rows of S = s/cp/tp (SP) per mini-sequence; a chunk holding every re-run row is no chunking; the
+    chunked re-run holds less than the whole one when the MLP (not the attention backward) sets the peak."""
+    hw = load_hardware("h100")
+    base = ["data.seq_length=262144", "parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=4",
+            "parallel.cp_comm_type=p2p", "parallel.ulysses_size=1", "parallel.sequence_parallel=true",
+            "memory.mst=true"]
+    S = 262144 // 4 // 2
+    for feature in (["memory.recompute_granularity=full"], ["memory.activation_offload=checkpoints"],
+                    ["memory.activation_offload=memo", "memory.offload_fraction=0"]):
+        whole = estimate(llama(*base, *feature), hw, 8)
+        chunked = estimate(llama(*base, *feature, "memory.layer_chunk_size=2048"), hw, 8)
+        assert layer_chunk_share(chunked.cfg, chunked.dims) == 2048 / S
+        assert layer_chunk_share(llama(*base, *feature, f"memory.layer_chunk_size={S}"), whole.dims) is None
+        assert chunked.memory.peak < whole.memory.peak, feature
+        assert chunked.time.step_seconds == whole.time.step_seconds  # no FLOPs added (an assumption)
+    memo1 = llama(*base, "memory.activation_offload=memo", "memory.offload_fraction=1", "memory.layer_chunk_size=1")
+    assert layer_chunk_share(memo1, whole.dims, alpha=1.0) is None  # nothing dropped, nothing re-run
+
+
+def test_cli_auto_write_then_estimate(tmp_path, capsys):
+    from tools.estimate import main
+
+    out = tmp_path / "llama.yaml"
+    assert main(["--config", os.path.join(CONFIGS, "llama3_8b_1m.yaml"), "--hardware", "h100", "--auto",
+                 "--top", "3", "--write", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "chosen layout" in printed and "status: FITS" in printed
+    raw = yaml.safe_load(out.read_text())
+    assert raw["model"]["hidden_size"] == 4096 and raw["memory"]["activation_offload"] in ("memo", "none")
+    assert out.read_text().startswith("# Llama3-8B")  # the comment block survives
+    assert main(["--config", str(out), "--hardware", "h100"]) == 0  # the written layout estimates as fitting
+    assert "status: FITS" in capsys.readouterr().out
+
+
+def test_cli_oom_and_errors(capsys):
+    from tools.estimate import main
+
+    cfg = os.path.join(CONFIGS, "llama3_8b_1m.yaml")
+    plain = [a for kv in RESET for a in ("--set", kv)]
+    assert main(["--config", cfg, "--hardware", "h100"] + plain) == 1  # Ulysses alone keeps every layer: OOM
+    assert "OOM" in capsys.readouterr().out
+    assert main(["--config", cfg, "--hardware", "h100"]) == 0  # the layout --auto wrote into the shipped config
+    assert "status: FITS" in capsys.readouterr().out
+    assert main(["--config", cfg, "--hardware", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: hardware profile not found: tpu") and err.count("\n") == 1
+    assert main(["--config", cfg, "--write"]) == 2
+
+
+def test_measured_inputs_from_the_memo_profiler_log(tmp_path):
+    line = ('[12:00:00 rank0] memo offload: {"alpha": 0.3, "profile": {"s_input": 1, "t_layer": 0.25, '
+            '"bw_d2h": 21000000000.0, "bw_h2d": 22000000000.0, "host_node_bytes": 1099511627776}}')
+    p = tmp_path / "log.txt"
+    p.write_text(line)
+    got = load_measured(str(p))
+    assert got == {"layer_forward_seconds": 0.25, "pcie_gbps": 21.0, "host_memory_gib": 1024.0,
+                   "host_usable_fraction": 1.0}
+    hw = load_hardware("h100").with_measured(got)
+    assert hw.host_bytes_per_node == 1024 * GIB and hw.layer_forward_seconds == 0.25
+
+
+def test_plan_and_trace_replace_the_activation_formulas(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"peak_bytes": 5 * GIB, "lower_bound_bytes": 5 * GIB, "offsets": {}}))
+    assert activation_peak_from(str(plan), None) == 5 * GIB
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(e) for e in [
+        {"op": "malloc", "id": 1, "size": 100}, {"op": "malloc", "id": 2, "size": 50},
+        {"op": "free", "id": 1, "size": 100}, {"op": "malloc", "id": 3, "size": 120}]))
+    assert max_live_bytes(Trace.load(str(trace)).requests()) == 170
+    cfg = load_config(os.path.join(CONFIGS, "tiny_cpu.yaml"), ["data.mock_data=true"])
+    a = estimate(cfg, load_hardware("cpu"), 2)
+    b = estimate(cfg, load_hardware("cpu"), 2, activation_peak_override=GIB)
+    assert b.memory.parts["activation peak (at its moment)"] == GIB and b.memory.peak > a.memory.peak
+
+
+@pytest.mark.parametrize("gpus,seq", [(8, 4194304), (32, 16777216)], ids=["4M-on-8", "16M-on-32"])
+def test_issue_17_lengths_fit_with_a_bf16_residual_stream(gpus, seq):
+    """Llama3-8B at 4M tokens on 8 H100s and 16M on 32 (the h100 profile's host memory): a layout fits once the
+    residual stream -- every host checkpoint -- is bf16 (``model.fp32_residual_connection: false``, Megatron's
+    default). With the framework's fp32 default the host checkpoints alone are 2 TiB per node, over 1,638 GiB usable."""
+    hw = load_hardware("h100")
+    bf16 = search_layouts(llama(f"data.seq_length={seq}", "model.fp32_residual_connection=false"), hw, gpus,
+                          features={"memory.activation_offload": "checkpoints"})
+    assert bf16 and bf16[0].est.status == "fits"
+    best = bf16[0]
+    assert best.overrides["memory.layer_chunk_size"] is not None, best.label()  # the chunked re-run is what fits
+    host_ckpt = 32 * seq * 4096 * 2 / (gpus // 8)  # 32 layers x tokens x hidden, bf16, per node
+    assert best.est.memory.host_per_node >= host_ckpt
+    fp32 = estimate(apply_overrides(llama(f"data.seq_length={seq}"), config_overrides(best)), hw, gpus)
+    assert fp32.memory.host_per_node >= 2 * host_ckpt and fp32.status != "fits"
+
+
+def _dims(cfg, world, device="cuda"):
+    return Dims.from_config(cfg, resolve_layout(cfg, world), device)
+
+
+def test_fused_cuda_attention_copies_are_counted_per_kernel_call():
+    """PyTorch's fused CUDA kernels take as many kv heads as query heads: k, v are repeated to the query heads and
+    dk, dv come back at the query heads before the group sum, and dout is made contiguous. Llama3-8B at 1M tokens on
+    8 GPUs (32 query, 8 kv heads; Q = q of the rank's tokens, 1 GiB in both layouts); these are the kernels' working
+    sets the rehearsal traces through their shape functions: Ulysses' inner kernel (after the all-to-all) 9.5 Q
+    above q, k, v, out, lse and dout (5 Q with flash-attn, which takes the kv heads as they are); tp2 cp4 ring, rank
+    0's third block (back queries x all keys): 12.5 Q. None on CPU, whose kernel is another."""
+    uly = llama()
+    x = _dims(uly, 8)
+    Q = x.tokens * x.nq_l * x.d * 2
+    assert Q == GIB
+    assert T.attention_backward_lse(uly, x) == 9.5 * Q
+    flash = llama("parallel.attention_backend=flash")
+    assert T.attention_backward_lse(flash, _dims(flash, 8)) == 5 * Q
+    cpu = T.attention_backward_lse(uly, _dims(uly, 8, "cpu"))
+    assert cpu == T.attention_backward_lse(flash, _dims(flash, 8, "cpu"))
+    ring = llama("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                 "parallel.context_parallel_size=4", "parallel.cp_comm_type=p2p", "parallel.ulysses_size=1")
+    assert T.attention_backward_lse(ring, _dims(ring, 8)) == 12.5 * Q
+
+
+def test_one_gpu_reruns_pre_moment_and_ropes_temporaries():
+    """One H100 at 512K tokens, every token re-run (Memo with alpha 0, MsT, FSDP2 CPU offload): the dropped tokens'
+    pre re-run before the attention backward holds the layer input's grad (8 GiB), dout (4), norm 1's fp32 output
+    and its bf16 cast (8 + 4), the QKV output and q copied out of it (6 + 4) and RoPE's fp32 temporaries of q --
+    1.5 x 8 since ``apply_rotary`` writes its halves into one buffer (3.5 x 8 before: 62 GiB, the rehearsal's peak
+    then) -- 46 GiB; the attention backward's moment, 51 GiB, is now the largest."""
+    cfg = load_config(os.path.join(CONFIGS, "llama3_8b_1m.yaml"), [
+        "data.seq_length=524288", "parallel.context_parallel_size=1", "memory.offload_fraction=0",
+        "parallel.fsdp_cpu_offload=true"])
+    x = _dims(cfg, 1)
+    U, Q = x.tokens_res * x.h * x.res, x.tokens * x.nq_l * x.d * x.act
+    assert U + Q + T.pre_no_graph(x, x.tokens, graph=True) == 46 * GIB
+    assert T.tokenwise_backward(cfg, x, 1.0) == 51 * GIB
