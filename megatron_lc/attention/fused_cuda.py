@@ -13,7 +13,8 @@ dk, dv summed back over each group (the memory of one repeated block, not of the
 kernels' RNG arguments are unused (placeholders are passed).
 
 Never executed on this project's CPU machines: the wrapping (GQA repeat and sum, lse padding, bias layout, rows
-that see no key) is tested on CPU with stand-in kernels of the same signatures (tests/test_attention_backends.py);
+that see no key) is tested on CPU with stand-in kernels of the same signatures
+(tests/attention/test_attention_backends.py);
 ``scripts/gpu_check.sh`` T1 is where the kernels themselves are checked.
 """
 from __future__ import annotations

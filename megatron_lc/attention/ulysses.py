@@ -123,7 +123,8 @@ class UlyssesAttention(CoreAttention):
         if nq != self.nq or k.shape[2] != self.nkv:
             raise ValueError(f"UlyssesAttention built for {self.nq}/{self.nkv} heads, got {nq}/{k.shape[2]}")
         k, v = replicate_kv(k, v, self.rep)
-        return torch.cat([t.reshape(s, b, self.ulysses_size, t.shape[2] // self.ulysses_size, d) for t in (q, k, v)], dim=3)
+        U = self.ulysses_size
+        return torch.cat([t.reshape(s, b, U, t.shape[2] // U, d) for t in (q, k, v)], dim=3)
 
     def _split(self, full):
         """The gathered ``[U*s, b, (nq+2nkv')/U, d]`` -> local-head q, k, v."""
@@ -165,6 +166,7 @@ class UlyssesAttention(CoreAttention):
             back = scatter_seq(packed, self.topo, Axis.ULYSSES, "a2a_bwd")  # [s, b, U, m, d]
             del packed
         nkv_rep = self.nkv * self.rep
-        dq, dk, dv = torch.split(back, [nq // self.ulysses_size, nkv_rep // self.ulysses_size, nkv_rep // self.ulysses_size], dim=3)
+        U = self.ulysses_size
+        dq, dk, dv = torch.split(back, [nq // U, nkv_rep // U, nkv_rep // U], dim=3)
         dk, dv = (sum_kv_replicas(t.reshape(s, b, nkv_rep, d), self.rep) for t in (dk, dv))
         return dq.reshape(s, b, nq, d), dk, dv

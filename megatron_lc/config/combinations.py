@@ -1,6 +1,6 @@
 """Feature pairs the framework refuses, each with its reason, checked before anything is built.
 
-Every other pair of features runs and gives the plain model's losses (``tests/test_feature_pairs.py`` trains each
+Every other pair of features runs and gives the plain model's losses (``tests/config/test_feature_pairs.py`` trains each
 pair two steps against the single-process model). A refusal is one line naming both keys and why."""
 from __future__ import annotations
 

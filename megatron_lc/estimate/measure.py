@@ -12,7 +12,7 @@ caching, no fragmentation, no interpreter or library memory.
 
 Why not the alternatives: peak RSS mixes in ~300 MB of interpreter and library pages and glibc keeps freed pages.
 The profiler's allocator events (``profile_memory=True``) are exact in one process (they equal this tracker to the
-byte on the FSDP2 step of ``tests/test_tracker.py``) but miss frees that happen on gloo's worker threads -- a
+byte on the FSDP2 step of ``tests/planning/test_tracker.py``) but miss frees that happen on gloo's worker threads -- a
 collective's ``Work`` object sometimes drops the last reference to its tensors there -- so in multi-rank runs they
 drift upward by whatever was freed off the main thread. What this tracker cannot see: buffers a kernel allocates
 and frees inside one op (CPU attention scratch, gloo's flattened all-gather staging); they are not in the model

@@ -2,7 +2,7 @@
 
 Each function returns the bytes *above* the skeletal tensors alive at that moment. The coefficients follow the
 autograd formulas of the ops in ``model/`` and ``parallel/``; the CPU ones were checked against a dispatch-level
-tracker of live storages on the tiny model (``tests/test_estimate_calibration.py`` checks the totals):
+tracker of live storages on the tiny model (``tests/estimate/test_estimate_calibration.py`` checks the totals):
 
 * SwiGLU MLP backward: 2·f per token (d of silu·up and of its two inputs alive while fc1's output is still held);
   GeLU MLP backward: f + h.

@@ -45,10 +45,12 @@ class TokenSplit:
         return [(i, min(i + c, self.dropped)) for i in range(0, self.dropped, c)]
 
     def dropped_rows(self, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Rows ``[start, end)`` of every one of the ``blocks`` blocks of a gathered dropped-token tensor (block order)."""
+        """Rows ``[start, end)`` of every one of the ``blocks`` blocks of a gathered dropped-token tensor (block
+        order)."""
         if self.blocks == 1:
             return t[start:end]
-        return t.view(self.blocks, self.dropped, *t.shape[1:])[:, start:end].reshape(self.blocks * (end - start), *t.shape[1:])
+        rows = t.view(self.blocks, self.dropped, *t.shape[1:])[:, start:end]
+        return rows.reshape(self.blocks * (end - start), *t.shape[1:])
 
     def merge(self, a: Optional[torch.Tensor], d: Optional[torch.Tensor]) -> torch.Tensor:
         """Inverse of ``gathered``."""
@@ -59,4 +61,5 @@ class TokenSplit:
         if self.blocks == 1:
             return torch.cat([a, d])
         rest = a.shape[1:]
-        return torch.cat([a.view(self.blocks, self.kept, *rest), d.view(self.blocks, self.dropped, *rest)], 1).view(-1, *rest)
+        blocks = self.blocks
+        return torch.cat([a.view(blocks, self.kept, *rest), d.view(blocks, self.dropped, *rest)], 1).view(-1, *rest)

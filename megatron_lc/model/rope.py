@@ -10,7 +10,7 @@ Hugging Face ``config.json``; the valid fields are in ``config/model.py``).
              [beta_fast, beta_slow] rotations, and cos/sin scaled by the attention factor 0.1 ln(factor) + 1 (YaRN)
 
 Frequencies are computed in float64 and rounded to float32 once (Hugging Face computes them in float32: they agree
-to ~1e-7 relative, ``tests/test_rope_scaling.py``)."""
+to ~1e-7 relative, ``tests/model/test_rope_scaling.py``)."""
 from __future__ import annotations
 
 import math

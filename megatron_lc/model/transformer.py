@@ -84,7 +84,8 @@ class GPTModel(nn.Module):
         self.position_embeddings: Optional[nn.Embedding] = None
         if cfg.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-            replicated_parameter(self.position_embeddings.weight, ("normal", cfg.init_method_std), parts.sequence_parallel)
+            replicated_parameter(self.position_embeddings.weight, ("normal", cfg.init_method_std),
+                                 parts.sequence_parallel)
         self.rotary = (RotaryEmbedding(cfg.kv_channels, cfg.rotary_base, cfg.rope_scaling)
                        if cfg.position_embedding_type == "rope" else None)
         self.layers = nn.ModuleList([TransformerLayer(cfg, parts, i) for i in range(cfg.num_layers)])

@@ -10,7 +10,8 @@ prove; the paper's big-M MIP on HiGHS as ``solver="mip"``). Bi-level (``bilevel.
 iteration is planned with every block as one request of its first-level peak.
 
 Capacity mode (``plan_capacity``): is there a flat plan with its peak under a given number of bytes? Feasible (a
-plan), infeasible (proved: the bound is above it, or the exact search of ``solver/placement_search.py`` was complete) or undecided.
+plan), infeasible (proved: the bound is above it, or the exact search of ``solver/placement_search.py`` was complete) or
+undecided.
 
 The plan format is in ``plan.py``; one DSA instance is solved by ``dsa.solve_dsa``.
 """

@@ -11,7 +11,8 @@ layer 0 parks is what every layer parks:
 The L layers' forwards park F each, one after the other (nothing is given back during a forward); the last layer's
 backward adds B on top; every later backward starts after the layer above gave all its blocks back, so its B fits
 in the range just freed. The pool is reserved ``L * F + B``: the high-water mark of a step, to the byte
-(``tests/test_host_pool.py``). Where a layer re-runs whole in its backward (``memory.layer_reruns_whole``: the host
+(``tests/device/test_host_pool.py``). Where a layer re-runs whole in its backward (``memory.layer_reruns_whole``: the
+host
 checkpoints) the forwards run without a graph and park nothing; each re-run parks F and its backward gives it back
 before the next one, so ``F + B``. Example, u = 4 chunks, one chunk's q^ = k^ = v^ = o^ = 64 KiB (bf16), lse 2 KiB,
 projection input 128 KiB: F = 4 * (4 * 64 + 2 + 128) KiB = 1544 KiB; B = 4 * (64 + 128) KiB = 768 KiB; 24 layers:

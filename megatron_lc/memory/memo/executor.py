@@ -80,7 +80,8 @@ class MemoExecutor:
         x = x.contiguous()
         st, rope_a = self._step(layer, x, rope, documents)
         split, slot = st.split, st.slot
-        slot.stats.tokens, slot.stats.tokens_kept, slot.stats.tokens_recomputed = split.tokens, split.kept, split.dropped
+        stats = slot.stats
+        stats.tokens, stats.tokens_kept, stats.tokens_recomputed = split.tokens, split.kept, split.dropped
         st.h_input = slot.keep("input", x)
         x_a, x_d = split.local(x)
         with torch.autograd.graph.saved_tensors_hooks(slot.pack, slot.unpack):

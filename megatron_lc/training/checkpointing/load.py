@@ -197,7 +197,7 @@ def _wants(meta: dict, cfg: Config, topo: Topology, opt) -> tuple[bool, Optional
     return load_optim, (rng_file if restore else None)
 
 
-def _check_distributed_checkpoint_files(path: str, meta: dict, cfg: Config, topo: Topology) -> tuple[Optional[str], Optional[str]]:
+def _check_dcp_files(path: str, meta: dict, cfg: Config, topo: Topology) -> tuple[Optional[str], Optional[str]]:
     """(refusal, problem) of this rank's share of the files and, on rank 0, of DCP's metadata read as data."""
     problem = _check_files(path, meta, file_share(list(meta["files"]), topo))
     if problem is None and topo.rank == 0:
@@ -210,11 +210,11 @@ def _check_distributed_checkpoint_files(path: str, meta: dict, cfg: Config, topo
     return None, problem
 
 
-def _load_distributed_checkpoint(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> Optional[str]:
+def _load_dcp(path: str, meta: dict, cfg: Config, topo: Topology, model, opt) -> Optional[str]:
     """Load a DCP checkpoint (collective: every rank calls it); returns why it could not, the same on every rank,
     or None. Every file is checked first, each by one rank; then DCP reads the pieces of this layout."""
     load_optim, rng_file = _wants(meta, cfg, topo, opt)
-    outcomes = all_gather_objects(_check_distributed_checkpoint_files(path, meta, cfg, topo))  # agreed before DCP's collectives
+    outcomes = all_gather_objects(_check_dcp_files(path, meta, cfg, topo))  # agreed before DCP's collectives
     refused = [r for r, _ in outcomes if r is not None]
     if refused:
         raise UntrustedCheckpointError(refused[0])
@@ -298,7 +298,7 @@ def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
         problems = [p for p in all_gather_objects(problem) if p is not None]
         if not problems:
             check_compatible(meta, cfg, topo, path, uses_zero(opt), opt is not None)
-            load_format = _load_distributed_checkpoint if meta.get("format_version", 1) >= 3 else _load_torch_files_per_tp
+            load_format = _load_dcp if meta.get("format_version", 1) >= 3 else _load_torch_files_per_tp
             outcomes = all_gather_objects(_refusal_or_problem(load_format, path, meta, cfg, topo, model, opt))
             refused = [r for r, _ in outcomes if r is not None]
             if refused:  # a file that is more than data: every rank stops, whatever the other checkpoints hold
