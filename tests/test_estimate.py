@@ -15,9 +15,9 @@ from megatron_lc.estimate import transient as T
 from megatron_lc.estimate.flops import model_flops_per_sample
 from megatron_lc.estimate.hardware import HARDWARE_DIR
 from megatron_lc.estimate.inventory import Dims, group_bytes, layer_chunk_share, layer_skeletal, param_shards
-from megatron_lc.estimate.memory import solve_alpha
-from megatron_lc.estimate.report import activation_peak_from, load_measured
-from megatron_lc.estimate.search import LAYER_CHUNK, apply_overrides, config_overrides, pick_best, search_layouts
+from megatron_lc.estimate.memory_estimate import solve_alpha
+from megatron_lc.estimate.tables import activation_peak_from, load_measured
+from megatron_lc.estimate.layout_search import LAYER_CHUNK, apply_overrides, config_overrides, pick_best, search_layouts
 from megatron_lc.planning.trace import Trace, max_live_bytes
 from megatron_lc.training.metrics import flops_per_sample
 from megatron_lc.units import GIB

@@ -13,7 +13,7 @@ from . import Estimate
 from ..planning.planner import plan_trace
 from ..planning.trace import Trace
 from ..units import GIB
-from .search import Candidate, config_overrides
+from .layout_search import Candidate, config_overrides
 
 
 def _gib(b: float) -> str:
