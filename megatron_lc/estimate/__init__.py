@@ -43,8 +43,8 @@ def estimate(cfg: Config, hw: HardwareProfile, world_size: int,
     ``recompute_style``: ``token_wise`` (this trainer) or the what-if ``checkpoint`` (memory_estimate.estimate_memory).
     Raises ConfigError for a layout the framework would refuse."""
     layout = resolve_layout(cfg, world_size)
-    x = dims_for(Dims.from_config(cfg, layout, hw.device), states)
-    t_layer = estimate_time(cfg, x, hw, alpha=None).t_layer_fwd
-    mem = estimate_memory(cfg, x, hw, t_layer, activation_peak_override, states, recompute_style)
-    tm = estimate_time(cfg, x, hw, mem.alpha, recompute_style)
-    return Estimate(cfg, hw, x, mem, tm)
+    dims = dims_for(Dims.from_config(cfg, layout, hw.device), states)
+    t_layer = estimate_time(cfg, dims, hw, alpha=None).t_layer_fwd
+    mem = estimate_memory(cfg, dims, hw, t_layer, activation_peak_override, states, recompute_style)
+    tm = estimate_time(cfg, dims, hw, mem.alpha, recompute_style)
+    return Estimate(cfg, hw, dims, mem, tm)

@@ -96,7 +96,7 @@ def solve_alpha(s_input: float, s_attn: float, s_others: float, pcie_bytes_per_s
     return max(0.0, alpha), why
 
 
-def setup_bytes(cfg: Config, x: Dims, ms: dict, full: float, shared: float, rounding: float, on_host: float,
+def setup_bytes(cfg: Config, dims: Dims, ms: dict, full: float, shared: float, rounding: float, on_host: float,
                 step_backward: float) -> float:
     """What setup holds at its peak (``training/setup.py``): the parameters (FSDP2: the shards and one gathered
     layer -- sharding comes before anything large lands on the device), no gradient and no optimizer state yet,
@@ -106,15 +106,15 @@ def setup_bytes(cfg: Config, x: Dims, ms: dict, full: float, shared: float, roun
     mem = cfg.memory
     probe = rounding
     if mem.activation_offload == "memo":
-        probe = max(probe, full + T.layer_forward(cfg, x))
-    if x.fpdt and mem.fpdt_offload:
-        probe = max(probe, full + T.layer_backward(cfg, x))
+        probe = max(probe, full + T.layer_forward(cfg, dims))
+    if dims.fpdt and mem.fpdt_offload:
+        probe = max(probe, full + T.layer_backward(cfg, dims))
     if mem.plan == "auto":
         probe = max(probe, step_backward)
     return ms["params"] + shared + on_host + probe
 
 
-def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: float,
+def estimate_memory(cfg: Config, dims: Dims, hw: HardwareProfile, t_layer_fwd: float,
                     activation_peak_override: Optional[float] = None, states: str = "framework",
                     recompute_style: str = "token_wise") -> MemoryEstimate:
     """Device peak per rank and host memory per node for ``cfg`` on ``hw`` (``t_layer_fwd``: one layer's forward
@@ -128,14 +128,14 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     if recompute_style not in ("token_wise", "checkpoint"):
         raise ConfigError(f"recompute_style must be token_wise or checkpoint, got {recompute_style!r}")
     mem = cfg.memory
-    fpdt = x.fpdt
-    mlp_chunked = mst_mlp_chunk(cfg, x) is not None
-    head_chunked = mst_head_chunk(cfg, x) is not None
+    fpdt = dims.fpdt
+    mlp_chunked = mst_mlp_chunk(cfg, dims) is not None
+    head_chunked = mst_head_chunk(cfg, dims) is not None
     token_wise = mem.token_wise
     ckpt_chunks = (mem.activation_offload == "checkpoints" and recompute_style == "token_wise"
-                   and layer_chunk_share(cfg, x) is not None)
+                   and layer_chunk_share(cfg, dims) is not None)
     # the chunked checkpoints mode assembles q, k, v whole, like the token-wise slot (memory/chunked_layer.py)
-    items = layer_skeletal(x, mlp_chunked, mem.fpdt_offload and fpdt, token_wise or ckpt_chunks)
+    items = layer_skeletal(dims, mlp_chunked, mem.fpdt_offload and fpdt, token_wise or ckpt_chunks)
     g = group_bytes(items)
     full = sum(g.values())
     notes: list[str] = []
@@ -144,27 +144,28 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     alpha: Optional[float] = None
     rounding = staging = 0.0
     no_graph = 0.0  # the share of the tokens re-run in backward (their post runs without autograd in the forward)
-    ms = model_state_bytes(cfg, x, states)
+    ms = model_state_bytes(cfg, dims, states)
     states_host = ms.get("host", 0.0)  # FSDP2 with CPU offload: shards, gradients, AdamW states
     host_rank = states_host
     fpdt_host = 0.0
     if fpdt and mem.fpdt_offload:  # before Memo's LP: its host budget is what the rest leaves
         # per layer on the host until its backward: the projection's saved chunk inputs, q^, k^, v^, o^, lse
-        kv = x.kv_heads_after_a2a
+        kv = dims.kv_heads_after_a2a
         # (with classic checkpointing the block runs again in backward: one layer's chunks at a time)
         rerun = mem.layer_reruns_whole or (recompute_style == "checkpoint" and (
             mem.recompute_granularity == "full" or mem.activation_offload == "memo"))
-        layers = 1 if rerun else x.L
-        fpdt_host += layers * x.tokens * (x.h * x.act + (2 * x.nq_l + 2 * kv) * x.d * x.act + x.nq_l * 4)
+        layers = 1 if rerun else dims.num_layers
+        a, nq = dims.compute_bytes, dims.heads_local
+        fpdt_host += layers * dims.tokens * (dims.hidden * a + (2 * nq + 2 * kv) * dims.head_dim * a + nq * 4)
         # the host pool also holds one backward's do^ and fp32 dq chunks (attention/fpdt/calibrate.py: L * F + B),
         # and rounds each parked view up to HostPool.ALIGN (per chunk: ~6 per layer, 2 for the backward)
-        fpdt_host += x.tokens * x.nq_l * x.d * (x.act + 4) + (6 * layers + 2) * x.fpdt_chunks * HostPool.ALIGN
+        fpdt_host += dims.tokens * nq * dims.head_dim * (a + 4) + (6 * layers + 2) * dims.fpdt_chunks * HostPool.ALIGN
     if mem.activation_offload == "memo":
-        ranks_per_node = min(hw.gpus_per_node, x.world)
+        ranks_per_node = min(hw.gpus_per_node, dims.world)
         host_share = hw.host_bytes_per_node / ranks_per_node - host_rank - fpdt_host
         if mem.offload_fraction == "auto":
-            alpha, why = solve_alpha(g["input"], g["attn"], g["others"], hw.pcie_gbps * 1e9, t_layer_fwd, x.L,
-                                     host_share)
+            alpha, why = solve_alpha(g["input"], g["attn"], g["others"], hw.pcie_gbps * 1e9, t_layer_fwd,
+                                     dims.num_layers, host_share)
             notes.append(f"alpha = {alpha:.3f} (LP of Memo §4.1; binding: {why})")
         else:
             alpha = float(mem.offload_fraction)
@@ -174,12 +175,12 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         # rematerialised into autograd's allocations during one layer's backward. Kept tensors are copied into the
         # buffer as autograd saves them (memory/slots.py), so no whole-layer staging copy exists (staging = 0).
         rounding = 2 * (kept + 32 * 256)
-        host_rank += max(x.L - 2, 0) * kept
+        host_rank += max(dims.num_layers - 2, 0) * kept
         recompute, no_graph = (1.0 - alpha) * g["others"], 1.0 - alpha
         if recompute_style == "checkpoint":  # only the layer inputs leave; everything else is recomputed
             alpha, kept = 0.0, g["input"]
             rounding, staging = 2 * kept, kept
-            host_rank = states_host + max(x.L - 2, 0) * kept
+            host_rank = states_host + max(dims.num_layers - 2, 0) * kept
             recompute, no_graph = full - kept, 1.0
             notes.append("what-if: checkpoint + CPU offload of layer inputs (recompute_style=checkpoint)")
     elif mem.activation_offload == "checkpoints":  # memory/checkpoint_offload.py
@@ -187,7 +188,7 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
         # backward re-runs it whole (its skeletal tensors) with the next layer's input already prefetched
         keep, staging = 0.0, g["input"]
         recompute, no_graph = full + g["input"], 1.0
-        host_rank += x.L * g["input"]
+        host_rank += dims.num_layers * g["input"]
     elif mem.recompute_granularity == "full":
         keep = g["input"] + (g["attn"] if recompute_style == "token_wise" else 0.0)
         recompute, no_graph = full - keep, 1.0
@@ -199,39 +200,40 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
 
     # ---- the re-run in mini-sequences (memory.layer_chunk_size) --------------------------------------------
     # share: one mini-sequence's share of the rank's tokens; chunk_saved: what its re-run saves for its backward
-    share = layer_chunk_share(cfg, x, alpha or 0.0) if no_graph and recompute_style == "token_wise" else None
+    share = layer_chunk_share(cfg, dims, alpha or 0.0) if no_graph and recompute_style == "token_wise" else None
     chunk_saved = attn_saved = 0.0
-    pre_tokens = no_graph * x.tokens  # pre without autograd in the forward: the dropped tokens at once
+    pre_tokens = no_graph * dims.tokens  # pre without autograd in the forward: the dropped tokens at once
     if share is not None:
-        qkv = qkv_local_bytes(x)
+        qkv = qkv_local_bytes(dims)
         # MsT chunks the MLP inside a mini-sequence only when the mini-sequence is longer than its chunk
-        rerun_items = layer_skeletal(x, mst_mlp_chunk(cfg, x, share * x.tokens) is not None, False, True)
+        rerun_items = layer_skeletal(dims, mst_mlp_chunk(cfg, dims, share * dims.tokens) is not None, False, True)
         chunk_saved = share * (group_bytes(rerun_items)["others"] - qkv)
         if mem.activation_offload == "checkpoints":  # memory/chunked_layer.py
             # the fetched input, q, k, v (assembled chunk by chunk), out and lse stay whole; the next layer's input
             # is prefetched once the attention backward is done (``T.layer_backward``'s pre phase)
             recompute = g["input"] + qkv + g["attn"]
-            pre_tokens = share * x.tokens
+            pre_tokens = share * dims.tokens
         else:  # memory/memo/steps.py: the dropped tokens' q, k, v, recomputed whole without a graph after their post
-            recompute, attn_saved = 0.0, no_graph * qkv_rerun_bytes(x)
+            recompute, attn_saved = 0.0, no_graph * qkv_rerun_bytes(dims)
 
     # ---- the four moments ----------------------------------------------------------------------------------
-    final = sum(i.bytes for i in final_skeletal(x, head_chunked))
-    softmax = 0.0 if head_chunked else x.tokens * x.V_l * 4.0
-    shared = sum(i.bytes for i in shared_skeletal(x)) + x.n_micro * x.tokens * 28.0  # + the micro-batches
-    layers_kept = x.L * keep + rounding
-    chunk = None if share is None else share * x.tokens  # tokens through the linears per mini-sequence
+    final = sum(i.bytes for i in final_skeletal(dims, head_chunked))
+    softmax = 0.0 if head_chunked else dims.tokens * dims.vocab_local * 4.0
+    # + the micro-batches
+    shared = sum(i.bytes for i in shared_skeletal(dims)) + dims.micro_batches * dims.tokens * 28.0
+    layers_kept = dims.num_layers * keep + rounding
+    chunk = None if share is None else share * dims.tokens  # tokens through the linears per mini-sequence
     # the re-run through the core attention's (out, lse) pair: token-wise recompute, Memo, the chunked checkpoints
     rerun = no_graph if recompute_style == "token_wise" and (token_wise or share is not None) else None
     if rerun is not None and chunk is None and not fpdt:
         recompute = 0.0  # the re-run's own tensors, moment by moment (``T.tokenwise_backward``)
     # the next layer's input, prefetched during a layer's backward (checkpoints): at its start unchunked (in
     # ``recompute``), after the attention backward in mini-sequences (``T.layer_backward``'s pre phase)
-    prefetch = g["input"] if mem.activation_offload == "checkpoints" and x.L > 1 else 0.0
+    prefetch = g["input"] if mem.activation_offload == "checkpoints" and dims.num_layers > 1 else 0.0
     pre_phase = prefetch if share is not None else 0.0
 
     def layer_bwd(pre_prefetch: float) -> float:
-        return (recompute + T.layer_backward(cfg, x, rerun, chunk, chunk_saved, attn_saved, pre_prefetch) + shared
+        return (recompute + T.layer_backward(cfg, dims, rerun, chunk, chunk_saved, attn_saved, pre_prefetch) + shared
                 + on_host)
 
     bwd = layer_bwd(pre_phase)
@@ -242,10 +244,10 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     kept_first = keep + rounding
     bwd_first = layer_bwd(0.0) - (prefetch - pre_phase)
     acts = {
-        "layer forward": layers_kept + staging + T.layer_forward(cfg, x, chunk, no_graph, pre_tokens) + shared
+        "layer forward": layers_kept + staging + T.layer_forward(cfg, dims, chunk, no_graph, pre_tokens) + shared
         + on_host,
-        "head forward": layers_kept + (final - softmax) + T.head_forward(cfg, x) + shared + on_host,
-        "head backward": layers_kept + final + T.head_backward(cfg, x) + shared + on_host,
+        "head forward": layers_kept + (final - softmax) + T.head_forward(cfg, dims) + shared + on_host,
+        "head backward": layers_kept + final + T.head_backward(cfg, dims) + shared + on_host,
         "layer backward": layers_kept + bwd,
         "first layer backward": kept_first + bwd_first,
         "second layer backward": kept_first + bwd,
@@ -257,12 +259,12 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
     if hw.device == "cuda" and mem.plan == "off" and activation_peak_override is None:
         frag = 0.10 * act_peak  # caching allocator: reserved but unusable (fragmentation); Memo §3.3, Table 4
         notes.append("fragmentation reserve 10% of activations (memory.plan: off)")
-    accum = ms["grads"] if x.n_micro > 1 or ms["persistent_grads"] else 0.0
+    accum = ms["grads"] if dims.micro_batches > 1 or ms["persistent_grads"] else 0.0
     static = ms["params"] + ms["optimizer"]
     head_units = ms.get("head_gathered", 0.0)  # FSDP2: the gathered embedding / head weights
     bwd_grads = accum or ms.get("last_layer_grads", ms["head_grad"] + ms["layer_grad"])
     # every layer's gradients (FSDP2: the shards + one layer unsharded)
-    all_grads = accum or min(ms["grads"] + ms["layer_grad"], ms["head_grad"] + x.L * ms["layer_grad"])
+    all_grads = accum or min(ms["grads"] + ms["layer_grad"], ms["head_grad"] + dims.num_layers * ms["layer_grad"])
     all_but_one = accum or all_grads - ms["layer_grad"]
     # autocast's cache ends with the forward (training/loop.py); the bf16 weights autograd saved are freed with each
     # layer's backward: by the first layer's, one layer's copies are left
@@ -276,16 +278,19 @@ def estimate_memory(cfg: Config, x: Dims, hw: HardwareProfile, t_layer_fwd: floa
             ms["autocast_copies"] + bwd_grads + acts["layer backward"] * scale,
             copies_first + all_grads + acts["first layer backward"] * scale,
             copies_first + all_but_one + acts["second layer backward"] * scale),
-        "optimizer": static + ms["grads"] + rounding + on_host + T.optimizer_step(x, ms["numels"], ms["state_numel"]),
-        "setup": setup_bytes(cfg, x, ms, full, shared, rounding, on_host, acts["layer backward"] * scale + bwd_grads),
+        "optimizer": static + ms["grads"] + rounding + on_host
+        + T.optimizer_step(dims, ms["numels"], ms["state_numel"]),
+        "setup": setup_bytes(cfg, dims, ms, full, shared, rounding, on_host,
+                             acts["layer backward"] * scale + bwd_grads),
     }
     peak_phase = max(phases, key=phases.get)
     parts = {"parameters": ms["params"], "gradients": ms["grads"],
              "optimizer states (+ master weights)": ms["optimizer"],
-             "autocast bf16 weight copies": ms["autocast_copies"], "kept activations (all layers)": x.L * keep,
+             "autocast bf16 weight copies": ms["autocast_copies"],
+             "kept activations (all layers)": dims.num_layers * keep,
              "rounding buffers (Memo)": rounding, "final norm + head kept": final,
              "activation peak (at its moment)": act_peak, "fragmentation reserve": frag}
-    ranks_per_node = min(hw.gpus_per_node, x.world)
+    ranks_per_node = min(hw.gpus_per_node, dims.world)
     return MemoryEstimate(parts=parts, phases=phases, peak=phases[peak_phase], peak_phase=peak_phase,
                           capacity=hw.device_bytes, host_per_rank=host_rank, host_per_node=host_rank * ranks_per_node,
                           host_capacity=hw.host_bytes_per_node, alpha=alpha, layer_items=items, notes=notes,
