@@ -160,8 +160,10 @@ LAYERS = [
 
 # Inside a folder its subfolders are layers too, below or above the folder's own files ("*": every other module of
 # the folder). training/: the errors that end a run and a step's micro-batches <- checkpointing/ | eval/ <- the rest.
+# estimate/: the sizes and the hardware <- the formulas <- terms/ (one per technique) <- the estimates, the search.
 SUBLAYERS = {
     "training": [{"errors", "batches"}, {"checkpointing", "eval"}, {"*"}],
+    "estimate": [{"inventory", "hardware"}, {"flops", "states", "transient"}, {"terms"}, {"*"}],
 }
 
 

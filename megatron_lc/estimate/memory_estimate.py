@@ -15,30 +15,23 @@ AdamW's two fp32 states (ZeRO-1 over dp x cp with ``parallel.use_distributed_opt
 ZeroRedundancyOptimizer partition, whole parameters per rank), and under autocast the bf16 copies of the weights
 that autocast caches from the first forward use until the backward is done.
 
-Per-layer kept tensors depend on the memory features (``memory.*``):
-``none``/``selective`` keep all skeletal tensors; ``recompute_granularity: full`` keeps the layer input and the
-attention output (+ lse) and rematerialises the rest at the layer's backward; ``activation_offload: memo``
-keeps nothing per layer on the device: two rounding buffers hold the kept skeletal tensors (input + attention
-output + α·others) of the layers in flight, the dropped (1-α)·others are rematerialised during one layer's
-backward (memory/offload.py; the paper's buffers hold 2·(input + attention + others)), and host memory gets the
-kept bytes of n-2 layers; ``activation_offload: checkpoints`` keeps each layer's input on the host and re-runs the
-whole layer in its backward. ``memory.layer_chunk_size`` runs those re-runs in mini-sequences: what stays whole and
-what one chunk holds is in docs/estimator.md ("Layer re-run in mini-sequences").
+What each layer keeps, stages, rematerialises and reserves on the host is the memory techniques' share: one term
+per technique (``terms/``, looked up by ``config.Techniques``), applied in order; this module only adds what they
+give into the moments. Example, ``activation_offload: memo`` with MsT: ``MiniSequenceMlpAndHead`` leaves the MLP's
+input and the head's lse, ``MemoOffload`` keeps nothing per layer but two rounding buffers and reserves n - 2
+layers' kept bytes on the host, ``CachingAllocator`` adds 10% of the activation peak on CUDA.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import Config, ConfigError
-from ..device import HostPool
-from ..memory.memo.alpha import AlphaInputs
-from ..memory.memo.alpha import bounds as alpha_bounds
+from ..config import Config
 from . import transient as T
 from .hardware import HardwareProfile
-from .inventory import Dims, final_skeletal, group_bytes, layer_chunk_share, layer_skeletal, mst_head_chunk, \
-    mst_mlp_chunk, qkv_local_bytes, qkv_rerun_bytes, shared_skeletal
+from .inventory import Dims, shared_skeletal
 from .states import model_state_bytes
+from .terms import MemoryShare, Run, Terms
 
 
 @dataclass
@@ -80,172 +73,54 @@ class MemoryEstimate:
         return "fits"
 
 
-def solve_alpha(s_input: float, s_attn: float, s_others: float, pcie_bytes_per_s: float, t_layer: float,
-                n_layers: int, host_bytes_per_rank: float) -> tuple[float, str]:
-    """The Memo LP (``memory/memo/alpha.py``, one home) for estimated sizes: max alpha s.t. the layer's copy hides
-    under its forward and the n-2 swapped layers fit in this rank's host budget. Unlike training, a host budget
-    that fails even at alpha = 0 is not an error here: alpha = 0 and the estimate reports out of host memory.
-    Returns (alpha, binding constraint)."""
-    if s_others <= 0:
-        return 1.0, "nothing else to offload"
-    by_bw, by_host = alpha_bounds(AlphaInputs(s_input=s_input, s_attn=s_attn, s_others=s_others,
-                                              bandwidth=pcie_bytes_per_s, t_layer=t_layer, num_layers=n_layers,
-                                              host_budget=host_bytes_per_rank))
-    alpha = min(1.0, by_bw, by_host)
-    why = "alpha = 1" if alpha == 1.0 else ("PCIe bandwidth" if by_bw <= by_host else "host memory")
-    return max(0.0, alpha), why
-
-
-def setup_bytes(cfg: Config, dims: Dims, ms: dict, full: float, shared: float, rounding: float, on_host: float,
-                step_backward: float) -> float:
+def setup_bytes(ms: dict, share: MemoryShare, shared: float, on_host: float, step_backward: float) -> float:
     """What setup holds at its peak (``training/setup.py``): the parameters (FSDP2: the shards and one gathered
     layer -- sharding comes before anything large lands on the device), no gradient and no optimizer state yet,
-    and the largest probe: Memo's calibration runs layer 0 with every token kept (its whole skeletal set and its
-    forward's working set; the rounding buffers are allocated after it), FPDT's runs one block forward and backward
-    (that layer's backward), ``memory.plan: auto`` traces a micro-batch's forward and backward."""
-    mem = cfg.memory
-    probe = rounding
-    if mem.activation_offload == "memo":
-        probe = max(probe, full + T.layer_forward(cfg, dims))
-    if dims.fpdt and mem.fpdt_offload:
-        probe = max(probe, full + T.layer_backward(cfg, dims))
-    if mem.plan == "auto":
-        probe = max(probe, step_backward)
+    and the largest of the rounding buffers and the techniques' probes (``MemoryShare.setup_probes``: Memo's
+    calibration runs layer 0 with every token kept, FPDT's one block forward and backward; a memory plan traced at
+    setup, a micro-batch's forward and backward: ``step_backward``)."""
+    traced = (step_backward,) if share.setup_traces_step else ()
+    probe = max((share.rounding, *share.setup_probes, *traced))
     return ms["params"] + shared + on_host + probe
 
 
-def estimate_memory(cfg: Config, dims: Dims, hw: HardwareProfile, t_layer_fwd: float,
-                    activation_peak_override: Optional[float] = None, states: str = "framework",
-                    recompute_style: str = "token_wise") -> MemoryEstimate:
-    """Device peak per rank and host memory per node for ``cfg`` on ``hw`` (``t_layer_fwd``: one layer's forward
-    seconds, used to solve α when ``memory.offload_fraction`` is ``auto``). ``activation_peak_override``: the
-    activation peak from a memory plan or trace (replaces the formulas for activations). ``states``: a preset of
-    ``states.py`` (``framework`` = this trainer; the others are what-ifs for comparing with the papers).
-    ``recompute_style``: ``token_wise`` (this framework: attention output kept, never recomputed) or ``checkpoint``
-    (a what-if for the papers' baselines: classic activation checkpointing keeps only each layer's input and reruns
-    the whole layer, attention included; with ``activation_offload: memo`` and α = 0 the inputs go to the host,
-    DeepSpeed's "checkpoint with CPU offload")."""
-    if recompute_style not in ("token_wise", "checkpoint"):
-        raise ConfigError(f"recompute_style must be token_wise or checkpoint, got {recompute_style!r}")
-    mem = cfg.memory
-    fpdt = dims.fpdt
-    mlp_chunked = mst_mlp_chunk(cfg, dims) is not None
-    head_chunked = mst_head_chunk(cfg, dims) is not None
-    token_wise = mem.token_wise
-    ckpt_chunks = (mem.activation_offload == "checkpoints" and recompute_style == "token_wise"
-                   and layer_chunk_share(cfg, dims) is not None)
-    # the chunked checkpoints mode assembles q, k, v whole, like the token-wise slot (memory/chunked_layer.py)
-    items = layer_skeletal(dims, mlp_chunked, mem.fpdt_offload and fpdt, token_wise or ckpt_chunks)
-    g = group_bytes(items)
-    full = sum(g.values())
-    notes: list[str] = []
-
-    # ---- what each layer keeps on the device, and the rounding buffers -------------------------------------
-    alpha: Optional[float] = None
-    rounding = staging = 0.0
-    no_graph = 0.0  # the share of the tokens re-run in backward (their post runs without autograd in the forward)
+def estimate_memory(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, t_layer_fwd: float,
+                    activation_peak_override: Optional[float] = None, states: str = "framework") -> MemoryEstimate:
+    """Device peak per rank and host memory per node for ``cfg`` on ``hw`` with the techniques' ``terms``
+    (``terms.terms_for``; its ``recompute_style`` what-if included). ``t_layer_fwd``: one layer's forward
+    seconds, for Memo's alpha LP when ``memory.offload_fraction`` is ``auto``; ``activation_peak_override``: the
+    activation peak from a memory plan or trace (replaces the formulas for activations); ``states``: a preset of
+    ``states.py`` (``framework`` = this trainer; the others are what-ifs for comparing with the papers)."""
+    run = Run(cfg, dims, hw, terms, t_layer_fwd, activation_peak_override)
     ms = model_state_bytes(cfg, dims, states)
-    states_host = ms.get("host", 0.0)  # FSDP2 with CPU offload: shards, gradients, AdamW states
-    host_rank = states_host
-    fpdt_host = 0.0
-    if fpdt and mem.fpdt_offload:  # before Memo's LP: its host budget is what the rest leaves
-        # per layer on the host until its backward: the projection's saved chunk inputs, q^, k^, v^, o^, lse
-        kv = dims.kv_heads_after_a2a
-        # (with classic checkpointing the block runs again in backward: one layer's chunks at a time)
-        rerun = mem.layer_reruns_whole or (recompute_style == "checkpoint" and (
-            mem.recompute_granularity == "full" or mem.activation_offload == "memo"))
-        layers = 1 if rerun else dims.num_layers
-        a, nq = dims.compute_bytes, dims.heads_local
-        fpdt_host += layers * dims.tokens * (dims.hidden * a + (2 * nq + 2 * kv) * dims.head_dim * a + nq * 4)
-        # the host pool also holds one backward's do^ and fp32 dq chunks (attention/fpdt/calibrate.py: L * F + B),
-        # and rounds each parked view up to HostPool.ALIGN (per chunk: ~6 per layer, 2 for the backward)
-        fpdt_host += dims.tokens * nq * dims.head_dim * (a + 4) + (6 * layers + 2) * dims.fpdt_chunks * HostPool.ALIGN
-    if mem.activation_offload == "memo":
-        ranks_per_node = min(hw.gpus_per_node, dims.world)
-        host_share = hw.host_bytes_per_node / ranks_per_node - host_rank - fpdt_host
-        if mem.offload_fraction == "auto":
-            alpha, why = solve_alpha(g["input"], g["attn"], g["others"], hw.pcie_gbps * 1e9, t_layer_fwd,
-                                     dims.num_layers, host_share)
-            notes.append(f"alpha = {alpha:.3f} (LP of Memo §4.1; binding: {why})")
-        else:
-            alpha = float(mem.offload_fraction)
-        keep = 0.0
-        kept = g["input"] + g["attn"] + alpha * g["others"]
-        # memory/offload.py: two buffers of the kept bytes (+ 32 aligned groups); the dropped tokens' tensors are
-        # rematerialised into autograd's allocations during one layer's backward. Kept tensors are copied into the
-        # buffer as autograd saves them (memory/slots.py), so no whole-layer staging copy exists (staging = 0).
-        rounding = 2 * (kept + 32 * 256)
-        host_rank += max(dims.num_layers - 2, 0) * kept
-        recompute, no_graph = (1.0 - alpha) * g["others"], 1.0 - alpha
-        if recompute_style == "checkpoint":  # only the layer inputs leave; everything else is recomputed
-            alpha, kept = 0.0, g["input"]
-            rounding, staging = 2 * kept, kept
-            host_rank = states_host + max(dims.num_layers - 2, 0) * kept
-            recompute, no_graph = full - kept, 1.0
-            notes.append("what-if: checkpoint + CPU offload of layer inputs (recompute_style=checkpoint)")
-    elif mem.activation_offload == "checkpoints":  # memory/checkpoint_offload.py
-        # nothing per layer on the device; the input leaves while the next layer computes (staging); a layer's
-        # backward re-runs it whole (its skeletal tensors) with the next layer's input already prefetched
-        keep, staging = 0.0, g["input"]
-        recompute, no_graph = full + g["input"], 1.0
-        host_rank += dims.num_layers * g["input"]
-    elif mem.recompute_granularity == "full":
-        keep = g["input"] + (g["attn"] if recompute_style == "token_wise" else 0.0)
-        recompute, no_graph = full - keep, 1.0
-    else:
-        keep = full
-        recompute = 0.0
-    host_rank += fpdt_host
+    share = terms.memory(run, MemoryShare.start(run, terms.layer_shape(run), ms.get("host", 0.0)))
+    host_rank = share.host_total
     on_host = host_rank if hw.device == "cpu" else 0.0  # on CPU "host" copies live in the same memory
 
-    # ---- the re-run in mini-sequences (memory.layer_chunk_size) --------------------------------------------
-    # share: one mini-sequence's share of the rank's tokens; chunk_saved: what its re-run saves for its backward
-    share = layer_chunk_share(cfg, dims, alpha or 0.0) if no_graph and recompute_style == "token_wise" else None
-    chunk_saved = attn_saved = 0.0
-    pre_tokens = no_graph * dims.tokens  # pre without autograd in the forward: the dropped tokens at once
-    if share is not None:
-        qkv = qkv_local_bytes(dims)
-        # MsT chunks the MLP inside a mini-sequence only when the mini-sequence is longer than its chunk
-        rerun_items = layer_skeletal(dims, mst_mlp_chunk(cfg, dims, share * dims.tokens) is not None, False, True)
-        chunk_saved = share * (group_bytes(rerun_items)["others"] - qkv)
-        if mem.activation_offload == "checkpoints":  # memory/chunked_layer.py
-            # the fetched input, q, k, v (assembled chunk by chunk), out and lse stay whole; the next layer's input
-            # is prefetched once the attention backward is done (``T.layer_backward``'s pre phase)
-            recompute = g["input"] + qkv + g["attn"]
-            pre_tokens = share * dims.tokens
-        else:  # memory/memo/steps.py: the dropped tokens' q, k, v, recomputed whole without a graph after their post
-            recompute, attn_saved = 0.0, no_graph * qkv_rerun_bytes(dims)
-
-    # ---- the four moments ----------------------------------------------------------------------------------
-    final = sum(i.bytes for i in final_skeletal(dims, head_chunked))
-    softmax = 0.0 if head_chunked else dims.tokens * dims.vocab_local * 4.0
+    # ---- the moments ---------------------------------------------------------------------------------------
+    final, softmax = share.head_kept, share.head_softmax
     # + the micro-batches
     shared = sum(i.bytes for i in shared_skeletal(dims)) + dims.micro_batches * dims.tokens * 28.0
-    layers_kept = dims.num_layers * keep + rounding
-    chunk = None if share is None else share * dims.tokens  # tokens through the linears per mini-sequence
-    # the re-run through the core attention's (out, lse) pair: token-wise recompute, Memo, the chunked checkpoints
-    rerun = no_graph if recompute_style == "token_wise" and (token_wise or share is not None) else None
-    if rerun is not None and chunk is None and not fpdt:
-        recompute = 0.0  # the re-run's own tensors, moment by moment (``T.tokenwise_backward``)
-    # the next layer's input, prefetched during a layer's backward (checkpoints): at its start unchunked (in
-    # ``recompute``), after the attention backward in mini-sequences (``T.layer_backward``'s pre phase)
-    prefetch = g["input"] if mem.activation_offload == "checkpoints" and dims.num_layers > 1 else 0.0
-    pre_phase = prefetch if share is not None else 0.0
+    layers_kept = dims.num_layers * share.kept + share.rounding
+    chunk = share.chunk_tokens
+    # the next layer's input, prefetched during a layer's backward: at its start (in ``recompute``), or after the
+    # attention backward (``T.layer_backward``'s pre phase)
+    prefetch, pre_phase = share.prefetch, share.prefetch_after_attention
 
     def layer_bwd(pre_prefetch: float) -> float:
-        return (recompute + T.layer_backward(cfg, dims, rerun, chunk, chunk_saved, attn_saved, pre_prefetch) + shared
-                + on_host)
+        return (share.recompute + T.layer_backward(cfg, dims, share.rerun, chunk, share.chunk_saved,
+                                                   share.attn_saved, pre_prefetch) + shared + on_host)
 
     bwd = layer_bwd(pre_phase)
     # the first layer's backward (the last to run) has every layer's gradients; the layers after it have freed
     # their kept tensors (token-wise recompute drops its steps' handles when a layer's backward is done,
     # ``LayerStep.backward_done``) -- and it prefetches no next input; the second layer's backward has the prefetch
     # and all gradients but the first layer's
-    kept_first = keep + rounding
+    kept_first = share.kept + share.rounding
     bwd_first = layer_bwd(0.0) - (prefetch - pre_phase)
     acts = {
-        "layer forward": layers_kept + staging + T.layer_forward(cfg, dims, chunk, no_graph, pre_tokens) + shared
-        + on_host,
+        "layer forward": layers_kept + share.staging
+        + T.layer_forward(cfg, dims, chunk, share.no_graph, share.pre_no_graph_tokens) + shared + on_host,
         "head forward": layers_kept + (final - softmax) + T.head_forward(cfg, dims) + shared + on_host,
         "head backward": layers_kept + final + T.head_backward(cfg, dims) + shared + on_host,
         "layer backward": layers_kept + bwd,
@@ -255,10 +130,7 @@ def estimate_memory(cfg: Config, dims: Dims, hw: HardwareProfile, t_layer_fwd: f
     act_peak_formula = max(acts.values())
     act_peak = activation_peak_override if activation_peak_override is not None else act_peak_formula
     scale = act_peak / act_peak_formula if act_peak_formula else 1.0
-    frag = 0.0
-    if hw.device == "cuda" and mem.plan == "off" and activation_peak_override is None:
-        frag = 0.10 * act_peak  # caching allocator: reserved but unusable (fragmentation); Memo §3.3, Table 4
-        notes.append("fragmentation reserve 10% of activations (memory.plan: off)")
+    frag = share.fragmentation * act_peak
     accum = ms["grads"] if dims.micro_batches > 1 or ms["persistent_grads"] else 0.0
     static = ms["params"] + ms["optimizer"]
     head_units = ms.get("head_gathered", 0.0)  # FSDP2: the gathered embedding / head weights
@@ -269,6 +141,7 @@ def estimate_memory(cfg: Config, dims: Dims, hw: HardwareProfile, t_layer_fwd: f
     # autocast's cache ends with the forward (training/loop.py); the bf16 weights autograd saved are freed with each
     # layer's backward: by the first layer's, one layer's copies are left
     copies_first = min(ms["autocast_copies"], ms["layer_grad"] / 2)
+    rounding = share.rounding
     phases = {
         "layer forward": static + ms["autocast_copies"] + accum + acts["layer forward"] * scale + frag,
         "head forward": static + head_units + ms["autocast_copies"] + accum + acts["head forward"] * scale + frag,
@@ -280,18 +153,17 @@ def estimate_memory(cfg: Config, dims: Dims, hw: HardwareProfile, t_layer_fwd: f
             copies_first + all_but_one + acts["second layer backward"] * scale),
         "optimizer": static + ms["grads"] + rounding + on_host
         + T.optimizer_step(dims, ms["numels"], ms["state_numel"]),
-        "setup": setup_bytes(cfg, dims, ms, full, shared, rounding, on_host,
-                             acts["layer backward"] * scale + bwd_grads),
+        "setup": setup_bytes(ms, share, shared, on_host, acts["layer backward"] * scale + bwd_grads),
     }
     peak_phase = max(phases, key=phases.get)
     parts = {"parameters": ms["params"], "gradients": ms["grads"],
              "optimizer states (+ master weights)": ms["optimizer"],
              "autocast bf16 weight copies": ms["autocast_copies"],
-             "kept activations (all layers)": dims.num_layers * keep,
+             "kept activations (all layers)": dims.num_layers * share.kept,
              "rounding buffers (Memo)": rounding, "final norm + head kept": final,
              "activation peak (at its moment)": act_peak, "fragmentation reserve": frag}
     ranks_per_node = min(hw.gpus_per_node, dims.world)
     return MemoryEstimate(parts=parts, phases=phases, peak=phases[peak_phase], peak_phase=peak_phase,
                           capacity=hw.device_bytes, host_per_rank=host_rank, host_per_node=host_rank * ranks_per_node,
-                          host_capacity=hw.host_bytes_per_node, alpha=alpha, layer_items=items, notes=notes,
-                          fragmentation=frag)
+                          host_capacity=hw.host_bytes_per_node, alpha=share.alpha, layer_items=list(share.items),
+                          notes=list(share.notes), fragmentation=frag)

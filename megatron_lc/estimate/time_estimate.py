@@ -8,13 +8,16 @@ attention forward and backward (FlashAttention's backward does 2.5x the forward 
 * Ring (p2p): step i's k/v transfer overlaps step i's attention block; exposed = (ring-1) x max(0, comm - compute)
   per step, forward (k, v) and backward (k, v and fp32 dk, dv).
 * Ulysses (a2a): the all-to-alls before and after attention are not overlapped.
-* FPDT: chunked all-to-alls as Ulysses; host<->device chunk traffic overlaps the layer's attention compute, one
-  chunk's transfer is exposed (pipeline fill).
-* Memo offload: layer i's copy to host overlaps layer i+1's forward, the prefetch overlaps layer i+1's backward;
-  only the excess stalls (n-2 layers). Dropped tokens (1-α) of the token-wise part are recomputed.
-* Recompute full: the token-wise part of each layer runs twice (attention is kept: memory/memo); selective: core
-  attention's forward runs twice. MsT: MLP and head forward rerun per chunk in backward.
+* FPDT: chunked all-to-alls as Ulysses.
 * Gradient all-reduce over dp x cp (+ ZeRO-1's parameter broadcast) after the last micro-batch: not overlapped.
+
+What the memory techniques cost is their terms' share (``terms/``, looked up by ``config.Techniques``): the
+seconds a layer runs again (token-wise recompute: the token-wise part; Memo: 1 - alpha of it; selective: the
+attention forward; the host checkpoints: the whole layer; MsT: the MLP's forward, chunk by chunk), the bytes a
+layer copies to the host and back (Memo, the host checkpoints: hidden under the next layer's forward and backward,
+the excess stalls, n - 2 layers) and FPDT's chunk traffic (overlapping the attention, one chunk exposed). This
+module adds them. Example, Llama3-8B at 1M tokens on 8 H100s with Memo at alpha 0.25 and MsT: the recompute is
+0.75 of the token-wise part plus the MLP's forward, 4.1 s of a 255.5 s step.
 
 ``hardware.layer_forward_seconds`` (measured by the Memo profiler) replaces the computed compute time of a layer's
 forward; the backward and recompute are scaled by the same factor.
@@ -27,7 +30,8 @@ from typing import Optional
 from ..config import Config
 from .flops import head_flops_fwd, layer_flops, model_flops_per_sample
 from .hardware import HardwareProfile
-from .inventory import Dims, group_bytes, layer_skeletal, mst_mlp_chunk, param_shards
+from .inventory import Dims, param_shards
+from .terms import LayerSeconds, Run, Terms, TimeShare
 
 
 @dataclass
@@ -44,10 +48,10 @@ def _bw(hw: HardwareProfile, size: int, stride: int) -> float:
     return hw.link_bytes_per_s(size, stride)
 
 
-def layer_comm(cfg: Config, dims: Dims, hw: HardwareProfile, attn_fwd_s: float, attn_bwd_s: float) -> dict:
-    """Exposed communication seconds of one layer, forward and backward."""
+def layer_comm(dims: Dims, hw: HardwareProfile, attn_fwd_s: float, attn_bwd_s: float) -> dict:
+    """Exposed tp / cp communication seconds of one layer, forward and backward."""
     a, d = dims.compute_bytes, dims.head_dim
-    out = {"tp_fwd": 0.0, "tp_bwd": 0.0, "cp_fwd": 0.0, "cp_bwd": 0.0, "host_fwd": 0.0, "host_bwd": 0.0}
+    out = {"tp_fwd": 0.0, "tp_bwd": 0.0, "cp_fwd": 0.0, "cp_bwd": 0.0}
     if dims.tp > 1:
         vol = 4 * (dims.tp - 1) / dims.tp * dims.tokens * dims.hidden * a  # 2 AG + 2 RS (SP) or 2 all-reduces, each way
         out["tp_fwd"] = out["tp_bwd"] = vol / _bw(hw, dims.tp, 1)
@@ -63,17 +67,6 @@ def layer_comm(cfg: Config, dims: Dims, hw: HardwareProfile, attn_fwd_s: float, 
         step_f, step_b = attn_fwd_s / ring, attn_bwd_s / ring
         out["cp_fwd"] += (ring - 1) * max(0.0, kv_bytes / bw - step_f)
         out["cp_bwd"] += (ring - 1) * max(0.0, (kv_bytes + 2 * dims.tokens * kv * d * 4) / bw - step_b)
-    if dims.fpdt and cfg.memory.fpdt_offload:
-        n = dims.fpdt_chunks
-        pcie = hw.pcie_gbps * 1e9
-        kv_chunk = 2 * dims.tokens / n * kv * d * a
-        nq = dims.heads_local
-        q_chunk = dims.tokens / n * (3 * nq * d * a + nq * 4 + 2 * nq * d * 4)  # q, out, dout, lse, dq r/w
-        save = dims.tokens * ((2 * dims.heads_local + 2 * kv) * d * a + dims.heads_local * 4)
-        fwd_bytes = save + n * (n - 1) / 2 * kv_chunk
-        bwd_bytes = n * kv_chunk + n * (n + 1) / 2 * q_chunk
-        out["host_fwd"] = max(0.0, fwd_bytes / pcie - attn_fwd_s) + kv_chunk / pcie
-        out["host_bwd"] = max(0.0, bwd_bytes / pcie - attn_bwd_s) + (kv_chunk + q_chunk) / pcie
     return out
 
 
@@ -93,10 +86,10 @@ def fsdp_exposed_seconds(cfg: Config, dims: Dims, hw: HardwareProfile, numel: fl
     return dims.micro_batches * max(0.0, secs - micro)
 
 
-def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, alpha: Optional[float],
-                  recompute_style: str = "token_wise") -> TimeEstimate:
-    """Seconds of one optimizer step of ``cfg`` (all micro-batches) on ``hw``."""
-    mem, eff = cfg.memory, hw.efficiency
+def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, alpha: Optional[float]) -> TimeEstimate:
+    """Seconds of one optimizer step of ``cfg`` (all micro-batches) on ``hw`` with the techniques' ``terms``
+    (``terms.terms_for``); ``alpha``: Memo's offload fraction as the memory estimate chose it (None: 0)."""
+    eff = hw.efficiency
     peak = hw.peak_flops(bf16=dims.compute_bytes == 2)
     lf = layer_flops(dims)
     lin_f = lf.linear_fwd / (peak * eff.gemm)
@@ -107,31 +100,13 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, alpha: Optional[
         scale = hw.layer_forward_seconds / (lin_f + att_f)
         lin_f, att_f, att_b = lin_f * scale, att_f * scale, att_b * scale
     lin_b = 2 * lin_f
-    comm = layer_comm(cfg, dims, hw, att_f, att_b)
-    fwd = lin_f + att_f + comm["tp_fwd"] + comm["cp_fwd"] + comm["host_fwd"]
-    bwd = lin_b + att_b + comm["tp_bwd"] + comm["cp_bwd"] + comm["host_bwd"]
-    recompute = 0.0
-    if mem.activation_offload == "memo":
-        a = alpha if alpha is not None else 0.0
-        recompute = (1.0 - a) * (lin_f + comm["tp_fwd"])
-    elif mem.recompute_granularity == "full":
-        recompute = lin_f + comm["tp_fwd"]
-    if mem.activation_offload == "checkpoints" or (recompute_style == "checkpoint" and (
-            mem.recompute_granularity == "full" or mem.activation_offload == "memo")):
-        recompute = lin_f + att_f + comm["tp_fwd"] + comm["cp_fwd"]  # the whole layer again, attention included
-    elif mem.recompute_granularity == "selective":
-        recompute = att_f
-    mlp_chunked = mst_mlp_chunk(cfg, dims) is not None
-    if mlp_chunked:
-        nq, nkv, d, f = dims.heads_local, dims.kv_heads_local, dims.head_dim, dims.ffn_local
-        mlp_share = (3 if dims.swiglu else 2) * f / ((nq + 2 * nkv) * d + nq * d + (3 if dims.swiglu else 2) * f)
-        recompute += mlp_share * lin_f  # each chunk's intermediates are recomputed in its backward
-    offloaded = 0.0  # bytes of one layer that cross PCIe each way, hidden under the layer's compute
-    if mem.activation_offload == "memo":
-        g = group_bytes(layer_skeletal(dims, mlp_chunked, False, token_wise=True))
-        offloaded = g["input"] + g["attn"] + (alpha or 0.0) * g["others"]
-    elif mem.activation_offload == "checkpoints":  # the layer input alone
-        offloaded = group_bytes(layer_skeletal(dims, mlp_chunked, False, token_wise=False))["input"]
+    comm = layer_comm(dims, hw, att_f, att_b)
+    run = Run(cfg, dims, hw, terms)
+    share = terms.time(run, LayerSeconds(lin_f, att_f, att_b, **comm),
+                       TimeShare(shape=terms.layer_shape(run), alpha=alpha))
+    fwd = lin_f + att_f + comm["tp_fwd"] + comm["cp_fwd"] + share.host_fwd
+    bwd = lin_b + att_b + comm["tp_bwd"] + comm["cp_bwd"] + share.host_bwd
+    recompute, offloaded = share.recompute, share.offloaded
     xfer = offloaded / (hw.pcie_gbps * 1e9)
     stall = max(0.0, xfer - fwd) + max(0.0, xfer - (bwd + recompute)) if offloaded else 0.0
     n_swapped = max(dims.num_layers - 2, 0)
@@ -158,7 +133,7 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, alpha: Optional[
         "recompute": dims.micro_batches * dims.num_layers * recompute,
         "tp communication": dims.micro_batches * dims.num_layers * (comm["tp_fwd"] + comm["tp_bwd"]),
         "cp communication (exposed)": dims.micro_batches * dims.num_layers * (comm["cp_fwd"] + comm["cp_bwd"]),
-        "host transfers (exposed)": dims.micro_batches * (dims.num_layers * (comm["host_fwd"] + comm["host_bwd"])
+        "host transfers (exposed)": dims.micro_batches * (dims.num_layers * (share.host_fwd + share.host_bwd)
                                                           + n_swapped * stall),
         "gradient sync" + (" + FSDP2 gathers (exposed)" if cfg.parallel.use_torch_fsdp2 else ""): sync,
         "optimizer": opt,
