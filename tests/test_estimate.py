@@ -12,12 +12,13 @@ import yaml
 from megatron_lc.config import ConfigError, load_config, resolve_layout
 from megatron_lc.estimate import estimate, load_hardware
 from megatron_lc.estimate import transient as T
+from megatron_lc.estimate.dims import Dims
 from megatron_lc.estimate.flops import model_flops_per_sample
 from megatron_lc.estimate.hardware import HARDWARE_DIR
-from megatron_lc.estimate.inventory import Dims, group_bytes, layer_chunk_share, layer_skeletal, param_shards
-from megatron_lc.estimate.terms.memo_offload import solve_alpha
-from megatron_lc.estimate.tables import activation_peak_from, load_measured
+from megatron_lc.estimate.inventory import group_bytes, layer_chunk_share, layer_skeletal, param_shards
 from megatron_lc.estimate.layout_search import LAYER_CHUNK, apply_overrides, config_overrides, pick_best, search_layouts
+from megatron_lc.estimate.tables import activation_peak_from, load_measured
+from megatron_lc.estimate.terms.memo_offload import solve_alpha
 from megatron_lc.planning.trace import Trace, max_live_bytes
 from megatron_lc.training.metrics import flops_per_sample
 from megatron_lc.units import GIB

@@ -163,7 +163,7 @@ LAYERS = [
 # estimate/: the sizes and the hardware <- the formulas <- terms/ (one per technique) <- the estimates, the search.
 SUBLAYERS = {
     "training": [{"errors", "batches"}, {"checkpointing", "eval"}, {"*"}],
-    "estimate": [{"inventory", "hardware"}, {"flops", "states", "transient"}, {"terms"}, {"*"}],
+    "estimate": [{"dims", "hardware"}, {"inventory"}, {"flops", "states", "transient"}, {"terms"}, {"*"}],
 }
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 from ..config import Config, resolve_layout, resolve_techniques
 from .hardware import HardwareProfile, load_hardware
-from .inventory import Dims
+from .dims import Dims
 from .memory_estimate import MemoryEstimate, estimate_memory
 from .states import dims_for
 from .terms import terms_for

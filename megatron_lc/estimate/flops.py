@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .inventory import Dims, param_shards
+from .dims import Dims
+from .inventory import param_shards
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from typing import Optional
 from ..config import Config
 from . import transient as T
 from .hardware import HardwareProfile
-from .inventory import Dims, shared_skeletal
+from .dims import Dims
+from .inventory import shared_skeletal
 from .states import model_state_bytes
 from .terms import MemoryShare, Run, Terms
 

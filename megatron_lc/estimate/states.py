@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import Config, ConfigError
-from .inventory import Dims, param_shards, zero1_partition
+from .dims import Dims
+from .inventory import param_shards, zero1_partition
 
 PRESETS = ("framework", "megatron", "zero3", "bf16_optim_in_backward")
 

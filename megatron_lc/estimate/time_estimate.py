@@ -30,7 +30,8 @@ from typing import Optional
 from ..config import Config
 from .flops import head_flops_fwd, layer_flops, model_flops_per_sample
 from .hardware import HardwareProfile
-from .inventory import Dims, param_shards
+from .dims import Dims
+from .inventory import param_shards
 from .terms import LayerSeconds, Run, Terms, TimeShare
 
 

@@ -21,7 +21,8 @@ from typing import Optional
 
 from ..config import Config
 from ..model.norm import RMS_NORM_SLICE_ELEMS as NORM_SLICE
-from .inventory import Dims, mst_head_chunk, mst_mlp_chunk, qkv_rerun_bytes
+from .dims import Dims
+from .inventory import mst_head_chunk, mst_mlp_chunk, qkv_rerun_bytes
 
 
 def fpdt_chunk_bytes(cfg: Config, dims: Dims) -> dict:

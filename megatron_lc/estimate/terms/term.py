@@ -27,7 +27,8 @@ from typing import Optional
 
 from ...config import Config
 from ..hardware import HardwareProfile
-from ..inventory import Dims, Item, group_bytes, layer_skeletal
+from ..dims import Dims
+from ..inventory import Item, group_bytes, layer_skeletal
 
 
 @dataclass(frozen=True)
