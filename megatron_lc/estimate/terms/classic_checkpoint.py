@@ -19,7 +19,6 @@ class ClassicCheckpoint(Term):
     """In place of token-wise recompute: the input kept, the rest rematerialised at the layer's backward. The
     layer's inventory stays the token-wise one (``shape``), as the framework's slot would hold it."""
 
-    name = "classic_checkpoint"
     reruns_whole_layer = True
 
     def shape(self, run: Run, shape: LayerShape) -> LayerShape:
@@ -40,7 +39,6 @@ class ClassicCheckpointOffload(MemoOffload):
     input buffers and the one staged, everything else rematerialised. Its transfer is counted as Memo's at
     alpha = 0 (input + attention output), its recompute as the whole layer."""
 
-    name = "classic_checkpoint_offload"
     reruns_whole_layer = True
 
     def memory(self, run: Run, share: MemoryShare) -> MemoryShare:

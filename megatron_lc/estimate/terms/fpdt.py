@@ -16,7 +16,7 @@ from .term import LayerSeconds, LayerShape, MemoryShare, Run, Term, TimeShare
 
 
 class FPDTBlock(Term):
-    name = "fpdt"
+    """``attention/fpdt/block.FPDTSelfAttention`` (see the module doc)."""
 
     def shape(self, run: Run, shape: LayerShape) -> LayerShape:
         return replace(shape, attention_parked=run.cfg.memory.fpdt_offload)

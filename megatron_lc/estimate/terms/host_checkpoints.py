@@ -18,7 +18,8 @@ def whole_layer_seconds(seconds: LayerSeconds) -> float:
 
 
 class HostCheckpoints(Term):
-    name = "host_checkpoints"
+    """``activation_offload: checkpoints`` (see the module doc)."""
+
     reruns_whole_layer = True
 
     def memory(self, run: Run, share: MemoryShare) -> MemoryShare:

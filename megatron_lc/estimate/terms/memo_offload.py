@@ -43,7 +43,7 @@ def offloaded_bytes(run: Run, share: TimeShare) -> float:
 
 
 class MemoOffload(Term):
-    name = "memo_offload"
+    """``activation_offload: memo`` (see the module doc)."""
 
     def shape(self, run: Run, shape: LayerShape) -> LayerShape:
         return replace(shape, local_qkv=True)  # Memo's slot holds the local q, k, v like token-wise recompute

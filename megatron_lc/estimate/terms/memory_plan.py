@@ -18,8 +18,6 @@ class CachingAllocator(Term):
     """No plan: on CUDA a share of the activation peak is reserved but unusable (none when the peak comes from a
     plan or trace given to the estimator; none on CPU, where the calibration measures live bytes)."""
 
-    name = "caching_allocator"
-
     def memory(self, run: Run, share: MemoryShare) -> MemoryShare:
         if run.hw.device != "cuda" or run.peak_override is not None:
             return share
@@ -30,13 +28,9 @@ class CachingAllocator(Term):
 class PlanTracedAtSetup(Term):
     """``memory.plan: auto``: setup traces a micro-batch's forward and backward to plan it."""
 
-    name = "plan_traced_at_setup"
-
     def memory(self, run: Run, share: MemoryShare) -> MemoryShare:
         return replace(share, setup_traces_step=True)
 
 
 class PlanFromFile(Term):
     """``memory.plan: <file>``: the planned arena, loaded."""
-
-    name = "plan_from_file"

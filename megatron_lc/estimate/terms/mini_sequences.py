@@ -11,6 +11,7 @@ is 16384 / 524288 = 1/32 of the rank's tokens; q, k, v, out, lse, the fetched an
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 from ..inventory import group_bytes, layer_chunk_share, layer_skeletal, mst_mlp_chunk, qkv_local_bytes, \
     qkv_rerun_bytes
@@ -26,7 +27,7 @@ def chunk_saved_bytes(run: Run, share_of_tokens: float) -> float:
     return share_of_tokens * (group_bytes(rerun_items)["others"] - qkv_local_bytes(dims))
 
 
-def rerun_share(run: Run, share: MemoryShare):
+def rerun_share(run: Run, share: MemoryShare) -> Optional[float]:
     """One mini-sequence's share of the rank's tokens, or None when the re-run takes its rows at once."""
     return layer_chunk_share(run.cfg, run.dims, share.alpha or 0.0) if share.no_graph else None
 
@@ -34,15 +35,11 @@ def rerun_share(run: Run, share: MemoryShare):
 class AtOnce(Term):
     """The re-run (if any) takes all its rows at once: the executor's term says it all."""
 
-    name = "at_once"
-
 
 class TokenWiseMiniSequences(Term):
     """Token-wise recompute / Memo in mini-sequences: the dropped tokens' post re-run a chunk at a time, their q, k, v
     recomputed whole without a graph for the attention backward after it (``attn_saved``); nothing else is
     rematerialised beside the layer backward's moments."""
-
-    name = "token_wise_mini_sequences"
 
     def memory(self, run: Run, share: MemoryShare) -> MemoryShare:
         part = rerun_share(run, share)
@@ -57,8 +54,6 @@ class LayerMiniSequences(Term):
     ``pre`` / ``post`` a chunk at a time around one whole attention, through the core attention's (out, lse) pair;
     the fetched input, q, k, v (assembled chunk by chunk), out and lse stay whole, and the next layer's input is
     prefetched once the attention backward is done."""
-
-    name = "layer_mini_sequences"
 
     def shape(self, run: Run, shape: LayerShape) -> LayerShape:
         chunked = layer_chunk_share(run.cfg, run.dims) is not None

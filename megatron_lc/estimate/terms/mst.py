@@ -17,8 +17,6 @@ from .term import LayerSeconds, LayerShape, MemoryShare, Run, Term, TimeShare
 class MiniSequenceMlpAndHead(Term):
     """``MiniSequenceMLP`` and ``MiniSequenceLMHead`` (``memory.mst: true``)."""
 
-    name = "mst"
-
     def shape(self, run: Run, shape: LayerShape) -> LayerShape:
         return replace(shape, mlp_chunked=mst_mlp_chunk(run.cfg, run.dims) is not None)
 

@@ -16,8 +16,6 @@ class PlainLayer(Term):
     """No executor (``memory.recompute_granularity: none``, no offload): every layer keeps all its skeletal
     tensors on the device until its backward, nothing runs twice."""
 
-    name = "plain"
-
     def memory(self, run: Run, share: MemoryShare) -> MemoryShare:
         return replace(share, kept=share.full)
 
@@ -26,8 +24,6 @@ class SelfAttentionBlock(Term):
     """``model/attention.SelfAttention``: QKV, the core attention, out-proj; its backward runs from the core's
     (out, lse) pair, so token-wise recompute never runs attention again."""
 
-    name = "self_attention"
-
     def memory(self, run: Run, share: MemoryShare) -> MemoryShare:
         return replace(share, attention_from_lse=True)
 
@@ -35,8 +31,6 @@ class SelfAttentionBlock(Term):
 class PlainMlpAndHead(Term):
     """``model/mlp.MLP`` and ``model/head.LMHead``: the MLP keeps its intermediates (the layer's shape as is), the
     head its input and the fp32 softmax of the vocab-parallel cross entropy."""
-
-    name = "plain_mlp_and_head"
 
     def memory(self, run: Run, share: MemoryShare) -> MemoryShare:
         dims = run.dims

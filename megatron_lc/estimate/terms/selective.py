@@ -13,7 +13,7 @@ from .term import LayerSeconds, MemoryShare, Run, Term, TimeShare
 
 
 class SelectiveRecompute(Term):
-    name = "selective_recompute"
+    """``recompute_granularity: selective`` (see the module doc)."""
 
     def memory(self, run: Run, share: MemoryShare) -> MemoryShare:
         return replace(share, kept=share.full)

@@ -129,7 +129,6 @@ class TimeShare:
 class Term:
     """One technique's share of the estimate (see the module doc); the defaults add nothing."""
 
-    name = "nothing"
     reruns_whole_layer = False  # an executor: the whole layer, attention included, runs again in its backward
 
     def shape(self, run: "Run", shape: LayerShape) -> LayerShape:

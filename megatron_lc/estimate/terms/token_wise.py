@@ -13,7 +13,7 @@ from .term import LayerSeconds, LayerShape, MemoryShare, Run, Term, TimeShare
 
 
 class TokenWiseRecompute(Term):
-    name = "token_wise_recompute"
+    """``recompute_granularity: full`` (see the module doc)."""
 
     def shape(self, run: Run, shape: LayerShape) -> LayerShape:
         return replace(shape, local_qkv=True)  # the slot holds the local q, k, v whatever the cp flavour
