@@ -4,9 +4,9 @@ the h100 profile's host memory), with and without the model-state and offload op
     python bench/longest_sequence.py            # JSON on stdout (~3-6 minutes on 2 cores)
     python bench/longest_sequence.py --quick    # 1 and 8 GPUs, coarse
 
-For each GPU count and option set: doubling from 128K tokens while ``estimate.search_layouts`` finds a layout that fits
-device and host memory, then bisection to 128K tokens (sequence lengths stay multiples of 128K so every layout's
-divisibility rules can hold). Option sets (filters on the searched layouts):
+For each GPU count and option set: doubling from 128K tokens while ``estimate.layout_search.search_layouts`` finds a
+layout that fits device and host memory, then bisection to 128K tokens (sequence lengths stay multiples of 128K so
+every layout's divisibility rules can hold). Option sets (filters on the searched layouts):
 
 * ``zero1``: what the framework had before FSDP2 -- replicated fp32 parameters and gradients, ZeRO-1 AdamW, Memo /
   recompute / MsT / FPDT, no host checkpoints;
@@ -41,7 +41,7 @@ OPTIONS = {  # name -> (filter on a searched layout's overrides, config override
 
 
 def best_at(cfg, hw, gpus: int, seq: int, keep):
-    from megatron_lc.estimate.search import apply_overrides, search_layouts
+    from megatron_lc.estimate.layout_search import apply_overrides, search_layouts
 
     fits = [c for c in search_layouts(apply_overrides(cfg, {"data.seq_length": seq}), hw, gpus) if keep(c.overrides)]
     return fits[0] if fits else None
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
            "rows": []}
     for gpus in ((1, 8) if args.quick else (1, 8, 32)):
         for name, (keep, sets) in OPTIONS.items():
-            from megatron_lc.estimate.search import apply_overrides
+            from megatron_lc.estimate.layout_search import apply_overrides
 
             row = {"gpus": gpus, "options": name, **longest(apply_overrides(cfg, sets), hw, gpus, keep, args.quick)}
             out["rows"].append(row)

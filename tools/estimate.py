@@ -62,9 +62,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_lc.config import ConfigError, load_config
     from megatron_lc.estimate import estimate, load_hardware
-    from megatron_lc.estimate.report import activation_peak_from, estimate_table, load_measured, search_table, \
+    from megatron_lc.estimate.tables import activation_peak_from, estimate_table, load_measured, search_table, \
         write_layout
-    from megatron_lc.estimate.search import pick_best, search_layouts
+    from megatron_lc.estimate.layout_search import pick_best, search_layouts
 
     try:
         cfg = load_config(args.config, args.overrides)

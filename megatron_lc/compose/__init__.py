@@ -8,8 +8,9 @@ and below ``training/``::
     build.py     build_model: spec -> model + context, on the host, no side effects
 
 Adding a memory technique: its config (``config/memory.py``, a refused pair in ``config/combinations.py`` where
-one exists), its spec entry (``model_spec``), its runtime (``model_context``), its estimator term (``estimate/``);
-docs/ARCHITECTURE.md, "Adding a memory technique"."""
+one exists) and its name in its slot of ``config/techniques.py``, its spec entry (one entry in its slot's dict of
+``spec.py``), its runtime (``model_context``), its estimator term (a file in ``estimate/terms/`` and one entry in
+its slot's dict there); docs/ARCHITECTURE.md, "Adding a memory technique"."""
 from .build import build_model
 from .context import Calibration, ModelContext, TechniqueRuntime, model_context
 from .spec import ModelParts, ModelSpec, model_spec

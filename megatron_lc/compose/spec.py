@@ -2,8 +2,9 @@
 
 ``model_spec(cfg, layout, ctx)`` returns a ``ModelSpec`` naming the class that builds each attention block, MLP and
 head, and the executor each layer runs with; the model (``model/``) constructs whatever the spec names and never
-knows which technique it got. Nothing is swapped in or patched after construction. Example, ``memory.mst: true``,
-``recompute_granularity: full``, ``cp_comm_type: fpdt``::
+knows which technique it got. Nothing is swapped in or patched after construction. Each slot's class is looked up
+by the slot's technique (``config.Techniques``, the key the estimator's terms are looked up by too) in this
+module's dicts. Example, ``memory.mst: true``, ``recompute_granularity: full``, ``cp_comm_type: fpdt``::
 
     ModelSpec(attention_block=FPDTSelfAttention, mlp=MiniSequenceMLP, head=MiniSequenceLMHead,
               executor=partial(MemoBlockExecutor, runtime, 1))
@@ -23,7 +24,7 @@ from torch import nn
 from ..attention import build_core_attention
 from ..attention.backends import Kernels
 from ..attention.fpdt.block import FPDTSelfAttention
-from ..config import Config, Execution, Layout
+from ..config import Config, Execution, Layout, resolve_techniques
 from ..memory.checkpoint_offload import CheckpointOffloadExecutor
 from ..memory.memo import MemoBlockExecutor, MemoExecutor
 from ..memory.mst import MiniSequenceLMHead, MiniSequenceMLP
@@ -47,20 +48,41 @@ class ModelSpec:
     executor: Optional[Callable[[], object]] = None  # () -> fn(layer, x, rope) -> y
 
 
+# The class each slot's technique builds, looked up by ``config.Techniques`` (adding a technique: one entry here)
+ATTENTION_BLOCKS = {"self_attention": SelfAttention, "fpdt": FPDTSelfAttention}
+MLPS = {"plain": MLP, "mst": MiniSequenceMLP}
+HEADS = {"plain": LMHead, "mst": MiniSequenceLMHead}
+# token-wise recompute and Memo run around the attention block: whole layers, or Memo's block mode around FPDT's
+TOKEN_WISE_EXECUTORS = {"self_attention": MemoExecutor, "fpdt": MemoBlockExecutor}
+
+
+def _plain(ctx: ModelContext, layout: Layout, block: str) -> None:
+    return None
+
+
+def _selective(ctx: ModelContext, layout: Layout, block: str) -> Callable[[], object]:
+    return SelectiveExecutor
+
+
+def _token_wise(ctx: ModelContext, layout: Layout, block: str) -> Callable[[], object]:
+    return partial(TOKEN_WISE_EXECUTORS[block], ctx.memo, layout.sp_degree)
+
+
+def _host_checkpoints(ctx: ModelContext, layout: Layout, block: str) -> Callable[[], object]:
+    return partial(CheckpointOffloadExecutor, ctx.checkpoints)
+
+
+# the executor factory of each executor technique: (the model's context, the layout, the attention block's key)
+EXECUTORS = {"plain": _plain, "selective_recompute": _selective, "token_wise_recompute": _token_wise,
+             "memo_offload": _token_wise, "host_checkpoints": _host_checkpoints}
+
+
 def model_spec(cfg: Config, layout: Layout, ctx: ModelContext) -> ModelSpec:
-    """The spec of ``cfg`` (combinations were refused by ``resolve_layout`` before this point)."""
-    fpdt = layout.cp_comm_type == "fpdt"
-    executor = None
-    if ctx.memo is not None:  # token-wise recompute (full) or Memo; around FPDT's block in block mode
-        executor = partial(MemoBlockExecutor if fpdt else MemoExecutor, ctx.memo, layout.sp_degree)
-    elif ctx.checkpoints is not None:
-        executor = partial(CheckpointOffloadExecutor, ctx.checkpoints)
-    elif cfg.memory.recompute_granularity == "selective":
-        executor = SelectiveExecutor
-    return ModelSpec(attention_block=FPDTSelfAttention if fpdt else SelfAttention,
-                     mlp=MiniSequenceMLP if cfg.memory.mst else MLP,
-                     head=MiniSequenceLMHead if cfg.memory.mst else LMHead,
-                     executor=executor)
+    """The spec of ``cfg``: each slot's class looked up by its technique (``config.resolve_techniques``;
+    combinations were refused by ``resolve_layout`` before this point)."""
+    t = resolve_techniques(cfg, layout)
+    return ModelSpec(attention_block=ATTENTION_BLOCKS[t.attention_block], mlp=MLPS[t.mlp_and_head],
+                     head=HEADS[t.mlp_and_head], executor=EXECUTORS[t.executor](ctx, layout, t.attention_block))
 
 
 @dataclass

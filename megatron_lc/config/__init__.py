@@ -3,10 +3,12 @@
     cfg = load_config("configs/tiny_cpu.yaml", ["train.train_iters=5", "parallel.context_parallel_size=2"])
     layout = resolve_layout(cfg, world_size=2)   # one-line ConfigError naming the numbers when impossible
     execution = resolve_execution(cfg, device)   # the device, the autocast and residual dtypes
+    techniques = resolve_techniques(cfg, layout)  # which technique fills each slot of a layer
 
 One dataclass per section (``model.py``, ``parallel.py``, ``memory.py``, ``data.py``, ``train.py``,
 ``checkpoint.py``, ``logging.py``; the strict loader in ``base.py``), and what the config resolves to once:
-``layout.py`` (every layout rule; the refused feature pairs of ``combinations.py``) and ``execution.py``.
+``layout.py`` (every layout rule; the refused feature pairs of ``combinations.py``), ``execution.py`` and
+``techniques.py`` (which technique fills each slot of a layer: the key of the model spec and of the estimator).
 """
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ from .logging import LoggingConfig
 from .memory import MemoryConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
+from .techniques import Techniques, resolve_techniques
 from .train import TrainConfig
 
 __all__ = ["Config", "ConfigError", "load_config", "Layout", "resolve_layout", "Execution",
-           "resolve_execution", "ModelConfig", "ParallelConfig",
+           "resolve_execution", "Techniques", "resolve_techniques", "ModelConfig", "ParallelConfig",
            "MemoryConfig",
            "DataConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig"]
 

@@ -4,7 +4,7 @@
     est = estimate(cfg, load_hardware("h100"), world_size=8)
     est.memory.peak, est.memory.status, est.time.step_seconds, est.time.mfu
 
-``search.search_layouts`` enumerates tp x cp x ulysses x memory features and ranks the layouts that fit;
+``layout_search.search_layouts`` enumerates tp x cp x ulysses x memory features and ranks the layouts that fit;
 ``tools/estimate.py`` is the command line. Formulas and their calibration: docs/estimator.md.
 """
 from __future__ import annotations
@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import Config, resolve_layout
+from ..config import Config, resolve_layout, resolve_techniques
 from .hardware import HardwareProfile, load_hardware
-from .inventory import Dims
-from .memory import MemoryEstimate, estimate_memory
+from .dims import Dims
+from .memory_estimate import MemoryEstimate, estimate_memory
 from .states import dims_for
-from .time import TimeEstimate, estimate_time
+from .terms import terms_for
+from .time_estimate import TimeEstimate, estimate_time
 
 __all__ = ["Estimate", "estimate", "load_hardware", "HardwareProfile", "Dims"]
 
@@ -40,11 +41,12 @@ def estimate(cfg: Config, hw: HardwareProfile, world_size: int,
              recompute_style: str = "token_wise") -> Estimate:
     """Memory and time of ``cfg`` on ``world_size`` ranks of ``hw`` (device ``hw.device``: fp32 on CPU, bf16 autocast
     on CUDA when ``train.bf16``). ``states``: ``framework`` (this trainer) or a what-if preset of ``states.py``;
-    ``recompute_style``: ``token_wise`` (this trainer) or the what-if ``checkpoint`` (memory.estimate_memory).
+    ``recompute_style``: ``token_wise`` (this trainer) or the what-if ``checkpoint`` (``terms/classic_checkpoint.py``).
     Raises ConfigError for a layout the framework would refuse."""
     layout = resolve_layout(cfg, world_size)
-    x = dims_for(Dims.from_config(cfg, layout, hw.device), states)
-    t_layer = estimate_time(cfg, x, hw, alpha=None).t_layer_fwd
-    mem = estimate_memory(cfg, x, hw, t_layer, activation_peak_override, states, recompute_style)
-    tm = estimate_time(cfg, x, hw, mem.alpha, recompute_style)
-    return Estimate(cfg, hw, x, mem, tm)
+    terms = terms_for(resolve_techniques(cfg, layout), recompute_style)
+    dims = dims_for(Dims.from_config(cfg, layout, hw.device), states)
+    t_layer = estimate_time(cfg, dims, hw, terms, alpha=None).t_layer_fwd
+    mem = estimate_memory(cfg, dims, hw, terms, t_layer, activation_peak_override, states)
+    tm = estimate_time(cfg, dims, hw, terms, mem.alpha)
+    return Estimate(cfg, hw, dims, mem, tm)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .inventory import Dims, param_shards
+from .dims import Dims
+from .inventory import param_shards
 
 
 @dataclass(frozen=True)
@@ -27,23 +28,25 @@ class LayerFlops:
         return 3 * self.linear_fwd + 3 * self.attn_fwd
 
 
-def layer_flops(x: Dims) -> LayerFlops:
-    """``x.tokens`` tokens of this rank through a layer whose weights are 1/tp of the full layer. Attention: this
+def layer_flops(dims: Dims) -> LayerFlops:
+    """``dims.tokens`` tokens of this rank through a layer whose weights are 1/tp of the full layer. Attention: this
     rank's tokens attend to ``s`` keys on average ``s/2`` (causal), over its ``nq/tp`` heads — the same for ring
     (load-balanced zigzag), Ulysses (whole sequence, nq/tp/u heads) and FPDT."""
-    h, d = x.h, x.d
-    lin = h * (x.nq_l + 2 * x.nkv_l) * d + x.nq_l * d * h + h * x.f_l * (3 if x.swiglu else 2)
-    linear_fwd = 2.0 * x.tokens * lin
-    attn_fwd = 2.0 * x.tokens * x.attended * x.nq_l * d  # 4·t·s·d per head, halved by the mask
+    h, d = dims.hidden, dims.head_dim
+    heads, kv_heads = dims.heads_local, dims.kv_heads_local
+    lin = h * (heads + 2 * kv_heads) * d + heads * d * h + h * dims.ffn_local * (3 if dims.swiglu else 2)
+    linear_fwd = 2.0 * dims.tokens * lin
+    attn_fwd = 2.0 * dims.tokens * dims.attended * dims.heads_local * d  # 4·t·s·d per head, halved by the mask
     return LayerFlops(linear_fwd, attn_fwd)
 
 
-def head_flops_fwd(x: Dims) -> float:
-    return 2.0 * x.tokens * x.h * x.V_l
+def head_flops_fwd(dims: Dims) -> float:
+    return 2.0 * dims.tokens * dims.hidden * dims.vocab_local
 
 
-def model_flops_per_sample(x: Dims) -> float:
+def model_flops_per_sample(dims: Dims) -> float:
     """Memo §5.1: 6·s·P + 6·n·h·s² (P the full parameter count, embeddings included; h = nq·d)."""
-    full = Dims(**{**x.__dict__, "tp": 1, "cp": 1, "dp": 1, "sp": False})
+    full = Dims(**{**dims.__dict__, "tp": 1, "cp": 1, "dp": 1, "sequence_parallel": False})
     P = sum(n for _, n, _ in param_shards(full))
-    return 6.0 * x.s * P + 6.0 * x.L * x.nq * x.d * x.s * x.attended
+    s = dims.seq_length
+    return 6.0 * s * P + 6.0 * dims.num_layers * dims.heads * dims.head_dim * s * dims.attended

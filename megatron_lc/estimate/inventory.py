@@ -1,26 +1,21 @@
-"""What one rank holds: its parameter shards and the activation tensors of one micro-batch, read off the code.
-
-``Dims`` turns a config and a world size into per-rank sizes. Example, Llama3-8B at 1M tokens on 8 GPUs with
-tp=2 (sequence parallel), cp=4, micro-batch 1: ``tokens = 1M / 4 = 262144`` per rank go through the linears,
-``tokens_res = tokens / 2 = 131072`` per rank in the residual stream, ``nq_l = 16`` query and ``nkv_l = 4`` kv
-heads per rank.
+"""What one rank holds: its parameter shards and the activation tensors of one micro-batch, read off the code, for
+the sizes of ``dims.Dims``.
 
 Per-layer *skeletal* tensors (kept from a layer's forward to its backward; Memo §3.1) are listed by
 ``layer_skeletal`` with the tensor that holds them in ``model/`` and Memo's group (``input`` / ``attn`` /
 ``others``, §4.1). Dtypes: on CPU everything is fp32; on GPU with ``train.bf16`` the linears, attention and MLP
-produce bf16 (``act``), while the residual stream stays fp32 (``res``: fp32 embedding + bf16 branch = fp32 under
-autocast; bf16 with ``model.fp32_residual_connection: false``) and lse/softmax/statistics are fp32.
+produce bf16 (``compute_bytes``), while the residual stream stays fp32 (``residual_bytes``: fp32 embedding + bf16
+branch = fp32 under autocast; bf16 with ``model.fp32_residual_connection: false``) and lse/softmax/statistics are
+fp32.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-import torch
-
-from ..config import Config, Layout, resolve_execution
-from ..config.layout import kv_replication
+from ..config import Config
 from ..memory.mst.rules import head_chunk_count, head_chunk_tokens, mlp_chunk_tokens
+from .dims import Dims
 
 Group = Literal["input", "attn", "others"]
 
@@ -34,135 +29,35 @@ class Item:
     group: Group = "others"
 
 
-@dataclass(frozen=True)
-class Dims:
-    L: int
-    h: int
-    f: int
-    nq: int
-    nkv: int
-    d: int
-    V: int  # padded vocab
-    swiglu: bool
-    rmsnorm: bool
-    untied: bool
-    learned_pos: int  # max_position_embeddings when learned absolute positions, else 0
-    bias: bool
-    b: int
-    s: int
-    tp: int
-    cp: int
-    ulysses: int
-    dp: int
-    sp: bool
-    cp_type: str
-    device: str  # "cuda" | "cpu"
-    act: int  # bytes of the compute dtype
-    res: int = 4  # bytes of the residual stream
-    n_micro: int = 1
-    fpdt_chunks: int = 1  # u, FPDT's chunks per rank (the layout's)
-    doc_len: int = 0  # document masks: the length-weighted mean document length (data.mean_document_length); 0: s
-
-    @classmethod
-    def from_config(cls, cfg: Config, layout: Layout, device: str) -> "Dims":
-        """The sizes of ``cfg`` under its resolved ``layout`` (``config.resolve_layout``) on ``device`` ("cuda" |
-        "cpu"), its dtypes those a run there would resolve (``config.resolve_execution``)."""
-        m = cfg.model
-        ex = resolve_execution(cfg, torch.device(device))
-        return cls(L=m.num_layers, h=m.hidden_size, f=m.ffn_hidden_size, nq=m.num_attention_heads,
-                   nkv=m.num_query_groups, d=m.kv_channels, V=m.padded_vocab_size, swiglu=m.swiglu,
-                   rmsnorm=m.normalization == "RMSNorm", untied=m.untie_embeddings_and_output_weights,
-                   learned_pos=m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else 0,
-                   bias=m.add_bias_linear, b=layout.micro_batch_size, s=layout.seq_length, tp=layout.tp,
-                   cp=layout.cp, ulysses=layout.ulysses, dp=layout.dp, sp=layout.sequence_parallel,
-                   cp_type=layout.cp_comm_type, device=device, act=ex.compute_dtype.itemsize,
-                   res=ex.residual_dtype.itemsize,
-                   n_micro=layout.num_micro_batches, fpdt_chunks=layout.fpdt_chunks,
-                   doc_len=(cfg.data.mean_document_length or 0) if cfg.data.reset_attention_mask else 0)
-
-    # ---- per-rank sizes ------------------------------------------------------------------------------------
-    @property
-    def attended(self) -> int:
-        """Keys a token attends to, counted as the causal formula counts them (twice the mean): ``s``, or the mean
-        document length under document masks (at most ``s``)."""
-        return min(self.doc_len, self.s) if self.doc_len else self.s
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.cp * self.dp
-
-    @property
-    def tokens(self) -> int:
-        """Tokens of one micro-batch on this rank (after cp) that go through the linears."""
-        return self.b * self.s // self.cp
-
-    @property
-    def tokens_res(self) -> int:
-        """Tokens of the residual stream on this rank (split again over tp with sequence parallelism)."""
-        return self.tokens // self.tp if self.sp else self.tokens
-
-    @property
-    def nq_l(self) -> int:
-        return self.nq // self.tp
-
-    @property
-    def nkv_l(self) -> int:
-        return max(1, self.nkv // self.tp)
-
-    @property
-    def f_l(self) -> int:
-        return self.f // self.tp
-
-    @property
-    def V_l(self) -> int:
-        return self.V // self.tp
-
-    @property
-    def fpdt(self) -> bool:
-        """FPDT's chunked block replaces attention whenever ``cp_comm_type: fpdt`` (cp = 1: chunks only)."""
-        return self.cp_type == "fpdt"
-
-    @property
-    def uses_a2a(self) -> bool:
-        return self.cp > 1 and self.cp_type in ("a2a", "a2a+p2p", "fpdt")
-
-    @property
-    def kv_heads_after_a2a(self) -> int:
-        """kv heads per tp rank after replication for the all-to-all (elements per local token / d): Ulysses and
-        FPDT copy each kv head ``config.layout.kv_replication`` times."""
-        if not self.uses_a2a:
-            return self.nkv_l
-        return self.nkv_l * kv_replication(self.nq_l, self.nkv_l, self.ulysses)
-
-
 # ---- parameters -----------------------------------------------------------------------------------------------
-def param_shards(x: Dims) -> list[tuple[str, int, bool]]:
+def param_shards(dims: Dims) -> list[tuple[str, int, bool]]:
     """(name, local numel, weight-decay group?) in ``model.named_parameters()`` order; decay = ndim >= 2, not bias."""
-    h, d = x.h, x.d
-    out: list[tuple[str, int, bool]] = [("embedding.weight", x.V_l * h, True)]
-    if x.learned_pos:
-        out.append(("position_embeddings.weight", x.learned_pos * h, True))
-    norm = [("weight", h, False)] + ([] if x.rmsnorm else [("bias", h, False)])
-    fc1_out = (2 if x.swiglu else 1) * x.f_l
-    for i in range(x.L):
+    h, d = dims.hidden, dims.head_dim
+    out: list[tuple[str, int, bool]] = [("embedding.weight", dims.vocab_local * h, True)]
+    if dims.learned_positions:
+        out.append(("position_embeddings.weight", dims.learned_positions * h, True))
+    norm = [("weight", h, False)] + ([] if dims.rmsnorm else [("bias", h, False)])
+    fc1_out = (2 if dims.swiglu else 1) * dims.ffn_local
+    qkv_heads = dims.heads_local + 2 * dims.kv_heads_local
+    for i in range(dims.num_layers):
         pre = f"layers.{i}."
         out += [(pre + "input_layernorm." + n, k, g) for n, k, g in norm]
-        out.append((pre + "self_attention.linear_qkv.weight", (x.nq_l + 2 * x.nkv_l) * d * h, True))
-        if x.bias:
-            out.append((pre + "self_attention.linear_qkv.bias", (x.nq_l + 2 * x.nkv_l) * d, False))
-        out.append((pre + "self_attention.linear_proj.weight", h * x.nq_l * d, True))
-        if x.bias:
+        out.append((pre + "self_attention.linear_qkv.weight", qkv_heads * d * h, True))
+        if dims.linear_bias:
+            out.append((pre + "self_attention.linear_qkv.bias", qkv_heads * d, False))
+        out.append((pre + "self_attention.linear_proj.weight", h * dims.heads_local * d, True))
+        if dims.linear_bias:
             out.append((pre + "self_attention.linear_proj.bias", h, False))
         out += [(pre + "pre_mlp_layernorm." + n, k, g) for n, k, g in norm]
         out.append((pre + "mlp.linear_fc1.weight", fc1_out * h, True))
-        if x.bias:
+        if dims.linear_bias:
             out.append((pre + "mlp.linear_fc1.bias", fc1_out, False))
-        out.append((pre + "mlp.linear_fc2.weight", h * x.f_l, True))
-        if x.bias:
+        out.append((pre + "mlp.linear_fc2.weight", h * dims.ffn_local, True))
+        if dims.linear_bias:
             out.append((pre + "mlp.linear_fc2.bias", h, False))
     out += [("final_layernorm." + n, k, g) for n, k, g in norm]
-    if x.untied:
-        out.append(("head.output_layer.weight", x.V_l * h, True))
+    if dims.untied_head:
+        out.append(("head.output_layer.weight", dims.vocab_local * h, True))
     return out
 
 
@@ -179,28 +74,28 @@ def zero1_partition(shards: list[tuple[str, int, bool]], ranks: int) -> list[int
 
 
 # ---- MsT chunking (memory/mst/rules.py, the modules' own rules) ------------------------------------------------
-def mst_mlp_chunk(cfg: Config, x: Dims, tokens: Optional[float] = None) -> Optional[int]:
+def mst_mlp_chunk(cfg: Config, dims: Dims, tokens: Optional[float] = None) -> Optional[int]:
     """Tokens per MLP mini-sequence, or None when the MLP runs unchunked (MsT off, or the rank's tokens -- or the
     ``tokens`` of a layer mini-sequence -- fit in one chunk)."""
     if not cfg.memory.mst:
         return None
     c = mlp_chunk_tokens(cfg)
-    return c if (x.tokens if tokens is None else tokens) > c else None
+    return c if (dims.tokens if tokens is None else tokens) > c else None
 
 
-def mst_head_chunk(cfg: Config, x: Dims) -> Optional[int]:
+def mst_head_chunk(cfg: Config, dims: Dims) -> Optional[int]:
     """Tokens per LM-head mini-sequence, or None if unchunked (the head's short-sequence rule)."""
     if not cfg.memory.mst:
         return None
     explicit = cfg.memory.mst_head_chunks is not None
-    c = head_chunk_tokens(x.tokens, head_chunk_count(cfg), explicit)
-    if not explicit and c >= x.tokens:
+    c = head_chunk_tokens(dims.tokens, head_chunk_count(cfg), explicit)
+    if not explicit and c >= dims.tokens:
         return None
     return c
 
 
 # ---- a layer's re-run in mini-sequences (memory.layer_chunk_size) ---------------------------------------------
-def layer_chunk_share(cfg: Config, x: Dims, alpha: float = 0.0) -> Optional[float]:
+def layer_chunk_share(cfg: Config, dims: Dims, alpha: float = 0.0) -> Optional[float]:
     """The share of the rank's tokens in one mini-sequence of a layer's re-run, or None when the re-run takes its
     rows at once.
 
@@ -211,28 +106,28 @@ def layer_chunk_share(cfg: Config, x: Dims, alpha: float = 0.0) -> Optional[floa
     checkpoints`` (``memory/chunked_layer.py``, alpha = 0); a chunk that covers them all is no chunking (the
     framework then runs unchunked), as is FPDT (refused with a chunk size by the config)."""
     c = cfg.memory.layer_chunk_size
-    if c is None or x.fpdt:
+    if c is None or dims.fpdt:
         return None
-    S = x.tokens_res // x.b
+    S = dims.tokens_residual // dims.micro_batch
     rerun = S - int(alpha * S + 1e-9)
     return c / S if c < rerun else None
 
 
-def qkv_local_bytes(x: Dims) -> float:
+def qkv_local_bytes(dims: Dims) -> float:
     """q, k (after RoPE) and v of the rank's tokens, local heads, before any all-to-all: what token-wise recompute,
     Memo and the chunked checkpoints mode hold whole for the attention backward."""
-    return x.tokens * (x.nq_l + 2 * x.nkv_l) * x.d * x.act
+    return dims.tokens * (dims.heads_local + 2 * dims.kv_heads_local) * dims.head_dim * dims.compute_bytes
 
 
-def qkv_rerun_bytes(x: Dims) -> float:
+def qkv_rerun_bytes(dims: Dims) -> float:
     """q, k, v of the rank's tokens as ``pre`` returns them: v a view of the QKV projection's output (which stays
     whole), q and k rotated copies -- what token-wise recompute's chunked attention backward recomputes without a
     graph (``memo/steps.py`` ``dropped_qkv``)."""
-    return x.tokens * (2 * x.nq_l + 3 * x.nkv_l) * x.d * x.act
+    return dims.tokens * (2 * dims.heads_local + 3 * dims.kv_heads_local) * dims.head_dim * dims.compute_bytes
 
 
 # ---- activations of one layer ---------------------------------------------------------------------------------
-def attention_skeletal(x: Dims, fpdt_offload: bool) -> list[Item]:
+def attention_skeletal(dims: Dims, fpdt_offload: bool) -> list[Item]:
     """Tensors core attention keeps for backward, by implementation.
 
     local (cp = 1): the fused QKV output stays alive (v is a view of it) + rotated q and k + out + lse.
@@ -240,55 +135,58 @@ def attention_skeletal(x: Dims, fpdt_offload: bool) -> list[Item]:
     Ulysses (a2a, a2a+p2p) and FPDT without offload: q, k, v after the all-to-all (kv heads replicated when fewer
     than ranks), out before and after the reverse all-to-all (the second is ``linear_proj``'s input), lse.
     FPDT with offload: q/k/v/out/lse chunks live in host memory; only ``linear_proj``'s input stays."""
-    t, d, a = x.tokens, x.d, x.act
-    lse = Item("core_attention lse [b, nq/tp, s/cp] fp32", t * x.nq_l * 4, "attn")
-    out = Item("core_attention out [s/cp, b, nq/tp, d]", t * x.nq_l * d * a, "attn")
-    if x.cp == 1 and not x.fpdt:  # SDPA on permuted views: the QKV output stays alive through v
-        return [Item("linear_qkv out (kept by the v view)", t * (x.nq_l + 2 * x.nkv_l) * d * a),
-                Item("rotated q", t * x.nq_l * d * a), Item("rotated k", t * x.nkv_l * d * a), out, lse]
-    proj_in = Item("linear_proj input (out after reverse all-to-all)", t * x.nq_l * d * a, "attn")
-    if not x.uses_a2a:  # ring: contiguous [b, n, s, d] copies of q, k, v are saved; out is copied for linear_proj
-        return [Item("q (contiguous copy)", t * x.nq_l * d * a),
-                Item("k, v (contiguous copies)", 2 * t * x.nkv_l * d * a),
-                out, Item("linear_proj input (copy of out)", t * x.nq_l * d * a, "attn"), lse]
-    if x.fpdt and fpdt_offload:
+    t, d, a = dims.tokens, dims.head_dim, dims.compute_bytes
+    lse = Item("core_attention lse [b, nq/tp, s/cp] fp32", t * dims.heads_local * 4, "attn")
+    out = Item("core_attention out [s/cp, b, nq/tp, d]", t * dims.heads_local * d * a, "attn")
+    if dims.cp == 1 and not dims.fpdt:  # SDPA on permuted views: the QKV output stays alive through v
+        return [Item("linear_qkv out (kept by the v view)", t * (dims.heads_local + 2 * dims.kv_heads_local) * d * a),
+                Item("rotated q", t * dims.heads_local * d * a), Item("rotated k", t * dims.kv_heads_local * d * a),
+                out, lse]
+    proj_in = Item("linear_proj input (out after reverse all-to-all)", t * dims.heads_local * d * a, "attn")
+    if not dims.uses_a2a:  # ring: contiguous [b, n, s, d] copies of q, k, v are saved; out is copied for linear_proj
+        return [Item("q (contiguous copy)", t * dims.heads_local * d * a),
+                Item("k, v (contiguous copies)", 2 * t * dims.kv_heads_local * d * a),
+                out, Item("linear_proj input (copy of out)", t * dims.heads_local * d * a, "attn"), lse]
+    if dims.fpdt and fpdt_offload:
         return [proj_in]
-    kv = x.kv_heads_after_a2a
-    return [Item("q after all-to-all", t * x.nq_l * d * a), Item("k, v after all-to-all", 2 * t * kv * d * a),
+    kv = dims.kv_heads_after_a2a
+    return [Item("q after all-to-all", t * dims.heads_local * d * a), Item("k, v after all-to-all", 2 * t * kv * d * a),
             out, proj_in, lse]
 
 
-def layer_skeletal(x: Dims, mlp_chunked: bool, fpdt_offload: bool, token_wise: bool = False) -> list[Item]:
+def layer_skeletal(dims: Dims, mlp_chunked: bool, fpdt_offload: bool, token_wise: bool = False) -> list[Item]:
     """Every tensor one transformer layer keeps for its backward (no recompute, no offload); with MsT's chunked MLP
     only its input is kept (``memory/mst/mlp_function.py`` recomputes each chunk in backward)."""
-    tr, t, h, a, r, d = x.tokens_res, x.tokens, x.h, x.act, x.res, x.d
+    tr, t, h, d = dims.tokens_residual, dims.tokens, dims.hidden, dims.head_dim
+    a, r = dims.compute_bytes, dims.residual_bytes
     items = [Item("layer input [s/cp/tp, b, h] (input_layernorm's input)", tr * h * r, "input")]
     # fused norms on both devices (RMSNorm: model/norm.py's twin on CPU): input + rstd (LayerNorm: + mean)
-    norm_extra = [Item("norm rstd/mean", tr * 4 * (1 if x.rmsnorm else 2))]
+    norm_extra = [Item("norm rstd/mean", tr * 4 * (1 if dims.rmsnorm else 2))]
     items += norm_extra
     # FPDT with offload: the projection's saved chunk inputs go to the host and the chunks' gradient leaves let go
     # of the block input (attention/fpdt/project.py), so nothing of norm 1's output stays on the device
-    if not (x.fpdt and fpdt_offload):
+    if not (dims.fpdt and fpdt_offload):
         items.append(Item("linear_qkv input (norm out, all-gathered with SP)", t * h * a))
-    if token_wise and not x.fpdt:
+    if token_wise and not dims.fpdt:
         # recompute full / Memo (memory/memo/steps.py): the layer's slot keeps the local q, k (after RoPE) and v
         # (before any all-to-all), the local attention output and lse -- whatever the cp flavour; the checkpoints
         # mode in mini-sequences (memory/chunked_layer.py) assembles and holds the same whole tensors
-        items += [Item("q, k (after RoPE), v (local)", qkv_local_bytes(x)),
-                  Item("attention output (local)", t * x.nq_l * d * a, "attn"),
-                  Item("lse", t * x.nq_l * 4, "attn")]
+        items += [Item("q, k (after RoPE), v (local)", qkv_local_bytes(dims)),
+                  Item("attention output (local)", t * dims.heads_local * d * a, "attn"),
+                  Item("lse", t * dims.heads_local * 4, "attn")]
     else:
-        items += attention_skeletal(x, fpdt_offload)
+        items += attention_skeletal(dims, fpdt_offload)
     items.append(Item("residual after attention (pre_mlp_layernorm's input)", tr * h * r))
     items += norm_extra
     items.append(Item("linear_fc1 input (norm out, all-gathered with SP)", t * h * a))
     if not mlp_chunked:
-        if x.swiglu:
-            items += [Item("linear_fc1 out [gate; up]", t * 2 * x.f_l * a), Item("silu(gate)", t * x.f_l * a),
-                      Item("silu(gate) * up (linear_fc2 input)", t * x.f_l * a)]
+        if dims.swiglu:
+            items += [Item("linear_fc1 out [gate; up]", t * 2 * dims.ffn_local * a),
+                      Item("silu(gate)", t * dims.ffn_local * a),
+                      Item("silu(gate) * up (linear_fc2 input)", t * dims.ffn_local * a)]
         else:
-            items += [Item("linear_fc1 out (gelu input)", t * x.f_l * a),
-                      Item("gelu out (linear_fc2 input)", t * x.f_l * a)]
+            items += [Item("linear_fc1 out (gelu input)", t * dims.ffn_local * a),
+                      Item("gelu out (linear_fc2 input)", t * dims.ffn_local * a)]
     return items
 
 
@@ -299,19 +197,19 @@ def group_bytes(items: list[Item]) -> dict[str, float]:
     return out
 
 
-def final_skeletal(x: Dims, head_chunked: bool) -> list[Item]:
+def final_skeletal(dims: Dims, head_chunked: bool) -> list[Item]:
     """Final norm + LM head tensors kept for backward (the last layer's output is the final norm's input)."""
-    tr, t, h, a, r = x.tokens_res, x.tokens, x.h, x.act, x.res
+    tr, t, h, a, r = dims.tokens_residual, dims.tokens, dims.hidden, dims.compute_bytes, dims.residual_bytes
     items = [Item("last layer output (final norm input)", tr * h * r)]
     items.append(Item("output_layer input (final norm out, all-gathered with SP)", t * h * a))
     if head_chunked:
         items.append(Item("per-token lse (MsT head)", t * 4))
     else:
-        items.append(Item("softmax [s/cp, b, V/tp] fp32 (vocab-parallel cross entropy)", t * x.V_l * 4))
+        items.append(Item("softmax [s/cp, b, V/tp] fp32 (vocab-parallel cross entropy)", t * dims.vocab_local * 4))
     items.append(Item("labels, masks, per-token loss", t * 40))
     return items
 
 
-def shared_skeletal(x: Dims) -> list[Item]:
+def shared_skeletal(dims: Dims) -> list[Item]:
     """Tensors shared by all layers: RoPE cos/sin [s/cp, b, 1, d] fp32, token ids."""
-    return [Item("rope cos, sin", 2 * x.tokens * x.d * 4), Item("embedding token ids", x.tokens * 8)]
+    return [Item("rope cos, sin", 2 * dims.tokens * dims.head_dim * 4), Item("embedding token ids", dims.tokens * 8)]

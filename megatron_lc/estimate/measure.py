@@ -1,7 +1,7 @@
 """Measured peak of the framework's own training steps on CPU: the calibration target of the memory model.
 
 What is measured: the peak of the bytes of *live tensor storages*, tracked at the dispatcher by the package's one
-live-bytes tracker (``planning/tracker.DispatchTracer``, also the memory planner's capture and a rehearsal's
+live-bytes tracker (``planning/capture/tracker.DispatchTracer``, also the memory planner's capture and a rehearsal's
 counter). A ``TorchDispatchMode`` sees every op's outputs (parameters, gradients, optimizer states -- the local
 shards inside FSDP2's DTensors --, activations, communication buffers the framework allocates, autograd's
 backward included); each storage, keyed by identity, counts its current bytes: a malloc when an op creates it, a

@@ -20,29 +20,30 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import Config, ConfigError
-from .inventory import Dims, param_shards, zero1_partition
+from .dims import Dims
+from .inventory import param_shards, zero1_partition
 
 PRESETS = ("framework", "megatron", "zero3", "bf16_optim_in_backward")
 
 
-def dims_for(x: Dims, preset: str) -> Dims:
+def dims_for(dims: Dims, preset: str) -> Dims:
     """The dtypes of activations under ``preset``: what-if presets run bf16 end to end (residual stream too)."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown model-state preset '{preset}'; valid: {', '.join(PRESETS)}")
-    return x if preset == "framework" else dataclasses.replace(x, act=2, res=2)
+    return dims if preset == "framework" else dataclasses.replace(dims, compute_bytes=2, residual_bytes=2)
 
 
-def model_state_bytes(cfg: Config, x: Dims, preset: str = "framework") -> dict:
+def model_state_bytes(cfg: Config, dims: Dims, preset: str = "framework") -> dict:
     """``params``/``grads``/``optimizer`` (master + states)/``autocast_copies`` bytes of the largest rank, and what
     the transient formulas need (``numels``, ``state_numel``, the head's and one layer's gradient bytes)."""
-    shards = param_shards(x)
+    shards = param_shards(dims)
     numels = [n for _, n, _ in shards]
     total = sum(numels)
     layer = sum(n for name, n, _ in shards if name.startswith("layers.0."))
-    head = (x.V_l * x.h if x.untied else 0) + x.h
-    zero_ranks = x.dp * x.cp
+    head = (dims.vocab_local * dims.hidden if dims.untied_head else 0) + dims.hidden
+    zero_ranks = dims.dp * dims.cp
     if preset == "framework" and cfg.parallel.use_torch_fsdp2:
-        return fsdp_state_bytes(cfg, x, numels, layer, head)
+        return fsdp_state_bytes(cfg, dims, numels, layer, head)
     if preset == "framework":
         if cfg.parallel.use_distributed_optimizer and zero_ranks > 1:
             state_numel = max(zero1_partition(shards, zero_ranks))
@@ -50,7 +51,7 @@ def model_state_bytes(cfg: Config, x: Dims, preset: str = "framework") -> dict:
             state_numel = total
         matrices = sum(n for name, n, decay in shards if decay and not name.startswith(("embedding", "position")))
         return {"params": 4.0 * total, "grads": 4.0 * total, "optimizer": 8.0 * state_numel,
-                "autocast_copies": 2.0 * matrices if x.act == 2 else 0.0, "numels": numels,
+                "autocast_copies": 2.0 * matrices if dims.compute_bytes == 2 else 0.0, "numels": numels,
                 "state_numel": state_numel, "head_grad": 4.0 * head, "layer_grad": 4.0 * layer,
                 "persistent_grads": False}
     if preset == "megatron":
@@ -59,7 +60,7 @@ def model_state_bytes(cfg: Config, x: Dims, preset: str = "framework") -> dict:
                 "autocast_copies": 0.0, "numels": numels, "state_numel": total / shard, "head_grad": 4.0 * head,
                 "layer_grad": 4.0 * layer, "persistent_grads": True}  # Megatron's main-grad buffer lives on
     if preset == "zero3":
-        n = x.world  # every rank (dp x sequence-parallel; tp = 1 in DeepSpeed Ulysses setups)
+        n = dims.world  # every rank (dp x sequence-parallel; tp = 1 in DeepSpeed Ulysses setups)
         return {"params": 2.0 * total / n + 2 * 2.0 * layer, "grads": 2.0 * total / n, "optimizer": 12.0 * total / n,
                 "autocast_copies": 0.0, "numels": [m / n for m in numels], "state_numel": total / n,
                 "head_grad": 2.0 * head / n, "layer_grad": 2.0 * layer, "persistent_grads": True}
@@ -69,7 +70,7 @@ def model_state_bytes(cfg: Config, x: Dims, preset: str = "framework") -> dict:
             "persistent_grads": False}
 
 
-def fsdp_state_bytes(cfg: Config, x: Dims, numels: list, layer: float, head: float) -> dict:
+def fsdp_state_bytes(cfg: Config, dims: Dims, numels: list, layer: float, head: float) -> dict:
     """FSDP2 (``parallel/fsdp.py``): fp32 shards of the parameters, their gradients and AdamW states, 1/(dp x cp)
     each; on the device also the gathered weights in the compute dtype of two layers (the one computing and the one
     prefetched), of the embedding / head unit at the head's moments (``head_gathered``), and one layer's unsharded
@@ -77,16 +78,17 @@ def fsdp_state_bytes(cfg: Config, x: Dims, numels: list, layer: float, head: flo
     the next unit's reduce-scatter is issued, so the last layer's backward holds the head's (fp32) beside its own
     gradients in the compute dtype (``last_layer_grads``). ``fsdp_cpu_offload``: the shards, gradients and AdamW
     states are host memory (``host``), AdamW runs on the host."""
-    n = x.dp * x.cp
+    n = dims.dp * dims.cp
     total = sum(numels)
     shard = total / n
     # on a CPU run the host is the device: the offload moves nothing (the GPU split is not measured here)
-    dev = 0.0 if cfg.parallel.fsdp_cpu_offload and x.device != "cpu" else 1.0
-    return {"params": 4.0 * shard * dev + x.act * 2 * layer,  # + two gathered layers, in the compute dtype
-            "head_gathered": x.act * max(x.V_l * x.h, head),  # the embedding / head unit, at the head's moments
+    dev = 0.0 if cfg.parallel.fsdp_cpu_offload and dims.device != "cpu" else 1.0
+    return {"params": 4.0 * shard * dev + dims.compute_bytes * 2 * layer,  # + two gathered layers, in the compute dtype
+            # the embedding / head unit, at the head's moments
+            "head_gathered": dims.compute_bytes * max(dims.vocab_local * dims.hidden, head),
             "grads": 4.0 * shard * dev, "optimizer": 8.0 * shard * dev,
             "autocast_copies": 0.0, "numels": [m / n * dev for m in numels], "state_numel": shard * dev,
-            "head_grad": (x.act + 4.0) * head, "layer_grad": (x.act + 4.0) * layer,
-            "last_layer_grads": 4.0 * head + x.act * layer,
+            "head_grad": (dims.compute_bytes + 4.0) * head, "layer_grad": (dims.compute_bytes + 4.0) * layer,
+            "last_layer_grads": 4.0 * head + dims.compute_bytes * layer,
             "persistent_grads": False,  # zero_grad(set_to_none) frees the sharded gradients after each step
             "host": 16.0 * shard * (1.0 - dev)}

@@ -11,7 +11,7 @@ from megatron_lc.config import ConfigError, load_config, resolve_layout
 from megatron_lc.config.combinations import check_combinations
 from megatron_lc.data.dataset import document_fields
 from megatron_lc.estimate.flops import model_flops_per_sample
-from megatron_lc.estimate.inventory import Dims
+from megatron_lc.estimate.dims import Dims
 from megatron_lc.training.metrics import flops_per_sample
 from tests.dist_cases import documents as dd
 from tests.support.dist import run_dist

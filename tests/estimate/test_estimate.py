@@ -13,12 +13,13 @@ import yaml
 from megatron_lc.config import ConfigError, load_config, resolve_layout
 from megatron_lc.estimate import estimate, load_hardware
 from megatron_lc.estimate import transient as T
+from megatron_lc.estimate.dims import Dims
 from megatron_lc.estimate.flops import model_flops_per_sample
 from megatron_lc.estimate.hardware import HARDWARE_DIR
-from megatron_lc.estimate.inventory import Dims, group_bytes, layer_chunk_share, layer_skeletal, param_shards
-from megatron_lc.estimate.memory import solve_alpha
-from megatron_lc.estimate.report import activation_peak_from, load_measured
-from megatron_lc.estimate.search import LAYER_CHUNK, apply_overrides, config_overrides, pick_best, search_layouts
+from megatron_lc.estimate.inventory import group_bytes, layer_chunk_share, layer_skeletal, param_shards
+from megatron_lc.estimate.layout_search import LAYER_CHUNK, apply_overrides, config_overrides, pick_best, search_layouts
+from megatron_lc.estimate.tables import activation_peak_from, load_measured
+from megatron_lc.estimate.terms.memo_offload import solve_alpha
 from megatron_lc.planning.trace import Trace, max_live_bytes
 from megatron_lc.training.metrics import flops_per_sample
 from megatron_lc.units import GIB
@@ -63,18 +64,19 @@ def test_hardware_errors_are_one_line(tmp_path):
 @pytest.mark.parametrize("config", ["tiny_cpu.yaml", "llama3_8b_1m.yaml", "gpt_7b.yaml"])
 def test_parameter_inventory_matches_model_count(config):
     cfg = load_config(os.path.join(CONFIGS, config))
-    x = Dims.from_config(cfg, resolve_layout(cfg, 8 if "1m" in config or "7b" in config else 1), "cuda")
-    full = Dims(**{**x.__dict__, "tp": 1, "cp": 1, "dp": 1, "sp": False})
+    dims = Dims.from_config(cfg, resolve_layout(cfg, 8 if "1m" in config or "7b" in config else 1), "cuda")
+    full = Dims(**{**dims.__dict__, "tp": 1, "cp": 1, "dp": 1, "sequence_parallel": False})
     assert sum(n for _, n, _ in param_shards(full)) == cfg.model.num_parameters()
 
 
 def test_model_flops_are_memos_formula_and_the_trainers():
     """Memo §5.1: 6·s·P + 6·n·h·s², the same figure training/metrics.py logs as MFU."""
     cfg = llama()
-    x = Dims.from_config(cfg, resolve_layout(cfg, 8), "cuda")
+    dims = Dims.from_config(cfg, resolve_layout(cfg, 8), "cuda")
     s, m = cfg.data.seq_length, cfg.model
-    assert model_flops_per_sample(x) == pytest.approx(6 * s * m.num_parameters() + 6 * m.num_layers * 4096 * s * s)
-    assert model_flops_per_sample(x) == pytest.approx(flops_per_sample(cfg))
+    assert model_flops_per_sample(dims) == pytest.approx(6 * s * m.num_parameters()
+                                                         + 6 * m.num_layers * 4096 * s * s)
+    assert model_flops_per_sample(dims) == pytest.approx(flops_per_sample(cfg))
 
 
 def test_skeletal_bytes_reproduce_memo_figure5_16bsh():
@@ -83,9 +85,9 @@ def test_skeletal_bytes_reproduce_memo_figure5_16bsh():
     cfg = load_config(None, ["model.hidden_size=4096", "model.num_attention_heads=32", "model.ffn_hidden_size=16384",
                              "model.normalization=LayerNorm", "model.swiglu=false", "data.seq_length=8192",
                              "train.bf16=true"])
-    x = Dims(**{**Dims.from_config(cfg, resolve_layout(cfg, 1), "cuda").__dict__, "res": 2})
-    g = group_bytes(layer_skeletal(x, mlp_chunked=False, fpdt_offload=False, token_wise=True))
-    bsh = x.tokens * x.h
+    dims = Dims(**{**Dims.from_config(cfg, resolve_layout(cfg, 1), "cuda").__dict__, "residual_bytes": 2})
+    g = group_bytes(layer_skeletal(dims, mlp_chunked=False, fpdt_offload=False, token_wise=True))
+    bsh = dims.tokens * dims.hidden
     assert g["input"] == 2 * bsh
     assert g["attn"] == pytest.approx(2 * bsh, rel=0.02)  # + lse: nq fp32 per token = 1.6% of 2h bytes
     assert g["others"] == pytest.approx(28 * bsh, rel=0.01)  # + LayerNorm mean/rstd
@@ -276,10 +278,10 @@ def test_fused_cuda_attention_copies_are_counted_per_kernel_call():
     above q, k, v, out, lse and dout (5 Q with flash-attn, which takes the kv heads as they are); tp2 cp4 ring, rank
     0's third block (back queries x all keys): 12.5 Q. None on CPU, whose kernel is another."""
     uly = llama()
-    x = _dims(uly, 8)
-    Q = x.tokens * x.nq_l * x.d * 2
+    dims = _dims(uly, 8)
+    Q = dims.tokens * dims.heads_local * dims.head_dim * 2
     assert Q == GIB
-    assert T.attention_backward_lse(uly, x) == 9.5 * Q
+    assert T.attention_backward_lse(uly, dims) == 9.5 * Q
     flash = llama("parallel.attention_backend=flash")
     assert T.attention_backward_lse(flash, _dims(flash, 8)) == 5 * Q
     cpu = T.attention_backward_lse(uly, _dims(uly, 8, "cpu"))
@@ -298,7 +300,8 @@ def test_one_gpu_reruns_pre_moment_and_ropes_temporaries():
     cfg = load_config(os.path.join(CONFIGS, "llama3_8b_1m.yaml"), [
         "data.seq_length=524288", "parallel.context_parallel_size=1", "memory.offload_fraction=0",
         "parallel.fsdp_cpu_offload=true"])
-    x = _dims(cfg, 1)
-    U, Q = x.tokens_res * x.h * x.res, x.tokens * x.nq_l * x.d * x.act
-    assert U + Q + T.pre_no_graph(x, x.tokens, graph=True) == 46 * GIB
-    assert T.tokenwise_backward(cfg, x, 1.0) == 51 * GIB
+    dims = _dims(cfg, 1)
+    U = dims.tokens_residual * dims.hidden * dims.residual_bytes
+    Q = dims.tokens * dims.heads_local * dims.head_dim * dims.compute_bytes
+    assert U + Q + T.pre_no_graph(dims, dims.tokens, graph=True) == 46 * GIB
+    assert T.tokenwise_backward(cfg, dims, 1.0) == 51 * GIB

@@ -291,8 +291,8 @@ def test_rope_past_max_positions_is_said_and_exported(tmp_path, caplog):
 
 # ---- tools -----------------------------------------------------------------------------------------------------------
 def test_estimator_table_shows_the_chosen_layout_after_the_top_rows_and_defines_tgs():
-    from megatron_lc.estimate.report import search_table
-    from megatron_lc.estimate.search import pick_best, search_layouts
+    from megatron_lc.estimate.tables import search_table
+    from megatron_lc.estimate.layout_search import pick_best, search_layouts
     from megatron_lc.estimate import load_hardware
 
     cfg = load_config("configs/llama3_8b_1m.yaml")

@@ -1,5 +1,5 @@
 """Memo's offload fraction alpha: the linear program of the Memo paper's section 4.1 (equations 1-3). One home: the
-calibration (``profiler.py``) and the estimator (``estimate/memory.py``) both solve it here.
+calibration (``profiler.py``) and the estimator (``estimate/terms/memo_offload.py``) both solve it here.
 
     maximise    alpha
     subject to  (S_input + S_attn + alpha * S_others) / B  <=  T_layer          (transfer hidden by compute)

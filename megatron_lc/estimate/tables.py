@@ -13,7 +13,7 @@ from . import Estimate
 from ..planning.planner import plan_trace
 from ..planning.trace import Trace
 from ..units import GIB
-from .search import Candidate, config_overrides
+from .layout_search import Candidate, config_overrides
 
 
 def _gib(b: float) -> str:
@@ -21,7 +21,7 @@ def _gib(b: float) -> str:
 
 
 def layout_line(est: Estimate) -> str:
-    p, m, x = est.cfg.parallel, est.cfg.memory, est.dims
+    p, m, dims = est.cfg.parallel, est.cfg.memory, est.dims
     mem = [f"recompute={m.recompute_granularity}", f"offload={m.activation_offload}"]
     if m.activation_offload == "memo":
         mem.append(f"alpha={est.memory.alpha:.3f}" + (" (auto)" if m.offload_fraction == "auto" else ""))
@@ -30,10 +30,11 @@ def layout_line(est: Estimate) -> str:
     mem.append(f"mst={m.mst}")
     if p.cp_comm_type == "fpdt":
         mem.append(f"fpdt_chunk={m.fpdt_chunk_size} offload={m.fpdt_offload}")
-    return (f"{x.world} x {est.hw.name}: tp={x.tp} (sp={x.sp}) cp={x.cp} ({p.cp_comm_type}, ulysses {p.ulysses_size}) "
-            f"dp={x.dp} zero1={p.use_distributed_optimizer} fsdp2={p.use_torch_fsdp2}"
+    return (f"{dims.world} x {est.hw.name}: tp={dims.tp} (sp={dims.sequence_parallel}) cp={dims.cp} "
+            f"({p.cp_comm_type}, ulysses {p.ulysses_size}) "
+            f"dp={dims.dp} zero1={p.use_distributed_optimizer} fsdp2={p.use_torch_fsdp2}"
             + (" (cpu offload)" if p.fsdp_cpu_offload else "") + " | " + " ".join(mem) +
-            f" | seq {x.s:,} micro-batch {x.b} x {x.n_micro}")
+            f" | seq {dims.seq_length:,} micro-batch {dims.micro_batch} x {dims.micro_batches}")
 
 
 def estimate_table(est: Estimate) -> str:

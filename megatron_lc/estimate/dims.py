@@ -1,0 +1,126 @@
+"""The sizes the estimator reads: the model's, the layout's degrees and the dtypes' bytes of one run, per rank.
+
+``Dims`` turns a config and a world size into per-rank sizes. Example, Llama3-8B at 1M tokens on 8 GPUs with
+tp=2 (sequence parallel), cp=4, micro-batch 1: ``tokens = 1M / 4 = 262144`` per rank go through the linears,
+``tokens_residual = tokens / 2 = 131072`` per rank in the residual stream, ``heads_local = 16`` query and
+``kv_heads_local = 4`` kv heads per rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import Config, Layout, resolve_execution
+from ..config.layout import kv_replication
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The model's sizes, the layout's degrees and the dtypes' bytes of one run, as the estimator reads them.
+
+    Example, Llama3-8B at 1M tokens on 8 H100s, tp 2 (sequence parallel) x cp 4, bf16::
+
+        Dims(num_layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, ...,
+             micro_batch=1, seq_length=1048576, tp=2, cp=4, ..., compute_bytes=2, residual_bytes=4)
+        .tokens = 262144, .tokens_residual = 131072, .heads_local = 16, .kv_heads_local = 4, .ffn_local = 7168
+    """
+
+    num_layers: int
+    hidden: int
+    ffn: int
+    heads: int  # query heads of the model (per tp rank: ``heads_local``)
+    kv_heads: int  # kv heads (query groups) of the model
+    head_dim: int
+    vocab: int  # padded vocab
+    swiglu: bool
+    rmsnorm: bool
+    untied_head: bool  # the head's weight is its own (untie_embeddings_and_output_weights)
+    learned_positions: int  # max_position_embeddings when learned absolute positions, else 0
+    linear_bias: bool
+    micro_batch: int
+    seq_length: int
+    tp: int
+    cp: int
+    ulysses: int
+    dp: int
+    sequence_parallel: bool
+    cp_comm_type: str
+    device: str  # "cuda" | "cpu"
+    compute_bytes: int  # bytes of the compute dtype
+    residual_bytes: int = 4  # bytes of the residual stream
+    micro_batches: int = 1
+    fpdt_chunks: int = 1  # u, FPDT's chunks per rank (the layout's)
+    doc_length: int = 0  # document masks: the length-weighted mean document length (data.mean_document_length); 0: s
+
+    @classmethod
+    def from_config(cls, cfg: Config, layout: Layout, device: str) -> "Dims":
+        """The sizes of ``cfg`` under its resolved ``layout`` (``config.resolve_layout``) on ``device`` ("cuda" |
+        "cpu"), its dtypes those a run there would resolve (``config.resolve_execution``)."""
+        m = cfg.model
+        ex = resolve_execution(cfg, torch.device(device))
+        learned = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else 0
+        return cls(num_layers=m.num_layers, hidden=m.hidden_size, ffn=m.ffn_hidden_size,
+                   heads=m.num_attention_heads, kv_heads=m.num_query_groups, head_dim=m.kv_channels,
+                   vocab=m.padded_vocab_size, swiglu=m.swiglu, rmsnorm=m.normalization == "RMSNorm",
+                   untied_head=m.untie_embeddings_and_output_weights, learned_positions=learned,
+                   linear_bias=m.add_bias_linear, micro_batch=layout.micro_batch_size, seq_length=layout.seq_length,
+                   tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, dp=layout.dp,
+                   sequence_parallel=layout.sequence_parallel, cp_comm_type=layout.cp_comm_type, device=device,
+                   compute_bytes=ex.compute_dtype.itemsize, residual_bytes=ex.residual_dtype.itemsize,
+                   micro_batches=layout.num_micro_batches, fpdt_chunks=layout.fpdt_chunks,
+                   doc_length=(cfg.data.mean_document_length or 0) if cfg.data.reset_attention_mask else 0)
+
+    # ---- per-rank sizes ------------------------------------------------------------------------------------
+    @property
+    def attended(self) -> int:
+        """Keys a token attends to, counted as the causal formula counts them (twice the mean): ``s``, or the mean
+        document length under document masks (at most ``s``)."""
+        return min(self.doc_length, self.seq_length) if self.doc_length else self.seq_length
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on this rank (after cp) that go through the linears."""
+        return self.micro_batch * self.seq_length // self.cp
+
+    @property
+    def tokens_residual(self) -> int:
+        """Tokens of the residual stream on this rank (split again over tp with sequence parallelism)."""
+        return self.tokens // self.tp if self.sequence_parallel else self.tokens
+
+    @property
+    def heads_local(self) -> int:
+        return self.heads // self.tp
+
+    @property
+    def kv_heads_local(self) -> int:
+        return max(1, self.kv_heads // self.tp)
+
+    @property
+    def ffn_local(self) -> int:
+        return self.ffn // self.tp
+
+    @property
+    def vocab_local(self) -> int:
+        return self.vocab // self.tp
+
+    @property
+    def fpdt(self) -> bool:
+        """FPDT's chunked block replaces attention whenever ``cp_comm_type: fpdt`` (cp = 1: chunks only)."""
+        return self.cp_comm_type == "fpdt"
+
+    @property
+    def uses_a2a(self) -> bool:
+        return self.cp > 1 and self.cp_comm_type in ("a2a", "a2a+p2p", "fpdt")
+
+    @property
+    def kv_heads_after_a2a(self) -> int:
+        """kv heads per tp rank after replication for the all-to-all (elements per local token / d): Ulysses and
+        FPDT copy each kv head ``config.layout.kv_replication`` times."""
+        if not self.uses_a2a:
+            return self.kv_heads_local
+        return self.kv_heads_local * kv_replication(self.heads_local, self.kv_heads_local, self.ulysses)

@@ -1,0 +1,147 @@
+"""Step time, tokens per GPU per second and MFU of a layout.
+
+Per rank and micro-batch, per layer: compute time = FLOPs / (peak x efficiency) for the linears (gemm), the
+attention forward and backward (FlashAttention's backward does 2.5x the forward FLOPs); communication time = bytes
+/ effective bandwidth of the group's link (NVLink inside a node, InfiniBand across). Overlap rules:
+
+* TP / SP collectives (all-gather, reduce-scatter or all-reduce around every linear pair): not overlapped.
+* Ring (p2p): step i's k/v transfer overlaps step i's attention block; exposed = (ring-1) x max(0, comm - compute)
+  per step, forward (k, v) and backward (k, v and fp32 dk, dv).
+* Ulysses (a2a): the all-to-alls before and after attention are not overlapped.
+* FPDT: chunked all-to-alls as Ulysses.
+* Gradient all-reduce over dp x cp (+ ZeRO-1's parameter broadcast) after the last micro-batch: not overlapped.
+
+What the memory techniques cost is their terms' share (``terms/``, looked up by ``config.Techniques``): the
+seconds a layer runs again (token-wise recompute: the token-wise part; Memo: 1 - alpha of it; selective: the
+attention forward; the host checkpoints: the whole layer; MsT: the MLP's forward, chunk by chunk), the bytes a
+layer copies to the host and back (Memo, the host checkpoints: hidden under the next layer's forward and backward,
+the excess stalls, n - 2 layers) and FPDT's chunk traffic (overlapping the attention, one chunk exposed). This
+module adds them. Example, Llama3-8B at 1M tokens on 8 H100s with Memo at alpha 0.25 and MsT: the recompute is
+0.75 of the token-wise part plus the MLP's forward, 4.1 s of a 255.5 s step.
+
+``hardware.layer_forward_seconds`` (measured by the Memo profiler) replaces the computed compute time of a layer's
+forward; the backward and recompute are scaled by the same factor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import Config
+from .flops import head_flops_fwd, layer_flops, model_flops_per_sample
+from .hardware import HardwareProfile
+from .dims import Dims
+from .inventory import param_shards
+from .terms import LayerSeconds, Run, Terms, TimeShare
+
+
+@dataclass
+class TimeEstimate:
+    parts: dict  # seconds per step by part
+    step_seconds: float
+    tokens_per_gpu_per_s: float
+    mfu: float
+    t_layer_fwd: float  # one layer's forward (compute + exposed communication), per micro-batch
+    model_flops_per_step: float
+
+
+def _bw(hw: HardwareProfile, size: int, stride: int) -> float:
+    return hw.link_bytes_per_s(size, stride)
+
+
+def layer_comm(dims: Dims, hw: HardwareProfile, attn_fwd_s: float, attn_bwd_s: float) -> dict:
+    """Exposed tp / cp communication seconds of one layer, forward and backward."""
+    a, d = dims.compute_bytes, dims.head_dim
+    out = {"tp_fwd": 0.0, "tp_bwd": 0.0, "cp_fwd": 0.0, "cp_bwd": 0.0}
+    if dims.tp > 1:
+        vol = 4 * (dims.tp - 1) / dims.tp * dims.tokens * dims.hidden * a  # 2 AG + 2 RS (SP) or 2 all-reduces, each way
+        out["tp_fwd"] = out["tp_bwd"] = vol / _bw(hw, dims.tp, 1)
+    u, ring = dims.ulysses if dims.uses_a2a else 1, dims.cp // (dims.ulysses if dims.uses_a2a else 1)
+    kv = dims.kv_heads_after_a2a
+    if u > 1:
+        vol = (u - 1) / u * dims.tokens * (2 * dims.heads_local + 2 * kv) * d * a  # q, k, v there, out back
+        out["cp_fwd"] += vol / _bw(hw, u, dims.tp)
+        out["cp_bwd"] += vol / _bw(hw, u, dims.tp)
+    if ring > 1 and dims.cp_comm_type in ("p2p", "a2a+p2p"):
+        bw = _bw(hw, ring, dims.tp * u)
+        kv_bytes = 2 * dims.tokens * kv * d * a
+        step_f, step_b = attn_fwd_s / ring, attn_bwd_s / ring
+        out["cp_fwd"] += (ring - 1) * max(0.0, kv_bytes / bw - step_f)
+        out["cp_bwd"] += (ring - 1) * max(0.0, (kv_bytes + 2 * dims.tokens * kv * d * 4) / bw - step_b)
+    return out
+
+
+HOST_ADAM_GBPS = 20.0  # effective host memory bandwidth of torch's CPU AdamW (an assumption, never measured here)
+
+
+def fsdp_exposed_seconds(cfg: Config, dims: Dims, hw: HardwareProfile, numel: float, micro: float) -> float:
+    """FSDP2's communication per step that compute does not hide: per micro-batch every weight is all-gathered twice
+    (forward, backward; compute dtype) and its gradient reduce-scattered (fp32) over dp x cp -- prefetched one
+    layer ahead, so only what exceeds the micro-batch's compute is exposed; with CPU offload the shards also cross
+    PCIe (fp32 to the device twice, gradients back)."""
+    n = dims.dp * dims.cp
+    vol = (n - 1) / n * numel * (2 * dims.compute_bytes + 4) if n > 1 else 0.0
+    secs = vol / _bw(hw, n, dims.tp) if n > 1 else 0.0
+    if cfg.parallel.fsdp_cpu_offload:
+        secs += 3 * 4 * numel / n / (hw.pcie_gbps * 1e9)
+    return dims.micro_batches * max(0.0, secs - micro)
+
+
+def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, alpha: Optional[float]) -> TimeEstimate:
+    """Seconds of one optimizer step of ``cfg`` (all micro-batches) on ``hw`` with the techniques' ``terms``
+    (``terms.terms_for``); ``alpha``: Memo's offload fraction as the memory estimate chose it (None: 0)."""
+    eff = hw.efficiency
+    peak = hw.peak_flops(bf16=dims.compute_bytes == 2)
+    lf = layer_flops(dims)
+    lin_f = lf.linear_fwd / (peak * eff.gemm)
+    att_f = lf.attn_fwd / (peak * eff.attention_fwd)
+    att_b = 2.5 * lf.attn_fwd / (peak * eff.attention_bwd)
+    scale = 1.0
+    if hw.layer_forward_seconds is not None:
+        scale = hw.layer_forward_seconds / (lin_f + att_f)
+        lin_f, att_f, att_b = lin_f * scale, att_f * scale, att_b * scale
+    lin_b = 2 * lin_f
+    comm = layer_comm(dims, hw, att_f, att_b)
+    run = Run(cfg, dims, hw, terms)
+    share = terms.time(run, LayerSeconds(lin_f, att_f, att_b, **comm),
+                       TimeShare(shape=terms.layer_shape(run), alpha=alpha))
+    fwd = lin_f + att_f + comm["tp_fwd"] + comm["cp_fwd"] + share.host_fwd
+    bwd = lin_b + att_b + comm["tp_bwd"] + comm["cp_bwd"] + share.host_bwd
+    recompute, offloaded = share.recompute, share.offloaded
+    xfer = offloaded / (hw.pcie_gbps * 1e9)
+    stall = max(0.0, xfer - fwd) + max(0.0, xfer - (bwd + recompute)) if offloaded else 0.0
+    n_swapped = max(dims.num_layers - 2, 0)
+    head_f = head_flops_fwd(dims) / (peak * eff.gemm) * scale
+    head = 3 * head_f  # MsT's head computes its gradient in forward: no recompute (memory/mst/head_function.py)
+    micro = dims.num_layers * (fwd + bwd + recompute) + n_swapped * stall + head
+    # gradient sync over dp x cp (fp32, ring all-reduce), ZeRO-1 parameter broadcast, AdamW (memory bound)
+    numel = sum(n for _, n, _ in param_shards(dims))
+    n = dims.dp * dims.cp
+    sync = 2 * (n - 1) / n * 4 * numel / _bw(hw, n, dims.tp) if n > 1 else 0.0
+    if cfg.parallel.use_torch_fsdp2:
+        sync, owned = fsdp_exposed_seconds(cfg, dims, hw, numel, micro), numel / n
+    elif cfg.parallel.use_distributed_optimizer and n > 1:
+        sync += (n - 1) / n * 4 * numel / _bw(hw, n, dims.tp)
+        owned = numel / n
+    else:
+        owned = numel
+    opt = (28 * owned + 8 * numel) / (hw.hbm_gbps * 1e9)
+    if cfg.parallel.use_torch_fsdp2 and cfg.parallel.fsdp_cpu_offload:
+        opt = 28 * owned / (HOST_ADAM_GBPS * 1e9)  # AdamW on the host shards (assumed, unmeasured)
+    parts = {
+        "forward compute": dims.micro_batches * dims.num_layers * (lin_f + att_f) + dims.micro_batches * head_f,
+        "backward compute": dims.micro_batches * dims.num_layers * (lin_b + att_b) + dims.micro_batches * 2 * head_f,
+        "recompute": dims.micro_batches * dims.num_layers * recompute,
+        "tp communication": dims.micro_batches * dims.num_layers * (comm["tp_fwd"] + comm["tp_bwd"]),
+        "cp communication (exposed)": dims.micro_batches * dims.num_layers * (comm["cp_fwd"] + comm["cp_bwd"]),
+        "host transfers (exposed)": dims.micro_batches * (dims.num_layers * (share.host_fwd + share.host_bwd)
+                                                          + n_swapped * stall),
+        "gradient sync" + (" + FSDP2 gathers (exposed)" if cfg.parallel.use_torch_fsdp2 else ""): sync,
+        "optimizer": opt,
+    }
+    step = dims.micro_batches * micro + sync + opt
+    gbs = dims.micro_batches * dims.micro_batch * dims.dp
+    model_flops = gbs * model_flops_per_sample(dims)
+    return TimeEstimate(parts=parts, step_seconds=step,
+                        tokens_per_gpu_per_s=gbs * dims.seq_length / (step * dims.world),
+                        mfu=model_flops / (step * dims.world * peak), t_layer_fwd=fwd, model_flops_per_step=model_flops)
