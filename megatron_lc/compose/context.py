@@ -31,7 +31,7 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from ..attention.fpdt.runtime import FPDTRuntime
-from ..config import Config, Execution, Layout
+from ..config import Config, Execution, Layout, resolve_techniques
 from ..device import HostPool
 from ..memory.arena import ArenaHandle
 from ..memory.checkpoint_offload import CheckpointOffload
@@ -82,17 +82,18 @@ class ModelContext:
 
 
 def model_context(cfg: Config, layout: Layout) -> ModelContext:
-    """The context the spec's modules will share: one runtime per technique ``cfg`` turns on."""
-    m = cfg.memory
+    """The context the spec's modules will share: one runtime per technique ``cfg`` turns on, by the same key the
+    spec builds its classes by (``config.resolve_techniques``)."""
+    m, t = cfg.memory, resolve_techniques(cfg, layout)
     ctx = ModelContext()
-    if layout.cp_comm_type == "fpdt":
+    if t.attention_block == "fpdt":
         ctx.fpdt = FPDTRuntime(ctx.arena, ctx.host_pool)
-    if m.token_wise:
-        ctx.memo = MemoRuntime(cfg.model.num_layers, offload=m.activation_offload == "memo", pool=ctx.host_pool,
+    if t.executor in ("token_wise_recompute", "memo_offload"):
+        ctx.memo = MemoRuntime(cfg.model.num_layers, offload=t.executor == "memo_offload", pool=ctx.host_pool,
                                chunk_tokens=m.layer_chunk_size)
-    if m.activation_offload == "checkpoints":
+    if t.executor == "host_checkpoints":
         ctx.checkpoints = CheckpointOffload(cfg.model.num_layers, ctx.host_pool, m.layer_chunk_size,
                                             layout.sp_degree)
-    if m.plan != "off":
+    if t.memory_plan != "none":
         ctx.plan = MemoryPlan(m.plan, ctx.arena)
     return ctx
