@@ -202,7 +202,8 @@ def test_save_directory_of_another_run_is_refused_and_left_alone(tmp_path):
     before = listing(tmp_path / "run")
     out = pretrain(*TINY, "train.train_iters=2", f"checkpoint.save={tmp_path / 'run'}")
     assert_one_error(out, f"checkpoint.save ({tmp_path / 'run'}) already holds a run (checkpoints up to iteration 2): "
-                          f"resume it with checkpoint.load={tmp_path / 'run'}, or save this run to another directory")
+                          f"to resume that run add --set checkpoint.load={tmp_path / 'run'}; to start another, give "
+                          f"it its own directory with --set checkpoint.save=NEW_DIR")
     assert listing(tmp_path / "run") == before
 
 
