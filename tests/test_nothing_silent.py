@@ -261,6 +261,23 @@ def test_mfu_is_never_above_100_percent(tmp_path, caplog):
     assert all(0 < json.loads(ln)["mfu"] <= 1 for ln in open(tmp_path / "b.jsonl"))
 
 
+def test_mfu_notice_is_rank_0_s_alone_and_its_advice_fits_the_peak(tmp_path, caplog, monkeypatch):
+    from megatron_lc.training import loop
+    from tests import dist_cases_train
+    from tests.dist import run_dist
+
+    assert [len(m) for m in run_dist(2, dist_cases_train.mfu_notices)] == [1, 0]  # rank 1 says nothing
+    set_peak = Trainer(small_config(TINY[:-1] + ["train.train_iters=2", "logging.peak_tflops=1e-9"]), Topology())
+    set_peak.train()
+    said = [r.getMessage() for r in caplog.records if "MFU came out at" in r.getMessage()]
+    assert len(said) == 1 and "raise logging.peak_tflops to this machine's peak, or unset it" in said[0], said
+    caplog.clear()
+    monkeypatch.setattr(loop, "peak_flops", lambda cfg, execution: (1e3, "measured: fp32 GEMM 1024x1024"))
+    Trainer(small_config(TINY[:-1] + ["train.train_iters=2"]), Topology()).train()
+    said = [r.getMessage() for r in caplog.records if "MFU came out at" in r.getMessage()]
+    assert len(said) == 1 and "unset" not in said[0] and "set logging.peak_tflops to this machine's peak" in said[0]
+
+
 def test_preprocessing_shows_progress(tmp_path):
     from megatron_lc.data.tokenizer import train_sentencepiece
 
