@@ -6,9 +6,13 @@
 
 Each simulated rank runs in its own process: the real setup and steps of ``pretrain_gpt.py`` under fake tensors and
 a fake process group (``megatron_lc/rehearsal``); nothing of size is allocated. Prints each rank's peak and its
-moment, then, as its last line, exactly::
+moment, then, as its last line, exactly (one line, wrapped here)::
 
-    rehearsal: R ranks, max peak device X.XX GiB (estimator Y.YY GiB, +Z.Z%), max host H.HH GiB, V violations
+    rehearsal: R ranks, max peak device X.XX GiB (estimator Y.YY GiB allocated, +Z.Z%; F.FF GiB with its
+    fragmentation reserve), max host H.HH GiB, V violations
+
+(the estimator's peak of live tensors, what the rehearsal counts, and beside it ``tools/estimate.py``'s peak, which
+adds the reserve; with ``--steps 1``, the estimator's first step instead: ``megatron_lc/rehearsal/report.py``).
 
 Exit status: 0 when every rank's peak fits the hardware profile's usable memory and nothing was violated, 1 when
 not, 2 for bad input. Figures are rehearsed: a trace of the framework's own tensors, not of the caching allocator
@@ -81,7 +85,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_lc.config import ConfigError, load_config, resolve_layout
     from megatron_lc.estimate import load_hardware
-    from megatron_lc.rehearsal.report import plot, summarize, summary_line
+    from megatron_lc.rehearsal.report import one_step_note, plot, summarize, summary_line
     from megatron_lc.units import GIB
 
     try:
@@ -117,7 +121,7 @@ def main(argv=None) -> int:
     if failed:
         print(f"error: the rehearsal of rank(s) {', '.join(map(str, failed))} failed (above)", file=sys.stderr)
         return 1
-    summary = summarize(cfg, hw, world, results)
+    summary = summarize(cfg, hw, world, results, args.steps)
     report = {"config": args.config, "overrides": args.overrides, "hardware": hw.name, "steps": args.steps,
               "layout": {"tp": layout.tp, "cp": layout.cp, "cp_comm_type": layout.cp_comm_type, "dp": layout.dp,
                          "ulysses": layout.ulysses, "world": world, "nproc_per_node": nproc},
@@ -132,6 +136,8 @@ def main(argv=None) -> int:
         print("layer 0 attention sent per step by a rank: " + ", ".join(
             f"{k} {sent['rehearsed'].get(k, 0) / GIB:.2f} GiB (formula {sent['formula'][k] / GIB:.2f})"
             for k in ("fwd", "bwd")))
+    if args.steps < 2:
+        print(one_step_note(summary))
     print(summary_line(summary))
     return 0 if summary["fits"] and not summary["violations"] else 1
 
