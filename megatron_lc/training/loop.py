@@ -22,7 +22,7 @@ from .checkpointing.async_save import AsyncCheckpointer
 from .checkpointing.save import save_checkpoint
 from .faults import SkipCounter, StopControl, collective_errors
 from .batches import microbatches
-from .logger import MetricsLogger
+from .logger import MetricsLogger, StepBar
 from .metrics import pairs_per_sample, peak_flops, peak_memory_bytes, step_counts, step_metrics
 from .optimizer import clip_grad_norm, lr_at, set_lr, sync_gradients
 from .setup import setup_training
@@ -155,6 +155,7 @@ class Trainer:
             self.metrics.close()
             return self.state
         self.stop.install()
+        bar = StepBar(self.topo.rank, c.train.train_iters, self.state.iteration)
         try:
             while self.state.iteration < c.train.train_iters:
                 step = self.state.iteration + 1
@@ -164,6 +165,7 @@ class Trainer:
                 self.state.consumed_samples = rec["consumed_samples"]
                 self.state.losses.append(rec["loss"])
                 self.metrics.log_step(rec)
+                bar.update(rec)
                 self.skips.update(step, rec["skipped"], rec["loss"], rec["grad_norm"])
                 self.state.skipped_steps = self.skips.total
                 if self.validator.due(step):
@@ -193,6 +195,7 @@ class Trainer:
                 self.async_checkpoints.abandon()
             raise
         finally:
+            bar.close()
             self.stop.uninstall()
             self.metrics.close()
         return self.state
