@@ -69,6 +69,10 @@ def test_the_command_line_prints_the_summary_line_last_and_writes_its_json(tmp_p
                         r"max host \d+\.\d\d GiB, 0 violations", last), last
     report = json.load(open(tmp_path / "r.json"))
     assert list(report["ranks"]) == ["1"] and report["summary"]["world"] == 2
+    said = [m.group(1) for m in (re.fullmatch(r"rank 1: (.+) \(at \d+ s\)", ln) for ln in out.stdout.splitlines()) if m]
+    assert said == ["setup"] + [f"setup {s}" for s in ("data", "build", "device", "runtimes", "optimizer",
+                                                       "checkpoint")] + [
+        f"step {k} {p}" for k in (0, 1) for p in ("forward", "backward", "optimizer")], out.stdout
     bad = subprocess.run(base + ["--ranks", "5"], cwd=root, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: --ranks ('5'): ranks must be in [0, 2) for 2 ranks"], bad.stderr
@@ -95,3 +99,28 @@ def test_one_step_is_set_beside_the_estimators_first_step_and_says_why(tmp_path)
     s = json.load(open(tmp_path / "r.json"))["summary"]
     assert s["steps"] == 1 and s["estimator_optimizer_states_bytes"] > 0
     assert abs(s["difference_first_step"]) <= 0.03 and s["difference"] < -0.1, s
+
+
+def test_progress_lines_are_passed_on_while_the_rank_runs(tmp_path):
+    """``tools/rehearse.py`` hands a rank's progress line on as it comes: this stand-in rank goes on only once the
+    line's handler has made a file (it gives up after 60 s), so a reader that waited for the end would fail."""
+    import sys
+
+    from megatron_lc.rehearsal.rank import PROGRESS
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import rehearse
+
+    gate = tmp_path / "gate"
+    child = (f"import os, sys, time\nprint({PROGRESS + 'setup data'!r}, flush=True)\nt = time.time()\n"
+             f"while not os.path.exists({str(gate)!r}):\n    if time.time() - t > 60: sys.exit(3)\n"
+             f"    time.sleep(0.01)\nprint('done')\n")
+    said = []
+
+    def on_phase(name):
+        said.append(name)
+        gate.write_text("")
+
+    with open(tmp_path / "err", "w+") as err:
+        code, other = rehearse.follow([sys.executable, "-c", child], dict(os.environ), err, on_phase)
+    assert (code, said, other) == (0, ["setup data"], ["done\n"])

@@ -19,6 +19,7 @@ from ..attention.cp_bytes import cp_attention_bytes
 from ..config import Config, resolve_execution, resolve_layout
 from ..estimate import estimate
 from ..units import GIB
+from .moments import phase
 
 
 def summarize(cfg: Config, hw, world: int, ranks: dict, steps: int = 2) -> dict:
@@ -122,13 +123,7 @@ def phase_starts(marks: list) -> list:
     """The first event of setup and of each step's forward, backward and optimizer: [(index, short label)]."""
     out, seen = [], set()
     for i, label in marks:
-        words = label.split()
-        if words[0] == "setup":
-            key = "setup"
-        elif "optimizer" in words:
-            key = f"step {words[1]} optimizer"
-        else:
-            key = f"step {words[1]} {'backward' if 'backward' in words else 'forward'}"
+        key = "setup" if label.startswith("setup") else phase(label)
         if key not in seen:
             seen.add(key)
             out.append((i, key))
