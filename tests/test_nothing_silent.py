@@ -292,7 +292,9 @@ def test_preprocessing_shows_progress(tmp_path):
     assert out.returncode == 0, out.stderr
     assert re.search(r"tokenizing: .*tok/s.*docs=2000", out.stderr), out.stderr[-500:]
     install = open(os.path.join(ROOT, "scripts", "install.sh")).read()
-    assert "pip install -q" not in install and "--progress-bar on" in install
+    # pip is quiet (the demo's output starts with training) and a line before it says what is being installed
+    pips = [ln for ln in install.splitlines() if "pip install" in ln]
+    assert pips and all("pip install -q " in ln for ln in pips) and 'echo "installing into .venv' in install
 
 
 def test_rope_past_max_positions_is_said_and_exported(tmp_path, caplog):
