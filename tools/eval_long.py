@@ -13,7 +13,10 @@ by length x depth, under the config's parallel layout (tp, ring / Ulysses / hybr
   the key at the depth, then the question; a key counts when the model's argmax at every answer token is the key's
   token. Prompts are continued with filler to ``data.seq_length`` (the shape of the layout); lengths above it are
   refused. Token ids without a tokenizer, English text with the config's SentencePiece model.
-* Writes the JSON (also printed) and, with ``--png``, a figure (needs matplotlib, the ``plot`` extra).
+* Prints a short summary (the mean loss of each position bucket, passkey keys right per length) and writes the full
+  results as JSON to ``--out`` (every bucket's token count, every cell's accuracy and token accuracy, the layout,
+  the times; without ``--out`` nothing is written and the summary says so) and, with ``--png``, a figure (needs
+  matplotlib, the ``plot`` extra).
 
 The weights are loaded at any layout (``load_checkpoint`` with no optimizer); nothing is saved (``checkpoint.save``
 is ignored). Exit status: 0 done, 2 a config, data or checkpoint error (one line).
@@ -60,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="override a config value (repeatable), e.g. a layout: --set parallel.context_parallel_size=8")
     p.add_argument("--load", default=None, help="checkpoint directory (a save dir: its newest checkpoint; or one "
                    "iter_N); default: the config's checkpoint.load")
-    p.add_argument("--out", required=True, help="results JSON")
+    p.add_argument("--out", default=None, help="write the full results here as JSON (the terminal gets a summary)")
     p.add_argument("--png", default=None, help="figure: loss by position bucket, passkey accuracy grid")
     p.add_argument("--documents", type=int, default=8, help="held-out samples for the position loss (0: none)")
     p.add_argument("--data-path", default=None, help="held-out .bin/.idx prefix (default: the end of the config's "
@@ -230,12 +233,47 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
-def write(results: dict, out: str, png: str | None) -> None:
+def summary_lines(results: dict) -> list[str]:
+    """What the terminal gets: the checkpoint and layout, the mean loss of each position bucket, the passkey keys
+    right per length (over its depths and trials). Example (the demo's checkpoint, the data's name shortened)::
+
+        evaluated runs/tiny_cpu/iter_0000100 (iteration 100): 256 tokens per sample, tp 1 cp 1 (p2p) dp 1
+        loss by position (4 held-out samples, the valid split (data.split 969,30,1) of data/demo/...): mean 5.107
+          0-64         5.088 (256 tokens)
+          64-128       4.972 (256 tokens)
+          128-256      5.184 (512 tokens)
+        passkey, keys right (5 depths x 1 key(s) per length):
+          128          0 of 5 (0%)
+          256          0 of 5 (0%)
+    """
+    lay = results["layout"]
+    out = [f"evaluated {results['checkpoint']} (iteration {results['iteration']}): {results['seq_length']} tokens per "
+           f"sample, tp {lay['tp']} cp {lay['cp']} ({lay['cp_comm_type']}) dp {lay['dp']}"]
+    pl = results.get("position_loss")
+    if pl:
+        mean = "n/a" if pl["mean_loss"] is None else f"{pl['mean_loss']:.3f}"
+        out.append(f"loss by position ({pl['samples']} held-out samples, {pl['source']}): mean {mean}")
+        for b in pl["buckets"]:
+            name = f"{tokens_label(b['start'])}-{tokens_label(b['end'])}"
+            loss = "n/a" if b["mean_loss"] is None else f"{b['mean_loss']:.3f}"
+            out.append(f"  {name:<12} {loss} ({b['tokens']:,} tokens)")
+    pk = results.get("passkey")
+    if pk:
+        per = len(pk["depths"]) * pk["trials"]
+        out.append(f"passkey, keys right ({len(pk['depths'])} depths x {pk['trials']} key(s) per length):")
+        for length, row in zip(pk["lengths"], pk["accuracy"]):
+            right = round(sum(row) * pk["trials"])
+            out.append(f"  {tokens_label(length):<12} {right} of {per} ({100 * right / per:.0f}%)")
+    return out
+
+
+def write(results: dict, out: str | None, png: str | None) -> None:
     for path in (out, png):
         if path and os.path.dirname(os.path.abspath(path)):
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
     if png:
         plot(results, png)
 
@@ -270,8 +308,13 @@ def main(argv=None) -> int:
         except OSError as e:
             print(f"error: cannot write the results: {e}", file=sys.stderr)
             return 2
-        print(json.dumps(results, indent=1))
-        log.info("wrote %s%s", args.out, f" and {args.png}" if args.png else "")
+        print("\n".join(summary_lines(results)))
+        written = [p for p in (args.out, args.png) if p]
+        if written:
+            print(f"wrote {' and '.join(written)}{' (the full results)' if args.out else ''}", flush=True)
+        if not args.out:
+            print("the full results (every bucket's tokens, every passkey cell, token accuracies) were not written: "
+                  "add --out FILE.json", flush=True)
     return 0
 
 

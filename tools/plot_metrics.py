@@ -1,8 +1,12 @@
 """Plot a run's ``metrics.jsonl`` (one JSON object per step, written by rank 0): loss, tokens/s, MFU and peak memory
 over steps, one PNG.
 
+    python tools/plot_metrics.py runs/tiny_cpu/metrics.jsonl                 # writes runs/tiny_cpu/metrics.png
     python tools/plot_metrics.py runs/tiny_cpu/metrics.jsonl -o docs/images/tiny_cpu_metrics.png
     python tools/plot_metrics.py a/metrics.jsonl b/metrics.jsonl --label dp2 --label tp2 -o compare.png
+
+Without ``-o`` the PNG goes beside the (first) metrics file, named after it (``metrics.jsonl`` -> ``metrics.png``);
+the path written is printed.
 
 A resumed run appends to the same file, after a ``{"resumed_from": ..., "step": N}`` record: steps between the last
 checkpoint and the interruption appear twice; the later record of each step (the one the resumed run kept) is
@@ -122,10 +126,17 @@ def plot(runs: list[tuple[str, list[dict]]], out: str, title: str | None = None,
     plt.close(fig)
 
 
+def default_output(metrics: str) -> str:
+    """The PNG beside a metrics file: ``runs/x/metrics.jsonl`` -> ``runs/x/metrics.png``."""
+    root, ext = os.path.splitext(metrics)
+    return (root if ext == ".jsonl" else metrics) + ".png"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("metrics", nargs="+", help="metrics.jsonl file(s)")
-    p.add_argument("-o", "--output", default="metrics.png")
+    p.add_argument("-o", "--output", default=None,
+                   help="PNG to write (default: beside the first metrics file, e.g. runs/x/metrics.png)")
     p.add_argument("--label", action="append", default=[], help="legend name per file (default: its directory)")
     p.add_argument("--title")
     p.add_argument("--smooth", type=int, default=1, help="moving average window for the loss")
@@ -147,8 +158,9 @@ def main(argv=None) -> int:
         runs.append((name, recs))
         evals.append(read_evals(path))
         resumes += resume_points(path)
-    plot(runs, a.output, a.title, a.smooth, resumes, evals)
-    print(f"wrote {a.output} ({sum(len(r) for _, r in runs)} steps)")
+    out = a.output or default_output(a.metrics[0])
+    plot(runs, out, a.title, a.smooth, resumes, evals)
+    print(f"wrote {out} ({sum(len(r) for _, r in runs)} steps)")
     return 0
 
 

@@ -12,7 +12,9 @@ directory or tokenizer.json), SentencePieceTokenizer (a .model file), NullTokeni
 ``--append-eod`` ends every document with the tokenizer's end-of-document id (Llama-3: ``<|end_of_text|>``);
 without it, training adds that id after each document when it reads them (``megatron_lc/data/gpt.py``).
 ``--workers N`` tokenizes in N processes (documents stay in input order); the progress bar counts tokens, so its
-rate is tokens/s. Documents that tokenize to nothing are left out. Exit 0 done, 2 a bad input (one line).
+rate is tokens/s. Documents that tokenize to nothing (an empty text, a blank file) are left out and counted: the
+summary (the JSON line on stdout) has ``documents`` written and ``empty_documents`` left out, and a line on stderr
+says how many were left out. Exit 0 done, 2 a bad input (one line).
 """
 from __future__ import annotations
 
@@ -110,21 +112,25 @@ def tokenize(docs, d: DataConfig, append_eod: bool, workers: int, chunksize: int
 
 class Progress:
     """Counts the documents and tokens of an id stream on a tqdm bar (tokens: its rate is tokens/s; documents: its
-    postfix)."""
+    postfix), and the empty documents (``write_indexed`` leaves them out)."""
 
     def __init__(self, bar):
-        self.bar, self.documents = bar, 0
+        self.bar, self.documents, self.empty = bar, 0, 0
 
     def __call__(self, ids_iter):
         for ids in ids_iter:
             self.bar.update(len(ids))
-            self.documents += len(ids) > 0  # an empty document is not written
+            self.documents += len(ids) > 0
+            self.empty += len(ids) == 0
             if self.documents % 256 == 0:
-                self.bar.set_postfix(docs=self.documents, refresh=False)
+                self.bar.set_postfix(self.postfix(), refresh=False)
             yield ids
 
+    def postfix(self) -> dict:
+        return {"docs": self.documents, **({"empty": self.empty} if self.empty else {})}
+
     def close(self) -> None:
-        self.bar.set_postfix(docs=self.documents, refresh=False)
+        self.bar.set_postfix(self.postfix(), refresh=False)
         self.bar.close()
 
 
@@ -161,8 +167,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     dt = time.perf_counter() - t0
-    print(json.dumps({"output_prefix": args.output_prefix, "documents": progress.documents, "tokens": n,
-                      "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1), "workers": args.workers, "tokenizer": d.tokenizer_type,
+    if progress.empty:
+        print(f"left out {progress.empty} empty document(s) (no tokens): {progress.documents} written",
+              file=sys.stderr, flush=True)
+    print(json.dumps({"output_prefix": args.output_prefix, "documents": progress.documents,
+                      "empty_documents": progress.empty, "tokens": n, "seconds": round(dt, 3),
+                      "tokens_per_s": round(n / dt, 1), "workers": args.workers, "tokenizer": d.tokenizer_type,
                       "eod": tok.eod, "append_eod": args.append_eod}))
     return 0
 

@@ -5,10 +5,16 @@
     python tools/rehearse.py --config X.yaml --nproc-per-node 8 --nnodes 4 --ranks 0,9,31 --set data.seq_length=16777216
 
 Each simulated rank runs in its own process: the real setup and steps of ``pretrain_gpt.py`` under fake tensors and
-a fake process group (``megatron_lc/rehearsal``); nothing of size is allocated. Prints each rank's peak and its
-moment, then, as its last line, exactly::
+a fake process group (``megatron_lc/rehearsal``); nothing of size is allocated. Prints each phase of each rank as it
+starts (``rank 0: setup runtimes (at 14 s)``, ``rank 0: step 0 backward (at 31 s)``: setup's stages, each step's
+forward, backward and optimizer step, seconds since the rank's process started), each rank's peak and its moment,
+then, as its last line, exactly (one line, wrapped here)::
 
-    rehearsal: R ranks, max peak device X.XX GiB (estimator Y.YY GiB, +Z.Z%), max host H.HH GiB, V violations
+    rehearsal: R ranks, max peak device X.XX GiB (estimator Y.YY GiB allocated, +Z.Z%; F.FF GiB with its
+    fragmentation reserve), max host H.HH GiB, V violations
+
+(the estimator's peak of live tensors, what the rehearsal counts, and beside it ``tools/estimate.py``'s peak, which
+adds the reserve; with ``--steps 1``, the estimator's first step instead: ``megatron_lc/rehearsal/report.py``).
 
 Exit status: 0 when every rank's peak fits the hardware profile's usable memory and nothing was violated, 1 when
 not, 2 for bad input. Figures are rehearsed: a trace of the framework's own tensors, not of the caching allocator
@@ -22,6 +28,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,6 +37,14 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from megatron_lc.config.cli import add_config_arguments  # noqa: E402  (after the path)
+from megatron_lc.rehearsal.rank import PROGRESS  # noqa: E402
+
+_SAY = threading.Lock()  # the ranks' threads and the main thread print whole lines
+
+
+def say(line: str) -> None:
+    with _SAY:
+        print(line, flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,9 +82,13 @@ def run_rank(args, rank: int, world: int, nproc: int, host_gb: float, out: str) 
            "--host-memory-gb", str(host_gb), "--out", out] + [x for o in args.overrides for x in ("--set", o)]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout or f"exit status {proc.returncode}").strip().splitlines()
+    with tempfile.TemporaryFile("w+") as err:
+        code, other = follow(cmd, env, err,
+                             lambda name: say(f"rank {rank}: {name} (at {time.perf_counter() - t0:.0f} s)"))
+        err.seek(0)
+        stderr = err.read()
+    if code != 0:
+        lines = (stderr or "".join(other) or f"exit status {code}").strip().splitlines()
         return rank, {}, lines[-1]
     with open(out) as f:
         figures = json.load(f)
@@ -77,11 +96,24 @@ def run_rank(args, rank: int, world: int, nproc: int, host_gb: float, out: str) 
     return rank, figures, ""
 
 
+def follow(cmd: list, env: dict, err, on_phase) -> tuple[int, list]:
+    """Run a rank's process (stderr to the file ``err``: a pipe nobody reads could fill and stall it); each of its
+    progress lines goes to ``on_phase`` as it comes. Returns the exit status and the other lines of its stdout."""
+    other = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
+        for line in proc.stdout:
+            if line.startswith(PROGRESS):
+                on_phase(line[len(PROGRESS):].rstrip("\n"))
+            else:
+                other.append(line)
+    return proc.returncode, other
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_lc.config import ConfigError, load_config, resolve_layout
     from megatron_lc.estimate import load_hardware
-    from megatron_lc.rehearsal.report import plot, summarize, summary_line
+    from megatron_lc.rehearsal.report import one_step_note, plot, summarize, summary_line
     from megatron_lc.units import GIB
 
     try:
@@ -107,17 +139,18 @@ def main(argv=None) -> int:
             rank, figures, error = job.result()
             if error:
                 failed.append(rank)
-                print(f"rank {rank}: failed: {error}", file=sys.stderr)
+                with _SAY:
+                    print(f"rank {rank}: failed: {error}", file=sys.stderr, flush=True)
                 continue
             results[rank] = figures
             dev = figures["device"]
-            print(f"rank {rank}: peak device {dev['peak_bytes'] / GIB:.2f} GiB at {dev['peak_moment']}; setup "
-                  f"{dev['setup_peak_bytes'] / GIB:.2f} GiB; host {figures['host']['peak_bytes'] / GIB:.2f} GiB; "
-                  f"{figures['seconds']['process']:.0f} s", flush=True)
+            say(f"rank {rank}: peak device {dev['peak_bytes'] / GIB:.2f} GiB at {dev['peak_moment']}; setup "
+                f"{dev['setup_peak_bytes'] / GIB:.2f} GiB; host {figures['host']['peak_bytes'] / GIB:.2f} GiB; "
+                f"{figures['seconds']['process']:.0f} s")
     if failed:
         print(f"error: the rehearsal of rank(s) {', '.join(map(str, failed))} failed (above)", file=sys.stderr)
         return 1
-    summary = summarize(cfg, hw, world, results)
+    summary = summarize(cfg, hw, world, results, args.steps)
     report = {"config": args.config, "overrides": args.overrides, "hardware": hw.name, "steps": args.steps,
               "layout": {"tp": layout.tp, "cp": layout.cp, "cp_comm_type": layout.cp_comm_type, "dp": layout.dp,
                          "ulysses": layout.ulysses, "world": world, "nproc_per_node": nproc},
@@ -132,6 +165,8 @@ def main(argv=None) -> int:
         print("layer 0 attention sent per step by a rank: " + ", ".join(
             f"{k} {sent['rehearsed'].get(k, 0) / GIB:.2f} GiB (formula {sent['formula'][k] / GIB:.2f})"
             for k in ("fwd", "bwd")))
+    if args.steps < 2:
+        print(one_step_note(summary))
     print(summary_line(summary))
     return 0 if summary["fits"] and not summary["violations"] else 1
 

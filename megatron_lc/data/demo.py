@@ -1,7 +1,10 @@
 """The demo corpus: the Python standard library's own sources, which exist on every machine with Python.
 
 ``prepare_demo_data(data_path, tokenizer_model, vocab_size)`` trains a SentencePiece tokenizer on them and writes a
-``.bin/.idx`` pair -- once; later calls find the files and return. Only rank 0 builds; others wait at a barrier."""
+``.bin/.idx`` pair, every document ended by the tokenizer's end-of-document id (as ``tools/preprocess_data.py
+--append-eod`` writes it, so reading them adds nothing and says nothing) -- once; later calls find the files and
+return (a pair written by an earlier version, without those ids, is written again). Only rank 0 builds; others wait
+at a barrier."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +15,7 @@ import tempfile
 
 from tqdm import tqdm
 
-from .indexed import write_indexed
+from .indexed import open_indexed, write_indexed
 from .tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 log = logging.getLogger(__name__)
@@ -58,13 +61,29 @@ def prepare_demo_data(data_path: str, tokenizer_model: str, vocab_size: int) -> 
             os.makedirs(os.path.dirname(os.path.abspath(prefix)) or ".", exist_ok=True)
             for ext in (".vocab", ".model"):  # .model last: its presence means "done"
                 _copy(tmp_prefix + ext, prefix + ext)
-    if not (os.path.isfile(data_path + ".bin") and os.path.isfile(data_path + ".idx")):
-        log.info("tokenizing the Python stdlib sources -> %s.bin/.idx", data_path)
+    tok = SentencePieceTokenizer(tokenizer_model)
+    have = os.path.isfile(data_path + ".bin") and os.path.isfile(data_path + ".idx")
+    if not have or not _ends_with_eod(data_path, tok.eod):
+        log.info("tokenizing the Python stdlib sources -> %s.bin/.idx%s", data_path,
+                 "" if not have else " (the files there were written without end-of-document ids)")
         docs = docs if docs is not None else read_documents(stdlib_source_files())
-        tok = SentencePieceTokenizer(tokenizer_model)
-        bar = tqdm(docs, desc="tokenizing", unit="doc", mininterval=1.0)
-        n = write_indexed(data_path, (tok.encode(d) for d in bar))
-        log.info("wrote %d tokens in %d documents", n, len(docs))
+        written = []
+
+        def with_eod(bar):
+            for d in bar:
+                ids = tok.encode(d)
+                if ids:  # a file that tokenizes to nothing is left out
+                    written.append(len(ids))
+                    yield ids + [tok.eod]
+
+        n = write_indexed(data_path, with_eod(tqdm(docs, desc="tokenizing", unit="doc", mininterval=1.0)))
+        log.info("wrote %d tokens in %d documents", n, len(written))
+
+
+def _ends_with_eod(data_path: str, eod: int) -> bool:
+    """Whether the pair's first document ends with ``eod`` (the demo writes every document so)."""
+    ds = open_indexed(data_path)  # held while its document is read: megatron-core closes the map when collected
+    return int(ds[0][-1]) == eod
 
 
 def _copy(src: str, dst: str) -> None:

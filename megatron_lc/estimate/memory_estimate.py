@@ -49,12 +49,20 @@ class MemoryEstimate:
     layer_items: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     fragmentation: float = 0.0  # the reserve added to the activation moments (CUDA, ``memory.plan: off``)
+    optimizer_states: float = 0.0  # AdamW's states on the device: in every moment from the first optimizer step on
 
     @property
     def allocated_peak(self) -> float:
         """The largest moment's live tensor bytes, without the fragmentation reserve: what
         ``torch.cuda.max_memory_allocated`` and a rehearsal (``megatron_lc/rehearsal``) measure."""
         return max(v - (0.0 if k in ("optimizer", "setup") else self.fragmentation) for k, v in self.phases.items())
+
+    @property
+    def first_step_peak(self) -> float:
+        """``allocated_peak`` of the first step: AdamW makes its states at its first ``step``, so the first step's
+        forward and backward hold none (its ``optimizer`` moment already counts them; a rehearsal of one step)."""
+        return max(v - (0.0 if k in ("optimizer", "setup") else self.fragmentation + self.optimizer_states)
+                   for k, v in self.phases.items())
 
     @property
     def fits_device(self) -> bool:
@@ -167,4 +175,5 @@ def estimate_memory(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, 
     return MemoryEstimate(parts=parts, phases=phases, peak=phases[peak_phase], peak_phase=peak_phase,
                           capacity=hw.device_bytes, host_per_rank=host_rank, host_per_node=host_rank * ranks_per_node,
                           host_capacity=hw.host_bytes_per_node, alpha=share.alpha, layer_items=list(share.items),
-                          notes=list(share.notes), fragmentation=frag)
+                          notes=list(share.notes), fragmentation=frag,
+                          optimizer_states=ms["optimizer"])

@@ -9,16 +9,32 @@ so the peak's event index names its moment. Labels, in a step's order (k the ste
     step k mb m layer i backward       layer i's backward (a re-run in backward is part of it)
     step k mb m backward               between layers' backwards and after layer 0's (embedding, grad sync)
     step k optimizer                   clipping's end and the optimizer step
+
+Each label belongs to a phase (``phase``): setup's stages as they are, then ``step k forward``, ``step k backward``
+and ``step k optimizer``; ``on_phase`` is told each phase as it starts, once (a rehearsal's progress lines).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 
+def phase(label: str) -> str:
+    """The phase of a label: ``setup S`` as it is; ``step k mb m layer i backward`` -> ``step k backward``."""
+    words = label.split()
+    if words[0] == "setup":
+        return label
+    if "optimizer" in words:
+        return f"step {words[1]} optimizer"
+    return f"step {words[1]} {'backward' if 'backward' in words else 'forward'}"
+
+
 class Moments:
-    def __init__(self, events: list):
+    def __init__(self, events: list, on_phase: Callable[[str], None] = lambda name: None):
         self.events = events  # the tracker's event list (its length is the next event's index)
         self.log: list = []  # (event index, label)
+        self.on_phase, self.phases = on_phase, set()
         self.step = 0
         self.micro = -1
         self.backward = False
@@ -26,6 +42,10 @@ class Moments:
 
     def set(self, label: str) -> None:
         self.log.append((len(self.events), label))
+        p = phase(label)
+        if p not in self.phases:  # a later micro-batch's forward is still its step's forward phase
+            self.phases.add(p)
+            self.on_phase(p)
 
     def start_step(self, k: int) -> None:
         self.step, self.micro, self.backward = k, -1, False

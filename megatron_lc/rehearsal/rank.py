@@ -8,7 +8,9 @@ allocation (Memo's host copies, FPDT's parked chunks, host checkpoints) and, wit
 shards, gradients and optimizer states.
 
 Run it in a fresh process per rank (``tools/rehearse.py`` does): the fake process group and the tracker are
-process-wide.
+process-wide. As a process (``main``) it prints each phase as it starts (setup's stages, each step's forward,
+backward and optimizer step), flushed, on a line that begins with ``PROGRESS``: ``tools/rehearse.py`` shows them as
+they come.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import dataclasses
 import json
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -32,6 +34,8 @@ from .figures import ModelStates, rank_figures
 from .host_check import HostMathCheck
 from .moments import Moments
 from .world import fake_world
+
+PROGRESS = "rehearsal progress: "  # the start of a phase line on a rank process's stdout
 
 
 def stand_in_execution(cfg: Config) -> Execution:
@@ -57,9 +61,11 @@ def rehearsal_config(cfg: Config, steps: int, host_memory_gb: float) -> Config:
 
 
 def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps: int = 2,
-                  execution: Optional[Execution] = None) -> dict:
+                  execution: Optional[Execution] = None,
+                  on_phase: Callable[[str], None] = lambda name: None) -> dict:
     """Setup and ``steps`` steps of rank ``rank`` of ``world`` (``cfg`` already a ``rehearsal_config``).
-    ``execution``: the stand-in's (default: a CUDA run's, ``stand_in_execution``)."""
+    ``execution``: the stand-in's (default: a CUDA run's, ``stand_in_execution``); ``on_phase``: told each phase
+    as it starts (``moments.phase``)."""
     with fake_world(rank, world, nproc_per_node):
         layout = resolve_layout(cfg, world)
         topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
@@ -70,7 +76,7 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
         # the stream-order check is the device adapter every runtime binds to: entered inside the fake mode, before
         # the build
         with FakeTensorMode(), tracer, host_math, StreamCheck(execution.device) as streams:
-            moments = Moments(tracer.events)
+            moments = Moments(tracer.events, on_phase)
             t0 = time.perf_counter()
             trainer = Trainer(cfg, topo, layout=layout, execution=execution,
                               stage=lambda name: moments.set(f"setup {name}"))
@@ -133,7 +139,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     cfg = rehearsal_config(load_config(a.config, a.overrides), a.steps, a.host_memory_gb)
     t0 = time.perf_counter()
-    figures = rehearse_rank(cfg, a.rank, a.world, a.nproc_per_node, a.steps)
+    figures = rehearse_rank(cfg, a.rank, a.world, a.nproc_per_node, a.steps,
+                            on_phase=lambda name: print(PROGRESS + name, flush=True))
     figures["seconds"]["total"] = time.perf_counter() - t0
     with open(a.out, "w") as f:
         json.dump(figures, f)

@@ -1,7 +1,15 @@
 """The ranks' figures beside the estimator's for the same layout: the JSON a rehearsal writes, its summary line
-and its picture.
+and its picture. The summary line (one line, wrapped here)::
 
-    rehearsal: 8 ranks, max peak device 45.91 GiB (estimator 45.71 GiB, +0.4%), max host 131.73 GiB, 0 violations
+    rehearsal: 8 ranks, max peak device 45.91 GiB (estimator 45.71 GiB allocated, +0.4%; 48.58 GiB with its
+    fragmentation reserve), max host 131.73 GiB, 0 violations
+
+One step (``--steps 1``) never reaches the estimator's peak, a steady-state step that holds AdamW's states (they
+are made by the first optimizer step, after the first step's backward): its peak is set beside the estimator's first
+step instead, and the steady-state figure after it::
+
+    rehearsal: 1 ranks, max peak device 38.43 GiB (estimator 38.23 GiB allocated in step 1, before AdamW's states,
+    +0.5%; 45.71 GiB from step 2 on, 48.58 GiB with its fragmentation reserve), max host 131.73 GiB, 0 violations
 """
 from __future__ import annotations
 
@@ -11,15 +19,18 @@ from ..attention.cp_bytes import cp_attention_bytes
 from ..config import Config, resolve_execution, resolve_layout
 from ..estimate import estimate
 from ..units import GIB
+from .moments import phase
 
 
-def summarize(cfg: Config, hw, world: int, ranks: dict) -> dict:
-    """``ranks``: {rank: figures}. The estimator's peak is this layout's ``estimate`` on ``hw`` without its
-    fragmentation reserve (``allocated_peak``): a rehearsal counts live tensors, as ``torch.cuda.max_memory_allocated``
-    does, so that is the like-for-like figure; the reserve is kept beside it (``estimator_reserve_bytes``) and
-    ``fits_with_reserve`` adds it to the rehearsed peak."""
+def summarize(cfg: Config, hw, world: int, ranks: dict, steps: int = 2) -> dict:
+    """``ranks``: {rank: figures} of ``steps`` steps each. The estimator's peak is this layout's ``estimate`` on ``hw``
+    without its fragmentation reserve (``allocated_peak``): a rehearsal counts live tensors, as
+    ``torch.cuda.max_memory_allocated`` does, so that is the like-for-like figure; the reserve is kept beside it
+    (``estimator_reserve_bytes``) and ``fits_with_reserve`` adds it to the rehearsed peak. That peak is a
+    steady-state step's, with AdamW's states; the first step's (``first_step_peak``: none before its optimizer step)
+    is ``estimator_first_step_peak_bytes``, what a rehearsal of one step compares with (``difference_first_step``)."""
     est = estimate(cfg, hw, world)
-    allocated = est.memory.allocated_peak
+    allocated, first = est.memory.allocated_peak, est.memory.first_step_peak
     peak = max(r["device"]["peak_bytes"] for r in ranks.values())
     host = max(r["host"]["peak_bytes"] for r in ranks.values())
     at = max(ranks, key=lambda k: ranks[k]["device"]["peak_bytes"])
@@ -31,6 +42,9 @@ def summarize(cfg: Config, hw, world: int, ranks: dict) -> dict:
             "estimator_phases": est.memory.phases, "estimator_parts": est.memory.parts,
             "estimator_host_per_rank_bytes": est.memory.host_per_rank,
             "difference": (peak - allocated) / allocated if allocated else None,
+            "steps": steps, "estimator_optimizer_states_bytes": est.memory.optimizer_states,
+            "estimator_first_step_peak_bytes": first,
+            "difference_first_step": (peak - first) / first if first else None,
             "max_host_bytes": host, "device_capacity_bytes": hw.device_bytes, "fits": peak <= hw.device_bytes,
             "fits_with_reserve": peak + est.memory.fragmentation <= hw.device_bytes,
             "violations": sum(len(r.get("violations", [])) for r in ranks.values()),
@@ -59,10 +73,26 @@ def attention_bytes(cfg: Config, world: int, ranks: dict) -> dict:
 
 
 def summary_line(s: dict) -> str:
-    d = s["difference"]
-    return (f"rehearsal: {s['ranks']} ranks, max peak device {s['max_peak_device_bytes'] / GIB:.2f} GiB (estimator "
-            f"{s['estimator_peak_bytes'] / GIB:.2f} GiB, {100 * d:+.1f}%), max host {s['max_host_bytes'] / GIB:.2f} "
-            f"GiB, {s['violations']} violations")
+    """The last line (module doc): the estimator's allocated peak beside the rehearsed one -- its first step's after
+    one step -- and, when it has one, the peak with its fragmentation reserve."""
+    est = s["estimator_peak_bytes"] / GIB
+    if s["steps"] < 2:
+        versus = (f"estimator {s['estimator_first_step_peak_bytes'] / GIB:.2f} GiB allocated in step 1, before "
+                  f"AdamW's states, {100 * s['difference_first_step']:+.1f}%; {est:.2f} GiB from step 2 on")
+        sep = ", "
+    else:
+        versus, sep = f"estimator {est:.2f} GiB allocated, {100 * s['difference']:+.1f}%", "; "
+    if s["estimator_reserve_bytes"]:
+        versus += f"{sep}{s['estimator_reserved_peak_bytes'] / GIB:.2f} GiB with its fragmentation reserve"
+    return (f"rehearsal: {s['ranks']} ranks, max peak device {s['max_peak_device_bytes'] / GIB:.2f} GiB ({versus}), "
+            f"max host {s['max_host_bytes'] / GIB:.2f} GiB, {s['violations']} violations")
+
+
+def one_step_note(s: dict) -> str:
+    """Why one step's peak is not set beside the estimator's peak (printed before the summary line)."""
+    return (f"note: one step ends before AdamW's states exist ({s['estimator_optimizer_states_bytes'] / GIB:.2f} GiB "
+            f"per rank by the estimator, made by the first optimizer step after the step's backward), so it never "
+            f"reaches the estimator's peak, a step from step 2 on; rehearse 2 steps (the default) for that figure")
 
 
 def plot(ranks: dict, summary: dict, path: str) -> None:
@@ -93,13 +123,7 @@ def phase_starts(marks: list) -> list:
     """The first event of setup and of each step's forward, backward and optimizer: [(index, short label)]."""
     out, seen = [], set()
     for i, label in marks:
-        words = label.split()
-        if words[0] == "setup":
-            key = "setup"
-        elif "optimizer" in words:
-            key = f"step {words[1]} optimizer"
-        else:
-            key = f"step {words[1]} {'backward' if 'backward' in words else 'forward'}"
+        key = "setup" if label.startswith("setup") else phase(label)
         if key not in seen:
             seen.add(key)
             out.append((i, key))

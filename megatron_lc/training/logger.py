@@ -1,13 +1,19 @@
-"""Where metrics go: a console line per log interval, ``metrics.jsonl`` (one JSON object per step), wandb.
+"""Where metrics go: a console line per log interval, ``metrics.jsonl`` (one JSON object per step), wandb, and on a
+terminal a progress bar over the steps with the time left (``StepBar``).
 
 Only rank 0 writes. wandb is used when ``logging.wandb_project`` is set, in ``logging.wandb_mode`` (offline by
 default: runs are written under the wandb dir and can be synced later with ``wandb sync``)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import sys
 from typing import Optional
+
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..config import Config
 
@@ -88,6 +94,30 @@ class MetricsLogger:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class StepBar:
+    """Rank 0's progress bar over the steps, with the time left (tqdm's ETA) and the last loss, on stderr when it is
+    a terminal: not in a log file, a pipe or the tests. While it is shown the console log lines (every step line,
+    validation, warnings) are written above it (``logging_redirect_tqdm``); ``close`` puts the logging back."""
+
+    def __init__(self, rank: int, total: int, done: int):
+        self.stack = contextlib.ExitStack()
+        self.bar = None
+        if rank == 0 and sys.stderr.isatty():
+            self.stack.enter_context(logging_redirect_tqdm())  # entered first, left last: after the bar's close
+            self.bar = self.stack.enter_context(tqdm(total=total, initial=done, desc="training", unit="step",
+                                                     file=sys.stderr, dynamic_ncols=True))
+
+    def update(self, record: dict) -> None:
+        if self.bar is None:
+            return
+        if record["loss"] is not None:
+            self.bar.set_postfix_str(f"loss {record['loss']:.4f}", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.stack.close()
 
 
 def format_line(r: dict) -> str:

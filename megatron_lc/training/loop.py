@@ -22,7 +22,7 @@ from .checkpointing.async_save import AsyncCheckpointer
 from .checkpointing.save import save_checkpoint
 from .faults import SkipCounter, StopControl, collective_errors
 from .batches import microbatches
-from .logger import MetricsLogger
+from .logger import MetricsLogger, StepBar
 from .metrics import pairs_per_sample, peak_flops, peak_memory_bytes, step_counts, step_metrics
 from .optimizer import clip_grad_norm, lr_at, set_lr, sync_gradients
 from .setup import setup_training
@@ -59,14 +59,14 @@ class Trainer:
         self.metrics = MetricsLogger(cfg, topo.rank, s.resumed)
         self.validator = Validator(s)  # train.eval_interval / eval_iters / test_at_end
         self.async_checkpoints = AsyncCheckpointer(cfg, topo) if cfg.checkpoint.async_save else None
-        self.peak, source = peak_flops(cfg, self.execution)
+        self.peak, self.peak_source = peak_flops(cfg, self.execution)
         self.mfu_valid = True
         self.pairs: Optional[float] = None
         self.counts: Optional[torch.Tensor] = None
         # off in a rehearsal (fake tensors have no values): the step then reads none -- no loss, no grad norm, no
         # skip / stop agreement, no MFU sanity check
         self.reads_values = True
-        log.info("MFU is relative to %.3g TFLOP/s per rank (%s)", self.peak / 1e12, source)
+        log.info("MFU is relative to %.3g TFLOP/s per rank (%s)", self.peak / 1e12, self.peak_source)
 
     def microbatches(self, consumed: int) -> list[dict]:
         """This rank's micro-batches of the step after ``consumed`` global samples (``batches.py``)."""
@@ -116,15 +116,25 @@ class Trainer:
                "consumed_samples": self.state.consumed_samples + self.layout.global_batch_size,
                "peak_memory_bytes": peak_memory_bytes(self.device)}
         rec.update(step_metrics(self.cfg, self.layout, dt, self.peak, self.pairs))
-        if self.reads_values and rec["mfu"] > 1.0 and self.mfu_valid:  # the peak is wrong for this machine: say so once, show no MFU
-            self.mfu_valid = False
-            log.warning("MFU came out at %.0f%% of the peak (%.3g TFLOP/s): that peak is too low for this machine; "
-                        "MFU is left out of the metrics (set logging.peak_tflops, or unset it to measure)",
-                        100 * rec["mfu"], self.peak / 1e12)
+        if self.reads_values and rec["mfu"] > 1.0 and self.mfu_valid:  # the peak is wrong for this machine
+            self.mfu_valid = False  # every rank stops reporting MFU; rank 0, whose records are logged, says so once
+            if self.topo.rank == 0:
+                log.warning(self.mfu_notice(rec["mfu"]))
         if not self.mfu_valid:
             rec["mfu"] = None
         rec["stop"] = StopControl.reason(signum, time_up)
         return rec
+
+    def mfu_notice(self, mfu: float) -> str:
+        """Why an MFU above 100% is left out, and the advice for where the peak came from: a peak the user set is
+        raised or unset; a measured one (a GEMM timed once at the start, low when other work had the cores then) is
+        replaced by the machine's own figure."""
+        head = (f"MFU came out at {100 * mfu:.0f}% of the peak ({self.peak / 1e12:.3g} TFLOP/s, {self.peak_source}): "
+                f"that peak is too low for this machine; MFU is left out of the metrics")
+        if self.cfg.logging.peak_tflops is not None:
+            return f"{head} (raise logging.peak_tflops to this machine's peak, or unset it to measure one)"
+        return (f"{head} (the GEMM timed at the start ran slower than this step's work, as when other jobs share the "
+                f"cores: set logging.peak_tflops to this machine's peak)")
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def save(self) -> None:
@@ -145,6 +155,7 @@ class Trainer:
             self.metrics.close()
             return self.state
         self.stop.install()
+        bar = StepBar(self.topo.rank, c.train.train_iters, self.state.iteration)
         try:
             while self.state.iteration < c.train.train_iters:
                 step = self.state.iteration + 1
@@ -154,6 +165,7 @@ class Trainer:
                 self.state.consumed_samples = rec["consumed_samples"]
                 self.state.losses.append(rec["loss"])
                 self.metrics.log_step(rec)
+                bar.update(rec)
                 self.skips.update(step, rec["skipped"], rec["loss"], rec["grad_norm"])
                 self.state.skipped_steps = self.skips.total
                 if self.validator.due(step):
@@ -183,6 +195,7 @@ class Trainer:
                 self.async_checkpoints.abandon()
             raise
         finally:
+            bar.close()
             self.stop.uninstall()
             self.metrics.close()
         return self.state

@@ -6,7 +6,7 @@ pair, of which a causal sample has ``s^2 / 2`` -- with document masks (``data.re
 own count, the sum over documents of ``len^2 / 2`` (``attention/masks.attended_pairs``). MFU = model FLOPs per second /
 (devices x peak), the peak ``logging.peak_tflops`` or, unset, measured at start on this device (``measure_peak``:
 the best of a few square GEMMs in the training dtype with this process's threads; the log says which). An MFU
-above 100% means the peak is wrong for this machine: it is reported once and left out, never printed."""
+above 100% means the peak is wrong for this machine: it is reported once (rank 0) and left out, never printed."""
 from __future__ import annotations
 
 import functools

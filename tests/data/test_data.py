@@ -121,3 +121,42 @@ def test_tokenizer_errors(tmp_path):
     (tmp_path / "bad.model").write_bytes(b"not a model")
     with pytest.raises(DataError, match="not a SentencePiece model"):
         SentencePieceTokenizer(str(tmp_path / "bad.model"))
+
+
+def test_the_demo_data_ends_every_document_with_eod_and_reads_without_a_notice(tmp_path, monkeypatch, caplog):
+    """``prepare_demo_data`` writes the end-of-document id after each document (an empty one left out), so training
+    on it adds none and says nothing; a pair an earlier version wrote without them is written again."""
+    import logging
+    import sysconfig
+
+    from megatron_lc.data import demo
+    from megatron_lc.data.tokenizer import SentencePieceTokenizer
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    (tmp_path / "empty.py").write_text("")
+    files = [os.path.join(stdlib, n) for n in ("abc.py", "bisect.py", "colorsys.py")] + [str(tmp_path / "empty.py")]
+    monkeypatch.setattr(demo, "stdlib_source_files", lambda: files)
+    prefix, model = str(tmp_path / "demo" / "sp400"), str(tmp_path / "demo" / "sp400.model")
+    caplog.set_level(logging.INFO)
+    demo.prepare_demo_data(prefix, model, 400)
+    tok = SentencePieceTokenizer(model)
+    docs = [tok.encode(open(f, encoding="utf-8").read()) for f in files[:3]]
+    ds = open_indexed(prefix)
+    assert len(ds) == 3 and [ds[i].tolist() for i in range(3)] == [doc + [tok.eod] for doc in docs]
+    assert "in 3 documents" in caplog.text
+    cfg = load_config(None, [f"data.data_path={prefix}", f"data.tokenizer_model={model}", "data.seq_length=64",
+                             "data.split=1", f"data.data_cache_path={tmp_path / 'cache'}", "model.vocab_size=400"])
+    caplog.clear()
+    build_dataset(cfg, [10, 0, 0])
+    assert "end without the end-of-document id" not in caplog.text
+    write_indexed(prefix, docs)  # as an earlier version wrote the demo's pair
+    demo.prepare_demo_data(prefix, model, 400)
+    assert "written without end-of-document ids" in caplog.text
+    ds = open_indexed(prefix)
+    assert [ds[i].tolist() for i in range(3)] == [doc + [tok.eod] for doc in docs]
+    caplog.clear()
+    write_indexed(prefix + "_user", docs)  # a user's pair without them is still told of it
+    build_dataset(load_config(None, [f"data.data_path={prefix}_user", f"data.tokenizer_model={model}",
+                                     "data.seq_length=64", "data.split=1", f"data.data_cache_path={tmp_path / 'cache'}",
+                                     "model.vocab_size=400"]), [10, 0, 0])
+    assert "3 of 3 documents end without the end-of-document id" in caplog.text

@@ -82,6 +82,8 @@ def test_preprocess_writes_the_encode_ids_and_the_eod(toks, tmp_path, name, work
     assert [ds[i].tolist() for i in range(len(ds))] == want
     assert report["tokens"] == sum(map(len, want)) and report["eod"] == tok.eod and report["workers"] == workers
     assert "tok/s" in out.stderr  # the progress bar's rate is tokens per second
+    assert (report["documents"], report["empty_documents"]) == (len(want), 1)
+    assert f"left out 1 empty document(s) (no tokens): {len(want)} written" in out.stderr.splitlines()
 
 
 def test_preprocess_bad_inputs_are_one_line(toks, tmp_path):

@@ -42,3 +42,25 @@ def write_format2(path, cfg, full: dict, tp: int) -> None:
             "zero": False, "optimizer": False, "config": cfg.to_dict(), "files": files}
     with open(os.path.join(path, "meta.json"), "w") as f:
         json.dump(meta, f)
+
+
+def mfu_notices(rank, world, overrides=()):
+    """2 steps at dp=world with a peak far too low (MFU above 100%); the warnings this rank logged."""
+    import logging
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("megatron_lc").addHandler(keep)
+    try:
+        train(rank, world, ["train.train_iters=2", "train.global_batch_size=4", "train.micro_batch_size=2",
+                            "logging.peak_tflops=1e-9", *overrides])
+    finally:
+        logging.getLogger("megatron_lc").removeHandler(keep)
+    return [m for m in keep.messages if "MFU" in m]

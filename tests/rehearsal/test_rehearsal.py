@@ -64,10 +64,63 @@ def test_the_command_line_prints_the_summary_line_last_and_writes_its_json(tmp_p
                          text=True)
     last = out.stdout.strip().splitlines()[-1]
     assert out.returncode == 0, out.stderr[-2000:]
-    assert re.fullmatch(r"rehearsal: 1 ranks, max peak device \d+\.\d\d GiB \(estimator \d+\.\d\d GiB, [+-]\d+\.\d%\), "
+    assert re.fullmatch(r"rehearsal: 1 ranks, max peak device \d+\.\d\d GiB \(estimator \d+\.\d\d GiB allocated, "
+                        r"[+-]\d+\.\d%(; \d+\.\d\d GiB with its fragmentation reserve)?\), "
                         r"max host \d+\.\d\d GiB, 0 violations", last), last
     report = json.load(open(tmp_path / "r.json"))
     assert list(report["ranks"]) == ["1"] and report["summary"]["world"] == 2
+    said = [m.group(1) for m in (re.fullmatch(r"rank 1: (.+) \(at \d+ s\)", ln) for ln in out.stdout.splitlines()) if m]
+    assert said == ["setup"] + [f"setup {s}" for s in ("data", "build", "device", "runtimes", "optimizer",
+                                                       "checkpoint")] + [
+        f"step {k} {p}" for k in (0, 1) for p in ("forward", "backward", "optimizer")], out.stdout
     bad = subprocess.run(base + ["--ranks", "5"], cwd=root, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: --ranks ('5'): ranks must be in [0, 2) for 2 ranks"], bad.stderr
+
+
+def test_one_step_is_set_beside_the_estimators_first_step_and_says_why(tmp_path):
+    """``--steps 1`` ends before AdamW's states exist: a note says so, the last line sets the peak beside the
+    estimator's first step (equal here) and names the steady-state peak and the one with the reserve."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    out = subprocess.run([sys.executable, os.path.join(root, "tools", "rehearse.py"), "--config",
+                          "configs/tiny_cpu.yaml", "--nproc-per-node", "2", "--set", "train.global_batch_size=8",
+                          "--ranks", "1", "--steps", "1", "--out", str(tmp_path / "r.json")], cwd=root,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    *_, note, last = out.stdout.strip().splitlines()
+    assert note.startswith("note: one step ends before AdamW's states exist"), note
+    assert re.fullmatch(r"rehearsal: 1 ranks, max peak device \d+\.\d\d GiB \(estimator \d+\.\d\d GiB allocated in "
+                        r"step 1, before AdamW's states, [+-]\d+\.\d%; \d+\.\d\d GiB from step 2 on, \d+\.\d\d GiB "
+                        r"with its fragmentation reserve\), max host \d+\.\d\d GiB, 0 violations", last), last
+    s = json.load(open(tmp_path / "r.json"))["summary"]
+    assert s["steps"] == 1 and s["estimator_optimizer_states_bytes"] > 0
+    assert abs(s["difference_first_step"]) <= 0.03 and s["difference"] < -0.1, s
+
+
+def test_progress_lines_are_passed_on_while_the_rank_runs(tmp_path):
+    """``tools/rehearse.py`` hands a rank's progress line on as it comes: this stand-in rank goes on only once the
+    line's handler has made a file (it gives up after 60 s), so a reader that waited for the end would fail."""
+    import sys
+
+    from megatron_lc.rehearsal.rank import PROGRESS
+
+    sys.path.insert(0, os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")), "tools"))
+    import rehearse
+
+    gate = tmp_path / "gate"
+    child = (f"import os, sys, time\nprint({PROGRESS + 'setup data'!r}, flush=True)\nt = time.time()\n"
+             f"while not os.path.exists({str(gate)!r}):\n    if time.time() - t > 60: sys.exit(3)\n"
+             f"    time.sleep(0.01)\nprint('done')\n")
+    said = []
+
+    def on_phase(name):
+        said.append(name)
+        gate.write_text("")
+
+    with open(tmp_path / "err", "w+") as err:
+        code, other = rehearse.follow([sys.executable, "-c", child], dict(os.environ), err, on_phase)
+    assert (code, said, other) == (0, ["setup data"], ["done\n"])

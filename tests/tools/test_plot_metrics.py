@@ -34,3 +34,17 @@ def test_png_from_a_real_run_with_a_resumed_tail(tmp_path):
 def test_missing_file_is_a_one_line_error(tmp_path, capsys):
     assert plot_metrics.main([str(tmp_path / "nope.jsonl")]) == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope.jsonl'} not found"
+
+
+def test_without_o_the_png_goes_beside_the_metrics_file_and_its_path_is_printed(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 9.0 - s, "tokens_per_s": 100.0,
+                                                           "mfu": 0.1, "peak_memory_bytes": 2**20}) + "\n"
+                                               for s in (1, 2, 3)))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the current folder: no PNG lands here
+    assert plot_metrics.main([str(run / "metrics.jsonl")]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {run / 'metrics.png'} (3 steps)"
+    assert (run / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(tmp_path / "elsewhere") == []

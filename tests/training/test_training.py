@@ -105,3 +105,43 @@ def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
                                          "logging.wandb_project=megatron_lc_test"])
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list(tmp_path.rglob("*"))[:20]
+
+
+def test_rank_0_shows_a_progress_bar_with_the_time_left_on_a_terminal_only(monkeypatch, caplog):
+    """On a terminal rank 0 draws a tqdm bar over the steps (done / total, the time left, the loss) and the step lines
+    are written above it (the bar cleared first, not run into); other ranks, and a stderr that is no terminal (a
+    log file, a pipe, these tests), get no bar; the step lines are the same either way."""
+    import io
+    import logging
+    import re
+    import sys
+
+    from megatron_lc.parallel.topology import Topology
+    from megatron_lc.training.logger import StepBar
+    from megatron_lc.training.loop import Trainer
+    from tests.support.parity import small_config
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    caplog.set_level(logging.INFO, logger="megatron_lc")
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    console = logging.StreamHandler(term)  # the console handler of setup_logging, on this terminal
+    logging.root.addHandler(console)
+    try:
+        Trainer(small_config(["train.train_iters=3", "logging.peak_tflops=1", "logging.log_interval=1"]),
+                Topology()).train()
+    finally:
+        logging.root.removeHandler(console)
+    text = term.getvalue()
+    assert re.search(r"training: +33%\|.*\| 1/3 \[\d\d:\d\d<\d\d:\d\d, .*loss \d+\.\d{4}\]", text), text
+    assert re.search(r"training: 100%\|.*\| 3/3 \[\d\d:\d\d<00:00, ", text), text
+    assert re.search(r"\rstep +2/3 \| loss ", text) and not re.search(r"\]step ", text), text
+    assert [ln.split("|")[0] for ln in caplog.messages if ln.startswith("step")] == [
+        "step      1/3 ", "step      2/3 ", "step      3/3 "]
+    assert StepBar(1, 3, 0).bar is None  # rank 1
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    bar = StepBar(0, 3, 0)
+    assert bar.bar is None and sys.stderr.getvalue() == ""

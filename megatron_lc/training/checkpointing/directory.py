@@ -154,14 +154,17 @@ def same_dir(a: Optional[str], b: Optional[str]) -> bool:
 
 
 def check_save_dir(cfg: Config) -> None:
-    """Refuse to save into a directory that holds another run's checkpoints (resuming it is ``load == save``)."""
+    """Refuse to save into a directory that holds another run's checkpoints (resuming it is ``load == save``). The
+    error names both ways on: resume that run, or give this one its own directory -- a config's ``checkpoint.save``
+    is shared by every run of it (the demo's and each variant of its command line)."""
     save, load = cfg.checkpoint.save, cfg.checkpoint.load
     if not save or same_dir(save, load):
         return
     done = complete_iterations(save)
     if done:
         raise ConfigError(f"checkpoint.save ({save}) already holds a run (checkpoints up to iteration {done[-1]}): "
-                          f"resume it with checkpoint.load={save}, or save this run to another directory")
+                          f"to resume that run add --set checkpoint.load={save}; to start another, give it its own "
+                          f"directory with --set checkpoint.save=NEW_DIR")
 
 
 def read_meta(path: str) -> dict:

@@ -184,6 +184,13 @@ def test_context_positions_restart_per_document():
 
 
 # ---- the command line --------------------------------------------------------------------------------------------
+def summary_lines(results: dict) -> list[str]:
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import eval_long
+
+    return eval_long.summary_lines(results)
+
+
 def eval_cli(*args, nproc: int = 1):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
                 if nproc > 1 else [sys.executable])
@@ -214,7 +221,13 @@ def test_cli_writes_json_and_png_and_two_ranks_give_the_same_numbers(tiny_checkp
     one = eval_cli(*common, "--out", str(tmp_path / "one.json"), *(["--png", str(tmp_path / "one.png")] * png))
     assert one.returncode == 0, one.stderr[-3000:]
     res = json.loads((tmp_path / "one.json").read_text())
-    assert json.loads(one.stdout) == res
+    # the terminal gets the summary (buckets' means, keys right per length); the JSON goes to --out alone
+    summary = summary_lines(res)
+    assert one.stdout.splitlines() == [*summary, f"wrote {tmp_path / 'one.json'}"
+                                       + (f" and {tmp_path / 'one.png'}" if png else "") + " (the full results)"]
+    assert [ln.split()[0] for ln in summary] == ["evaluated", "loss", "0-8", "8-16", "16-32", "passkey,", "24", "32"]
+    keys = [round(sum(row) * 2) for row in res["passkey"]["accuracy"]]  # 3 depths x 2 keys per length
+    assert summary[-2:] == [f"  {n:<12} {k} of 6 ({100 * k / 6:.0f}%)" for n, k in zip((24, 32), keys)]
     assert res["iteration"] == 2 and res["checkpoint"].endswith("iter_0000002") and res["seq_length"] == 32
     pl = res["position_loss"]
     assert pl["samples"] == 3 and pl["source"] == "mock data" and pl["seen_in_training"] is False
@@ -237,6 +250,18 @@ def test_cli_writes_json_and_png_and_two_ranks_give_the_same_numbers(tiny_checkp
         for a, b in zip(res2["position_loss"]["buckets"], pl["buckets"]):
             assert a["tokens"] == b["tokens"] and abs(a["mean_loss"] - b["mean_loss"]) <= LOSS_RTOL * b["mean_loss"]
         assert res2["passkey"]["cells"] == pk["cells"]
+
+
+def test_cli_without_out_prints_the_summary_and_says_where_the_json_could_go(tiny_checkpoint, tmp_path):
+    config, run = tiny_checkpoint
+    out = eval_cli("--config", config, "--load", run, "--documents", "1", "--bucket-edges", "0", "16", "--lengths",
+                   "32", "--depths", "0.5")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 7 and lines[0].startswith("evaluated ") and lines[1].startswith("loss by position (1 ")
+    assert lines[-1] == ("the full results (every bucket's tokens, every passkey cell, token accuracies) were not "
+                         "written: add --out FILE.json")
+    assert "{" not in out.stdout
 
 
 def test_cli_missing_checkpoint_is_one_line(tiny_checkpoint, tmp_path):
