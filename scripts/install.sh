@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install megatron_lc with its test tools, CPU build of PyTorch first.
 #   bash scripts/install.sh            (idempotent; re-running only checks what is installed)
-# pip runs quietly (-q: its warnings and errors still show); one line says what is being done, one what was installed.
+# pip runs quietly (-qq: its errors still show, not the warnings of a machine's own pip configuration); one line says
+# what is being done, one what was installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,6 +13,6 @@ else
   "$PY" -m venv .venv
 fi
 # torch first and pinned: this resolves to the CPU wheel on this disk; an unpinned torch would be a CUDA build.
-.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
+.venv/bin/pip install -qq --disable-pip-version-check torch==2.13.0
+.venv/bin/pip install -qq --disable-pip-version-check -e ".[dev]"
 .venv/bin/python -c "import torch, megatron_lc; print('installed: torch', torch.__version__, '| megatron_lc', megatron_lc.__version__)"

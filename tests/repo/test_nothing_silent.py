@@ -294,7 +294,7 @@ def test_preprocessing_shows_progress(tmp_path):
     install = open(os.path.join(ROOT, "scripts", "install.sh")).read()
     # pip is quiet (the demo's output starts with training) and a line before it says what is being installed
     pips = [ln for ln in install.splitlines() if "pip install" in ln]
-    assert pips and all("pip install -q " in ln for ln in pips) and 'echo "installing into .venv' in install
+    assert pips and all("pip install -qq " in ln for ln in pips) and 'echo "installing into .venv' in install
 
 
 def test_rope_past_max_positions_is_said_and_exported(tmp_path, caplog):
