@@ -47,7 +47,7 @@ def read_documents(files: list[str]) -> list[str]:
 def prepare_demo_data(data_path: str, tokenizer_model: str, vocab_size: int) -> None:
     docs = None
     if not os.path.isfile(tokenizer_model):
-        log.info("training a %d-token SentencePiece tokenizer on the Python stdlib sources -> %s (about a minute "
+        log.info("training a %d-token SentencePiece tokenizer on the Python stdlib sources -> %s (a few seconds "
                  "on 2 cores; SentencePiece reports nothing until it is done)", vocab_size, tokenizer_model)
         docs = read_documents(stdlib_source_files())
         with tempfile.TemporaryDirectory() as tmp:
