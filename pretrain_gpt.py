@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from megatron_lc.config import ConfigError, load_config
     from megatron_lc.data import DataError, with_tokenizer_vocab
     from megatron_lc.training.errors import TrainingError
-    from megatron_lc.training.faults import out_of_host_memory
+    from megatron_lc.training.faults import ignore_stop_signals, out_of_host_memory
     from megatron_lc.training.launcher import follow_launcher
     from megatron_lc.training.process_group import env_world, setup_logging
 
@@ -65,6 +65,7 @@ def main(argv=None) -> int:
         from megatron_lc.training.entry import run
 
         run(cfg)
+        ignore_stop_signals(rank)  # and on to the process' end: the run has ended well
     except (ConfigError, DataError) as e:
         # said already by entry.run when the ranks could agree on it; before that (the config, the layout) every
         # rank fails the same way and rank 0 speaks for all

@@ -1,7 +1,7 @@
 """``pretrain_gpt.py --nproc-per-node 2`` (training/launcher.py) under signals: SIGTERM, SIGUSR1 and Ctrl-C to the
-launcher save a checkpoint and exit 0 with no process left; a second Ctrl-C stops at once in one line; a SIGKILL
-of the launcher leaves no rank behind (they save first); an error is said once whichever rank fails first.
-Every wait is on something the ranks write (metrics lines, markers, exits), never on a clock."""
+launcher save a checkpoint and exit 0 with no process left; a signal after the last step changes nothing; a second
+Ctrl-C stops at once in one line; a SIGKILL of the launcher leaves no rank behind (they save first); an error is said
+once whichever rank fails first. Every wait is on something the ranks write (metrics lines, markers, exits), never on a clock."""
 from __future__ import annotations
 
 import os
@@ -71,6 +71,30 @@ def test_stop_signals_to_the_launcher_save_and_exit_0_with_no_process_left(tmp_p
         done = metrics(mfile)[-1]["step"]
         assert find_latest(str(ck)).endswith(f"iter_{done:07d}")
         assert all(_gone(p) for p in ranks)
+
+
+def test_a_stop_signal_after_the_last_step_changes_nothing(tmp_path):
+    """SIGUSR1 to the launcher once both ranks have returned from training (a test hook holds each there until the
+    signal reaches it): by its default action it would kill them on their way out (exit 138 for a run that
+    finished); they say it and end the run as before: exit 0, and the run's outcome file says it finished."""
+    ck, marker = tmp_path / "ck", tmp_path / "trained"
+    launcher = _start(tmp_path, "train.global_batch_size=4", "train.train_iters=2", f"checkpoint.save={ck}",
+                      script=("-m", "tests.support.launch_driver", "2"), hook=(f"signal_after_training:{marker}",))
+    ranks = []
+    try:
+        wait_for(lambda: all(os.path.exists(f"{marker}.{r}") for r in (0, 1)), what="both ranks after training",
+                 procs=[launcher])
+        ranks = _ranks(launcher)
+        launcher.send_signal(signal.SIGUSR1)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        kill_all([launcher])
+        _kill(ranks, tmp_path)
+    assert launcher.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "error:" not in err, err[-3000:]
+    assert "received SIGUSR1 after the last step: nothing to stop, the run is ending" in err
+    assert (ck / "run_outcome.txt").read_text().startswith("finished: iteration 2 of train.train_iters=2, checkpoint ")
+    assert complete_iterations(str(ck)) == [2]
 
 
 def test_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
