@@ -1,12 +1,15 @@
 """Pretrain a Llama/GPT model.
 
     python pretrain_gpt.py --nproc-per-node N --config X.yaml [--set k=v ...]    # N local ranks, config checked first
-    torchrun --nproc-per-node N pretrain_gpt.py --config X.yaml [--set k=v ...]  # any launcher (SLURM: scripts/slurm)
+    python pretrain_gpt.py --nproc-per-node N --nnodes M --node-rank R --master-addr HOST ...   # one of M nodes
+    torchrun --nproc-per-node N pretrain_gpt.py --config X.yaml [--set k=v ...]  # any launcher
     python pretrain_gpt.py --config X.yaml                                        # one process
 
 With ``--nproc-per-node`` this script is the launcher (``training/launcher.py``): it checks the config and the
 layout for N ranks before it starts anything (a mistake is one line, nothing spawned), forwards SIGTERM, SIGINT and
 SIGUSR1 to the ranks, waits ``--shutdown-grace`` seconds for their checkpoint, and ends with their exit code.
+With ``--nnodes M`` the same command runs on every node (``scripts/slurm/launch.sh``: one srun task per node): node
+0 hosts the rendezvous store at ``--master-addr:--master-port``, the others join it.
 An error is one line, said once: rank 0 says it; another rank says its own only when it differs from rank 0's
 (agreed through the rendezvous store, ``training/entry.py``). Ctrl-C stops like SIGTERM (the step finishes, a
 checkpoint is saved, exit 0); a second Ctrl-C stops at once without saving (exit 130).
@@ -30,18 +33,31 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="start N local ranks after checking the config for them (training/launcher.py)")
     p.add_argument("--shutdown-grace", type=float, default=600.0, metavar="S",
                    help="with --nproc-per-node: seconds to wait for the ranks' checkpoint after a forwarded signal")
+    p.add_argument("--nnodes", type=int, default=1, metavar="M",
+                   help="with --nproc-per-node: the run's nodes, each running this command with its --node-rank")
+    p.add_argument("--node-rank", type=int, default=0, metavar="R", help="with --nnodes: this node, 0..M-1")
+    p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
+                   help="with --nnodes: node 0's host name or address; its launcher hosts the rendezvous store")
+    p.add_argument("--master-port", type=int, default=None, metavar="P",
+                   help="with --nnodes: the rendezvous store's port on node 0 (default 29500; one node: any free port)")
     return p.parse_args(argv)
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Check the config for ``--nproc-per-node`` ranks, then run them (``training/launcher.py``)."""
-    from megatron_lc.config import load_config, resolve_layout
+    """Check the config for ``--nnodes`` x ``--nproc-per-node`` ranks, then run this node's
+    (``training/launcher.py``)."""
+    from megatron_lc.config import ConfigError, load_config, resolve_layout
     from megatron_lc.data import with_tokenizer_vocab
-    from megatron_lc.training.launcher import launch_local, worker_args
+    from megatron_lc.training.launcher import DEFAULT_PORT, Nodes, launch_local, worker_args
 
+    if args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node must be at least 1, not {args.nproc_per_node}")
+    port = args.master_port if args.master_port is not None else DEFAULT_PORT if args.nnodes > 1 else 0
+    nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, port)
     cfg = with_tokenizer_vocab(load_config(args.config, args.overrides), warn=False)  # the ranks say it
-    resolve_layout(cfg, args.nproc_per_node)  # ConfigError or DataError: nothing spawned
-    return launch_local(args.nproc_per_node, os.path.abspath(__file__), worker_args(argv), args.shutdown_grace)
+    resolve_layout(cfg, args.nnodes * args.nproc_per_node)  # ConfigError or DataError: nothing spawned
+    return launch_local(args.nproc_per_node, os.path.abspath(__file__), worker_args(argv), args.shutdown_grace,
+                        nodes=nodes)
 
 
 def main(argv=None) -> int:
@@ -50,7 +66,7 @@ def main(argv=None) -> int:
     from megatron_lc.config import ConfigError, load_config
     from megatron_lc.data import DataError, with_tokenizer_vocab
     from megatron_lc.training.errors import TrainingError
-    from megatron_lc.training.faults import out_of_host_memory
+    from megatron_lc.training.faults import ignore_stop_signals, out_of_host_memory
     from megatron_lc.training.launcher import follow_launcher
     from megatron_lc.training.process_group import env_world, setup_logging
 
@@ -58,6 +74,9 @@ def main(argv=None) -> int:
     try:
         if args.nproc_per_node is not None:
             return launch(args, argv)
+        if args.nnodes != 1 or args.node_rank or args.master_port is not None:
+            raise ConfigError("--nnodes, --node-rank and --master-port go with --nproc-per-node (this command as "
+                              "each node's launcher)")
         follow_launcher()
         setup_logging(rank)
         # model.vocab_size unset: the tokenizer's
@@ -65,6 +84,7 @@ def main(argv=None) -> int:
         from megatron_lc.training.entry import run
 
         run(cfg)
+        ignore_stop_signals(rank)  # and on to the process' end: the run has ended well
     except (ConfigError, DataError) as e:
         # said already by entry.run when the ranks could agree on it; before that (the config, the layout) every
         # rank fails the same way and rank 0 speaks for all

@@ -11,12 +11,16 @@ collective with the failed rank), then speaks.
 
     rank 0: error: data file not found: x.bin ...     (printed, then posted)
     rank 1: the same error, reads rank 0's: silent
+
+``run`` also leaves how the run ended in ``checkpoint.save`` (``checkpointing/directory.write_outcome``: finished,
+stopped with a checkpoint to resume, or failed with its line) for a job script to decide on a requeue.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import logging
+import signal
 import sys
 from typing import Optional
 
@@ -25,8 +29,11 @@ import torch.distributed as dist
 from ..config import Config, ConfigError
 from ..data import DataError
 from ..data.demo import prepare_demo_data
+from .errors import TrainingError
+from .faults import ignore_stop_signals
 from .loop import Trainer, TrainState
 from .process_group import init_distributed, shutdown
+from .checkpointing.directory import OUTCOME, clear_outcome, iter_dir, write_outcome
 from .checkpointing.lock import lock_save_dir
 
 log = logging.getLogger("megatron_lc")
@@ -91,20 +98,46 @@ def errors_said_once(cfg: Config, rank: int):
         raise
 
 
+def outcome(cfg: Config, state: TrainState) -> tuple[str, str]:
+    """(``finished`` or ``stopped``, the detail) of a run whose training returned: its checkpoint is written."""
+    iters, checkpoint = cfg.train.train_iters, iter_dir(cfg.checkpoint.save, state.iteration)
+    if state.iteration >= iters:
+        return "finished", f"iteration {state.iteration} of train.train_iters={iters}, checkpoint {checkpoint}"
+    return "stopped", (f"{state.stop_reason or 'stopped'} after step {state.iteration} of train.train_iters={iters}, "
+                       f"checkpoint {checkpoint}: resuming from it goes on")
+
+
 def run(cfg: Config) -> TrainState:
     layout, topo, device = init_distributed(cfg)
-    lock = None
+    lock, late = None, {}
     try:
         with errors_said_once(cfg, topo.rank):
             lock = lock_save_dir(cfg.checkpoint.save, topo.rank)  # one run per save directory, for the run's life
+            if lock is not None:
+                clear_outcome(cfg.checkpoint.save)  # the previous run's: this one's is written at its end
             log.info("%s | layout tp=%d cp=%d (ring %d x ulysses %d, %s) dp=%d | model %.2fM params",
                      topo.describe(), topo.tp, topo.cp, topo.ring, topo.ulysses, cfg.parallel.cp_comm_type, topo.dp,
                      cfg.model.num_parameters() / 1e6)
             prepare_data(cfg, topo.rank)
             trainer = Trainer(cfg, topo, device, layout)
             setup_done(topo.rank)
-            return trainer.train()
+            try:
+                state = trainer.train()
+            except TrainingError as e:  # a failed save, divergence, a lost rank: no requeue will help
+                if lock is not None:
+                    with contextlib.suppress(OSError):
+                        write_outcome(cfg.checkpoint.save, "failed", str(e))
+                raise
+            late = ignore_stop_signals(topo.rank)  # from here a SIGUSR1 or SIGTERM must not kill a finished rank
+            if lock is not None:  # every rank has returned from the last save (it ends in a barrier)
+                try:
+                    write_outcome(cfg.checkpoint.save, *outcome(cfg, state))
+                except OSError as e:
+                    log.warning("could not write %s (%s): a job script cannot tell how this run ended", OUTCOME, e)
+            return state
     finally:
         if lock is not None:
             lock.release()
         shutdown()
+        for s, handler in late.items():
+            signal.signal(s, handler)

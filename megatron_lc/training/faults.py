@@ -8,6 +8,8 @@ Stopping (``StopControl``):
     ``[signal number, time limit reached, step non-finite]``. Every rank therefore sees the same vector after the
     same step: all stop together, save one checkpoint together and exit 0. Example, 4 ranks, SIGUSR1 reaches rank 2
     during step 7: after step 7's all-reduce every rank reads ``[10, 0, 0]``, finishes step 7, saves iter 7, exits.
+    After the last step a stop signal changes nothing (``ignore_stop_signals``): the process is ending, and by their
+    default action SIGUSR1 and SIGTERM would kill it on the way out of a run that finished well.
 
 Non-finite steps (``SkipCounter``):
     a step whose global loss or grad norm is inf/nan on *any* rank is skipped by all (no optimizer update; its
@@ -99,6 +101,22 @@ class StopControl:
         if time_up:
             return "train.exit_duration_in_mins reached"
         return None
+
+
+def ignore_stop_signals(rank: int) -> dict:
+    """From now on SIGTERM, SIGUSR1 and SIGINT are said (rank 0) and ignored: training has returned, its last save
+    done, nothing is left to stop. Returns the handlers replaced, for ``signal.signal`` to put back (none outside the main thread, where
+    signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    said = {s: f"received {s.name} after the last step: nothing to stop, the run is ending\n".encode()
+            for s in EXIT_SIGNALS}
+
+    def noted(signum, frame) -> None:
+        if rank == 0:
+            os.write(2, said[signum])
+
+    return {s: signal.signal(s, noted) for s in EXIT_SIGNALS}
 
 
 class SkipCounter:

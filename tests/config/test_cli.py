@@ -23,7 +23,8 @@ def test_demo_trains_on_two_ranks_and_writes_metrics_and_checkpoint(tmp_path):
     assert [r["step"] for r in recs] == list(range(1, 17))
     assert recs[-1]["loss"] < recs[0]["loss"] - 1.5, [r["loss"] for r in recs]
     assert sorted(os.listdir(tmp_path / "run")) == ["iter_0000008", "iter_0000016",
-                                                    "latest_checkpointed_iteration.txt", "metrics.jsonl"]
+                                                    "latest_checkpointed_iteration.txt", "metrics.jsonl",
+                                                    "run_outcome.txt"]
     assert "MFU" in out.stderr and "tok/gpu/s" in out.stderr
 
 

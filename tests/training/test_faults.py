@@ -53,8 +53,8 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
 
 
 def test_torchrun_forwards_sigusr1_to_workers(tmp_path):
-    """What the SLURM scripts rely on: with PET_SIGNALS_TO_HANDLE (exported by scripts/slurm/launch.sh) torchrun
-    forwards SIGUSR1 to its workers, which checkpoint and exit."""
+    """A bare torchrun run: with PET_SIGNALS_TO_HANDLE torchrun forwards SIGUSR1 to its workers, which checkpoint and
+    exit (its agent then ends with SignalException, which is why scripts/slurm/launch.sh runs our launcher)."""
     ck, mfile = tmp_path / "ck", tmp_path / "m.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()),

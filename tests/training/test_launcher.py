@@ -1,16 +1,22 @@
 """``pretrain_gpt.py --nproc-per-node 2`` (training/launcher.py) under signals: SIGTERM, SIGUSR1 and Ctrl-C to the
-launcher save a checkpoint and exit 0 with no process left; a second Ctrl-C stops at once in one line; a SIGKILL
-of the launcher leaves no rank behind (they save first); an error is said once whichever rank fails first.
-Every wait is on something the ranks write (metrics lines, markers, exits), never on a clock."""
+launcher save a checkpoint and exit 0 with no process left; a signal after the last step changes nothing; a second
+Ctrl-C stops at once in one line; a SIGKILL of the launcher leaves no rank behind (they save first); an error is said
+once whichever rank fails first. Several nodes: node 0 keeps its rendezvous store until the others are done; nodes
+that disagree or cannot meet say so in one line. Every wait is on something the ranks write (metrics lines, markers,
+exits, store keys), never on a clock."""
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import subprocess
 import sys
 
+import torch.distributed as dist
+
 from megatron_lc.training.checkpointing.directory import complete_iterations, find_latest
-from tests.support.faults_util import ROOT, env_for, kill_all, metrics, wait_for, write_config
+from megatron_lc.training.launcher import NODES_KEY
+from tests.support.faults_util import ROOT, env_for, free_port, kill_all, metrics, wait_for, write_config
 
 WORLD = ["train.global_batch_size=4", "train.train_iters=100000"]
 
@@ -71,6 +77,30 @@ def test_stop_signals_to_the_launcher_save_and_exit_0_with_no_process_left(tmp_p
         done = metrics(mfile)[-1]["step"]
         assert find_latest(str(ck)).endswith(f"iter_{done:07d}")
         assert all(_gone(p) for p in ranks)
+
+
+def test_a_stop_signal_after_the_last_step_changes_nothing(tmp_path):
+    """SIGUSR1 to the launcher once both ranks have returned from training (a test hook holds each there until the
+    signal reaches it): by its default action it would kill them on their way out (exit 138 for a run that
+    finished); they say it and end the run as before: exit 0, and the run's outcome file says it finished."""
+    ck, marker = tmp_path / "ck", tmp_path / "trained"
+    launcher = _start(tmp_path, "train.global_batch_size=4", "train.train_iters=2", f"checkpoint.save={ck}",
+                      script=("-m", "tests.support.launch_driver", "2"), hook=(f"signal_after_training:{marker}",))
+    ranks = []
+    try:
+        wait_for(lambda: all(os.path.exists(f"{marker}.{r}") for r in (0, 1)), what="both ranks after training",
+                 procs=[launcher])
+        ranks = _ranks(launcher)
+        launcher.send_signal(signal.SIGUSR1)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        kill_all([launcher])
+        _kill(ranks, tmp_path)
+    assert launcher.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "error:" not in err, err[-3000:]
+    assert "received SIGUSR1 after the last step: nothing to stop, the run is ending" in err
+    assert (ck / "run_outcome.txt").read_text().startswith("finished: iteration 2 of train.train_iters=2, checkpoint ")
+    assert complete_iterations(str(ck)) == [2]
 
 
 def test_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
@@ -136,3 +166,74 @@ def test_an_error_is_said_once_when_another_rank_fails_first(tmp_path):
         f"error: data file not found: {tmp_path}/none.bin (data.data_path is the prefix of a .bin/.idx pair; make one "
         f"with tools/preprocess_data.py)"], err[-3000:]
     assert (tmp_path / "rank1_failed").exists()
+
+
+# ---- several nodes: the launchers meet through node 0's store (scripts/slurm/launch.sh runs one per node) ----------
+NODE = """
+import sys
+from megatron_lc.training.launcher import Nodes, launch_local
+nproc, rank, port, timeout = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+sys.exit(launch_local(nproc, sys.argv[5], [], 60.0, nodes=Nodes(2, rank, "127.0.0.1", port, timeout)))
+"""
+
+
+def _node(tmp_path, nproc: int, rank: int, port: int, join_timeout: float = 60) -> subprocess.Popen:
+    """This node's launcher (``launch_local`` with ``Nodes(2, rank)``) whose ranks exit 0 at once."""
+    rank_script = tmp_path / "rank.py"
+    rank_script.write_text("import sys\nsys.exit(0)\n")
+    return subprocess.Popen([sys.executable, "-c", NODE, str(nproc), str(rank), str(port), str(join_timeout),
+                             str(rank_script)], cwd=ROOT, env=env_for(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_node_0_keeps_the_rendezvous_store_until_every_node_is_done(tmp_path):
+    """The other nodes' ranks may still use node 0's store after node 0's ranks have ended (an error agreed through
+    it, the process group's shutdown): node 0's launcher says it is done and then waits for the others (the test
+    plays node 1 through the store), so the store is there until node 1 says it is done."""
+    port = free_port()
+    node0 = _node(tmp_path, 1, 0, port)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+        store.set(f"{NODES_KEY}/nproc/1", "1")  # node 1 joins with one rank
+        store.wait([f"{NODES_KEY}/done/0"])  # node 0's rank has ended
+        assert store.get(f"{NODES_KEY}/done/0") == b"0" and node0.poll() is None
+        store.set(f"{NODES_KEY}/done/1", "0")
+        _, err = node0.communicate(timeout=60)
+    finally:
+        kill_all([node0])
+    assert node0.returncode == 0, err
+    assert err == f"node 0 of 2: ranks 0..0 of 2, rendezvous store hosted here at 127.0.0.1:{port}\n"
+
+
+def test_nodes_that_disagree_or_cannot_meet_say_so_in_one_line(tmp_path):
+    """Two nodes with different --nproc-per-node: each refuses in one line, exit 2, no rank started. A node whose
+    node 0 never comes up: one line naming the address, exit 3 (and no C++ stack of torch's store client)."""
+    port = free_port()
+    nodes = [_node(tmp_path, 1, 0, port), _node(tmp_path, 2, 1, port)]
+    try:
+        results = [p.communicate(timeout=120) for p in nodes]
+    finally:
+        kill_all(nodes)
+    for p, (_, err) in zip(nodes, results):
+        assert p.returncode == 2 and err.splitlines() == [
+            "error: the nodes run different numbers of ranks (node: ranks {0: 1, 1: 2}); every node must have the "
+            "same --nproc-per-node"], err
+    alone = _node(tmp_path, 1, 1, free_port(), join_timeout=1)
+    _, err = alone.communicate(timeout=60)
+    assert alone.returncode == 3 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: node 1 could not reach the rendezvous store of node 0 at 127.0.0.1:") and \
+        "within 1 s (Connection refused): is node 0 running" in err, err
+
+
+def test_node_arguments_that_cannot_work_are_one_line_and_start_nothing(tmp_path):
+    for args, line in [
+            (["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2"],
+             "error: --node-rank must be in 0..1 for --nnodes 2, not 2"),
+            (["--nproc-per-node", "1", "--nnodes", "2", "--master-port", "70000"],
+             "error: --master-port must be a port number (1..65535) for several nodes, not 70000"),
+            (["--nnodes", "2"], "error: --nnodes, --node-rank and --master-port go with --nproc-per-node (this command "
+                                "as each node's launcher)")]:
+        out = subprocess.run([sys.executable, "pretrain_gpt.py", "--config", write_config(tmp_path), *args], cwd=ROOT,
+                             env=env_for(), capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and out.stderr.splitlines() == [line], out.stderr

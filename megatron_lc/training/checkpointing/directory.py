@@ -6,6 +6,7 @@ behind, and the atomic writes a save is made of (``checkpoint.py`` writes and lo
     runs/x/iter_0000006.old/       a re-save of 6 killed between its two renames: loaded when iter_0000006/ is not
                                    complete, removed once it is
     runs/x/latest_checkpointed_iteration.txt   a hint (Megatron's name), re-checked against the directories
+    runs/x/run_outcome.txt         how the last run on the directory ended, one line (``write_outcome``)
 
 ``checkpoints_newest_first("runs/x")`` -> ``["runs/x/iter_0000006.old", "runs/x/iter_0000004"]`` here.
 """
@@ -22,6 +23,7 @@ import torch
 from ...config import Config, ConfigError
 
 LATEST = "latest_checkpointed_iteration.txt"
+OUTCOME = "run_outcome.txt"
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -38,6 +40,22 @@ def atomic_write_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_outcome(save: str, outcome: str, detail: str) -> None:
+    """``<save>/run_outcome.txt``: one line, ``OUTCOME: detail``, how the run holding the directory ended --
+    ``finished`` (train.train_iters reached, its checkpoint written), ``stopped`` (a signal or the time limit: the
+    ranks agreed on a step and its checkpoint is written; resuming goes on) or ``failed`` (the one-line error). Written
+    atomically by rank 0 at the end; a run that takes the directory removes the previous one (``clear_outcome``), so
+    a run killed before its end leaves none. ``scripts/slurm/launch.sh`` requeues a job only on ``stopped``."""
+    atomic_write_text(os.path.join(save, OUTCOME), f"{outcome}: {' '.join(detail.split())}\n")
+
+
+def clear_outcome(save: str) -> None:
+    try:
+        os.unlink(os.path.join(save, OUTCOME))
+    except FileNotFoundError:
+        pass
 
 
 def iter_dir(save: str, iteration: int) -> str:

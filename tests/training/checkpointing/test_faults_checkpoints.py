@@ -140,6 +140,8 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mod
         f"File too large (this process may write files of at most {size // 2} bytes: ulimit -f)); the previous "
         f"checkpoint is kept: {run / 'iter_0000001'}"], out.stderr[-3000:]
     assert complete_iterations(str(run)) == [1] and not (run / "iter_0000002.tmp").exists()
+    # what a job script reads (scripts/slurm/launch.sh): failed, with the same line -- no requeue
+    assert (run / "run_outcome.txt").read_text() == error_lines(out.stderr)[0].replace("error: ", "failed: ", 1) + "\n"
 
 
 def test_a_failure_on_one_rank_is_the_same_line_on_every_rank(tmp_path):
