@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..config.documents import DocumentRanges
+
 
 class MockDataset:
     """Random tokens, a pure function of (seed, split, k): for tests and benchmarks without data files. Its
@@ -64,7 +66,8 @@ def document_fields(tokens: torch.Tensor, eod: int, reset_position_ids: bool, re
 
 def make_batch(dataset, sample_ids: list[int], data_cfg=None) -> dict:
     """Full-sequence batch ``{tokens, labels, position_ids: [b, s], loss_mask, sample_ids}``, with the document
-    fields of ``data_cfg`` (``reset_position_ids``, ``reset_attention_mask``: ``document_ids``, ``eod_mask_loss``)."""
+    fields of ``data_cfg`` (``reset_position_ids``, ``reset_attention_mask``: ``document_ids`` and ``documents``,
+    the host's ``config.DocumentRanges`` every core attention cuts its blocks by, ``eod_mask_loss``)."""
     arr = np.stack([dataset[k] for k in sample_ids])
     data = torch.from_numpy(arr)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
@@ -80,4 +83,6 @@ def make_batch(dataset, sample_ids: list[int], data_cfg=None) -> dict:
     if d is not None and (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
         batch.update(document_fields(tokens, dataset.eod, d.reset_position_ids, d.reset_attention_mask,
                                      d.eod_mask_loss, batch["loss_mask"]))
+    if d is not None and d.reset_attention_mask:  # from the host array: no device value is ever read for it
+        batch["documents"] = DocumentRanges.from_eod(arr[:, :-1], dataset.eod)
     return batch
