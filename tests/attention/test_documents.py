@@ -30,10 +30,12 @@ MEMO = ["memory.activation_offload=memo", "memory.offload_fraction=0.25"]
 # world -> cases (overrides, tp); one spawn per world, each rank loops over its cases
 CASES = {
     1: [([], 1), (["memory.recompute_granularity=full"], 1), (["memory.recompute_granularity=selective"], 1),
-        (MEMO, 1), (["memory.mst=true", "memory.mst_mlp_chunk_size=8", "memory.mst_head_chunks=4"], 1)],
+        (MEMO, 1), (["memory.mst=true", "memory.mst_mlp_chunk_size=8", "memory.mst_head_chunks=4"], 1),
+        (["memory.activation_offload=checkpoints", "memory.layer_chunk_size=8"], 1)],
     2: [(["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p"], 1),
         (["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p", "memory.recompute_granularity=full"], 1),
         (["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p"] + MEMO, 1),
+        (["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p", "memory.activation_offload=checkpoints"], 1),
         (["parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a"], 1),
         (FPDT + ["memory.fpdt_offload=false"], 1),
         (FPDT + ["memory.fpdt_offload=true", "memory.recompute_granularity=full"], 1),

@@ -50,7 +50,8 @@ def per_document_reference(cfg, batch: dict, total: float):
     ref_cfg.parallel.tensor_model_parallel_size = ref_cfg.parallel.context_parallel_size = 1
     ref_cfg.parallel.ulysses_size, ref_cfg.parallel.cp_comm_type = 1, "p2p"
     ref_cfg.parallel.sequence_parallel = False
-    for k, v in {"mst": False, "recompute_granularity": "none", "activation_offload": "none", "plan": "off"}.items():
+    for k, v in {"mst": False, "recompute_granularity": "none", "activation_offload": "none", "plan": "off",
+                 "layer_chunk_size": None}.items():
         setattr(ref_cfg.memory, k, v)
     for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
         setattr(ref_cfg.data, k, False)
