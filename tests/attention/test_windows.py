@@ -7,6 +7,7 @@ Tolerances (tests/support/parity.py): loss 1e-5 relative, every gradient 1e-4 ab
 rectangles changes only the order of the fp32 softmax sums (merged by lse, ~1e-7 relative per merge)."""
 import pytest
 
+from megatron_lc.config import ConfigError, load_config, resolve_layout
 from tests.dist_cases import windows as dw
 from tests.support.dist import run_dist
 
@@ -66,3 +67,23 @@ def test_no_query_by_key_tensor_and_no_value_read_under_masks(world):
         for big, reads in run_dist(world, dw.watched_step, over, [100, 3, 250, 200]):
             assert not big, (over, big[:3])
             assert not reads, (over, reads[:3])
+
+
+@pytest.mark.parametrize("backend", ["flash", "te"])
+def test_windows_refused_with_kernels_that_take_no_rectangles(backend):
+    """One line naming both keys, before anything is built."""
+    cfg = load_config(None, ["data.mock_data=true", "model.sliding_window=64", f"parallel.attention_backend={backend}"])
+    with pytest.raises(ConfigError, match=rf"model.sliding_window with parallel.attention_backend={backend}") as e:
+        resolve_layout(cfg, 1)
+    assert "\n" not in str(e.value)
+
+
+def test_layer_types_give_each_layer_its_window():
+    cfg = load_config(None, ["data.mock_data=true", "model.num_layers=4", "model.sliding_window=1024",
+                             "model.layer_types=sliding_attention,sliding_attention,sliding_attention,full_attention"])
+    assert resolve_layout(cfg, 1).windows == (1024, 1024, 1024, None)
+    assert load_config(None, ["model.num_layers=2", "model.sliding_window=8"]).model.attention_windows() == (8, 8)
+    with pytest.raises(ConfigError, match="layer_types has 1 entries for model.num_layers"):
+        load_config(None, ["model.num_layers=2", "model.sliding_window=8", "model.layer_types=full_attention"])
+    with pytest.raises(ConfigError, match="sliding_window is not set"):
+        load_config(None, ["model.num_layers=1", "model.layer_types=sliding_attention"])
