@@ -43,6 +43,21 @@ def torch_kernels(cfg: Config, dims: Dims) -> bool:
     return dims.device == "cuda" and cfg.parallel.attention_backend in ("auto", "torch")
 
 
+def varlen_extra(dims: Dims, Q: float, KV: float, fq: float, fk: float, backward: bool = True) -> float:
+    """Bytes one block's variable-length calls hold (``fused_cuda.TorchCUDABackend.forward_rects`` /
+    ``backward_rects``: documents or windows on CUDA) above its q, k, v and the fp32 accumulators. The rectangles'
+    rows are gathered into packed tensors (no GQA repeat: the kernel takes the kv heads as they are). Forward: packed
+    q, k, v and the call's out (fq·Q twice, fk·KV), then the merge at those rows: the accumulator rows gathered, the
+    two weighted terms and their sum in fp32 (4 fq·Q fp32). Backward: packed dout, q, out, k, v and the call's dq,
+    dk, dv (4 fq·Q, 2 fk·KV) and their fp32 copies for the accumulation under bf16. Example, Llama3-8B, ring cp 8
+    at 1M with documents (a rank's q Q = 1 GiB in bf16, KV = 0.5 GiB): an off-diagonal block (fq 1/2, fk 1) holds
+    5.5 GiB in forward, 4 of them the merge's fp32 temporaries."""
+    f = 4 / dims.compute_bytes
+    if not backward:
+        return 2 * fq * Q + fk * KV + 4 * f * fq * Q
+    return 4 * fq * Q + 2 * fk * KV + ((fq * Q + fk * KV) * f if dims.compute_bytes < 4 else 0.0)
+
+
 def kernel_extra(cfg: Config, dims: Dims, Q: float, KV: float, fq: float, fk: float, dout_view: bool = False,
                  backward: bool = True) -> float:
     """Bytes one fused CUDA kernel call holds above a kernel that takes the kv heads as they are (0 with other
@@ -58,6 +73,14 @@ def kernel_extra(cfg: Config, dims: Dims, Q: float, KV: float, fq: float, fk: fl
     kernel, 1 (dout) + 2 + 2 GiB beside dq and at the query heads, dk, dv, in place of dk, dv (0.5): 4.5 GiB more."""
     if not torch_kernels(cfg, dims):
         return 0.0
+    ranges = varlen_extra(dims, Q, KV, fq, fk, backward) if dims.ranges else 0.0
+    if dims.doc_length or (dims.ranges and all(w is not None for w in dims.windows)):
+        return ranges  # every block runs the variable-length kernel
+    return max(ranges, _dense_extra(Q, KV, fq, fk, dout_view, backward))  # full-attention layers: the dense kernels
+
+
+def _dense_extra(Q: float, KV: float, fq: float, fk: float, dout_view: bool, backward: bool) -> float:
+    """``kernel_extra`` of the dense fused kernels (see there)."""
     copy = fq * Q if dout_view else 0.0
     if KV >= 2 * Q:  # as many kv heads as query heads: nothing repeated
         return copy if backward else 0.0
