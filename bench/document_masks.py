@@ -3,9 +3,10 @@
     python bench/document_masks.py [--seq 16384] [--window-seq 32768] [--out bench/results/document_masks.json]
 
 1. The tiny model of configs/tiny_cpu.yaml, one process, one micro-batch of ``--seq`` mock tokens (fp32): training
-   steps without documents, with mock packed documents (``data.reset_attention_mask``, ``data.mean_document_length``
-   4096 and 512) and with a 1024-token window on every layer; per case the peak RSS of its process
-   (``resource.getrusage``) and the median step time of 3 steps after a warm-up.
+   steps without documents; with the document options on random tokens (a few documents a sample); with one
+   document a sample (nothing masked: the ranges' own cost); with mock packed documents
+   (``data.mean_document_length`` 4096 and 512); with a 1024-token window on every layer. Per case the peak RSS of
+   its process (``resource.getrusage``) and the median step time of 3 steps after a warm-up.
 2. The core attention alone (the tiny model's heads: 8 query, 2 kv, head dim 32) on ``--window-seq`` tokens,
    forward + backward: full causal attention vs a 1024-token window (the median of 3 after a warm-up).
 
@@ -31,6 +32,11 @@ if ROOT not in sys.path:
 DOCS = ["data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true"]
 STEP_CASES = {  # name -> overrides of configs/tiny_cpu.yaml
     "causal": [],
+    # the options on random mock tokens: a few random end-of-document ids a sample, so nearly nothing is masked and
+    # the ranges' overhead shows (the case "today" measured with its dense masks)
+    "documents_few": DOCS,
+    # one document a sample (mock documents far longer than the sample): nothing masked, the ranges' pure overhead
+    "documents_one": DOCS + ["data.mean_document_length=1000000000"],
     "documents_4096": DOCS + ["data.mean_document_length=4096"],
     "documents_512": DOCS + ["data.mean_document_length=512"],
     "window_1024": ["model.sliding_window=1024"],
