@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn: the variable-length kernel)
 
-from .merge import merge
+from .merge import merge_into
 from .piecewise import empty_result
 from .ranges import ANTI, FULL
 
@@ -169,10 +169,12 @@ class TorchCUDABackend:
                                               scale, [-1, -1], kp.shape[1] != qp.shape[1], None, None, None)
             del qp, kp, vp
             rows = (idx[0], idx[1])
-            o_new, l_new = merge(out_t[rows], lse_t[rows], o, l.t().float())  # [T, n, d], [T, n]
-            out_t.index_put_(rows, o_new)
-            lse_t.index_put_(rows, l_new)
-            del o, l, o_new, l_new
+            acc_out, acc_lse = out_t[rows], lse_t[rows]  # the call's rows gathered: [T, n, d], [T, n] fp32
+            merge_into(acc_out, acc_lse, o, l.t())
+            del o, l
+            out_t.index_put_(rows, acc_out)
+            lse_t.index_put_(rows, acc_lse)
+            del acc_out, acc_lse
         return out, lse
 
     def backward_rects(self, dout, q, k, v, out, lse, rects, scale: Optional[float] = None, grads=None):
