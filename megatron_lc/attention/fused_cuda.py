@@ -75,22 +75,38 @@ class _Call:
 
 
 def calls(rects, forward: bool) -> list[_Call]:
-    """The varlen calls of ``rects`` (see the module doc); rectangles of every batch row (``row`` None) are given
-    per row by the caller."""
-    groups: dict = {}
-    for r in rects:
-        causal = r.kind != FULL
-        layers = groups.setdefault(causal, [[]])
-        if forward:  # the first layer of this kind where the rectangle's query rows are new
-            for layer in layers:
-                if all(o.row != r.row or o.q1 <= r.q0 or r.q1 <= o.q0 for o in layer):
-                    layer.append(r)
-                    break
-            else:
-                layers.append([r])
+    """The varlen calls of ``rects`` (each with its batch row: ``_per_row``), see the module doc: one per kind in
+    backward (its grads are added with ``accumulate=True``); in forward one per layer of a kind's rectangles with
+    disjoint query rows -- by start, each to the first layer whose rows of its batch row end before it (interval
+    colouring: as few layers as rectangles overlap at a row, 2 for a query span against two key spans)."""
+    if not forward:
+        by_kind: dict = {}
+        for r in rects:
+            by_kind.setdefault(r.kind != FULL, []).append(r)
+        return [_Call(causal, rs) for causal, rs in sorted(by_kind.items())]
+    layers: dict = {}  # causal -> [(rectangles, {batch row: end of its last query rows})]
+    for r in sorted(rects, key=lambda r: (r.row or 0, r.q0)):
+        kind = layers.setdefault(r.kind != FULL, [])
+        for layer, ends in kind:
+            if ends.get(r.row, 0) <= r.q0:
+                layer.append(r)
+                ends[r.row] = r.q1
+                break
         else:
-            layers[0].append(r)
-    return [_Call(causal, layer) for causal, layers in sorted(groups.items()) for layer in layers if layer]
+            kind.append(([r], {r.row: r.q1}))
+    return [_Call(causal, layer) for causal, kind in sorted(layers.items()) for layer, _ in kind]
+
+
+def packed_calls(rects, b: int, forward: bool) -> list[_Call]:
+    """``calls`` of a block's rectangles for ``b`` batch rows, made once per block (kept on the ``ranges.Rects``)."""
+    key = (b, forward)
+    cache = getattr(rects, "packed", None)
+    if cache is not None and key in cache:
+        return cache[key]
+    out = calls(_per_row(rects, b), forward)
+    if cache is not None:
+        cache[key] = out
+    return out
 
 
 def _per_row(rects, b: int) -> list:
@@ -162,7 +178,7 @@ class TorchCUDABackend:
         query rows, which are distinct within a call."""
         out, lse = acc if acc is not None else empty_result(q)
         out_t, lse_t = out.transpose(1, 2), lse.transpose(1, 2)  # [b, s, n, d], [b, s, n] views
-        for call in calls(_per_row(rects, q.shape[0]), forward=True):
+        for call in packed_calls(rects, q.shape[0], forward=True):
             idx = call.on(q.device)
             qp, kp, vp = self._packed(idx, q, k, v)
             o, l, _ = self.varlen._varlen_attn(qp, kp, vp, idx[4], idx[5], call.max_q, call.max_k, call.causal,
@@ -185,7 +201,7 @@ class TorchCUDABackend:
                      torch.zeros(v.shape, dtype=torch.float32, device=v.device))
         dq_t, dk_t, dv_t = (g.transpose(1, 2) for g in grads)  # [b, s, n, d] views
         rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: the RNG state is not read
-        for call in calls(_per_row(rects, q.shape[0]), forward=False):
+        for call in packed_calls(rects, q.shape[0], forward=False):
             idx = call.on(q.device)
             qp, kp, vp = self._packed(idx, q, k, v)
             rows = (idx[0], idx[1])

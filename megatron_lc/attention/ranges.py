@@ -47,6 +47,16 @@ class Rect(NamedTuple):
     k1: int
 
 
+class Rects(tuple):
+    """A block's rectangles (a tuple of ``Rect``), cached with the micro-batch's ranges; ``packed`` keeps what a
+    kernel derives from them once (``fused_cuda.py``: its calls' host index arrays), so the layers reuse it."""
+
+    def __new__(cls, items=()):
+        out = super().__new__(cls, items)
+        out.packed = {}
+        return out
+
+
 def _band(qa: int, qb: int, ka: int, kb: int, w: Optional[int]):
     """(kind, q start, q end, k start, k end) in global positions covering exactly the visible pairs of queries
     ``[qa, qb)`` and keys ``[ka, kb)`` of one document. Query i sees ``[max(ka, i-W+1), min(kb-1, i)]``; the left
@@ -112,8 +122,8 @@ def _rects(cu: Optional[tuple], row: Optional[int], window: Optional[int], q_spa
 
 
 @functools.lru_cache(maxsize=256)
-def _plain_rects(window: Optional[int], q_spans: tuple, k_spans: tuple) -> tuple:
-    return tuple(_rects(None, None, window, q_spans, k_spans))
+def _plain_rects(window: Optional[int], q_spans: tuple, k_spans: tuple) -> Rects:
+    return Rects(_rects(None, None, window, q_spans, k_spans))
 
 
 def block_rects(documents: Optional[DocumentRanges], window: Optional[int], q_spans: tuple,
@@ -126,7 +136,7 @@ def block_rects(documents: Optional[DocumentRanges], window: Optional[int], q_sp
     q_spans, k_spans = _joined(q_spans), _joined(k_spans)
     if documents is None:
         return _plain_rects(window, q_spans, k_spans)
-    return documents.cached(("rects", window, q_spans, k_spans), lambda: tuple(
+    return documents.cached(("rects", window, q_spans, k_spans), lambda: Rects(
         r for row, cu in enumerate(documents.cu) for r in _rects(cu, row, window, q_spans, k_spans)))
 
 
@@ -152,4 +162,4 @@ def spans(globals_: list, local_start: int = 0) -> tuple:
     return tuple(out)
 
 
-__all__ = ["ANTI", "CAUSAL", "FULL", "Rect", "block_rects", "spans"]
+__all__ = ["ANTI", "CAUSAL", "FULL", "Rect", "Rects", "block_rects", "spans"]
