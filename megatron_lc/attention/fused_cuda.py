@@ -5,8 +5,9 @@ PyTorch install has: no flash-attn, no TransformerEngine.
   inside PyTorch; lse ``[b, n, sq]`` fp32).
 * fp32 or larger heads: ``aten._scaled_dot_product_efficient_attention`` (the memory-efficient kernel; its lse is
   ``[b, n, round_up(sq, 32)]`` -- sliced to ``sq`` here and padded back for its backward).
-* Rectangles of document masks and windows (``ranges.py``): the variable-length kernel of
-  ``torch.nn.attention.varlen`` -- its custom ops ``torch_attn::_varlen_attn`` (out and lse ``[n, total_q]``) and
+* Rectangles of document masks and windows (``ranges.py``), bf16 / fp16: the variable-length kernel of
+  ``torch.nn.attention.varlen`` (flash's: fp32 rectangles go one by one to the memory-efficient kernel,
+  ``piecewise.py``) -- its custom ops ``torch_attn::_varlen_attn`` (out and lse ``[n, total_q]``) and
   ``torch_attn::_varlen_attn_backward``, which takes the out and lse it is given (``varlen_attn``'s autograd only
   passes its own; the op itself is what the ring's merged backward calls). Both have fake-tensor kernels, so a
   rehearsal runs their shapes. The rectangles of a block are packed by kind: FULL ones in one call with
@@ -36,7 +37,7 @@ import torch
 import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn: the variable-length kernel)
 
 from .merge import merge_into
-from .piecewise import empty_result
+from .piecewise import empty_result, rects_backward, rects_forward
 from .ranges import ANTI, FULL
 
 LSE_PAD = 32  # the memory-efficient kernel pads its lse rows to a multiple of this
@@ -126,6 +127,11 @@ class TorchCUDABackend:
     def _uses_flash(q: torch.Tensor) -> bool:
         return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
 
+    def _uses_varlen(self, q: torch.Tensor) -> bool:
+        """The variable-length kernel is flash's (bf16 / fp16, head dim <= 256); otherwise the rectangles go one by
+        one through ``forward`` / ``backward`` (``piecewise.py``: the memory-efficient kernel, no mask)."""
+        return self._uses_flash(q)
+
     @staticmethod
     def _repeat(k: torch.Tensor, v: torch.Tensor, nq: int):
         if k.shape[1] == nq:
@@ -176,6 +182,8 @@ class TorchCUDABackend:
     def forward_rects(self, q, k, v, rects, scale: Optional[float] = None, acc=None):
         """Every call's out merged by lse into ``acc`` (fp32 ``[b, nq, s, d]``, ``[b, nq, s]``; in place) at its
         query rows, which are distinct within a call."""
+        if not self._uses_varlen(q):
+            return rects_forward(self, q, k, v, rects, scale, acc)
         out, lse = acc if acc is not None else empty_result(q)
         out_t, lse_t = out.transpose(1, 2), lse.transpose(1, 2)  # [b, s, n, d], [b, s, n] views
         for call in packed_calls(rects, q.shape[0], forward=True):
@@ -195,6 +203,8 @@ class TorchCUDABackend:
 
     def backward_rects(self, dout, q, k, v, out, lse, rects, scale: Optional[float] = None, grads=None):
         """dq, dk, dv (fp32) of the rectangles from the merged ``out``, ``lse``, added into ``grads``."""
+        if not self._uses_varlen(q):
+            return rects_backward(self, dout, q, k, v, out, lse, rects, scale, grads)
         if grads is None:
             grads = (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
                      torch.zeros(k.shape, dtype=torch.float32, device=k.device),

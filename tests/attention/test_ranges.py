@@ -19,6 +19,7 @@ from megatron_lc.attention.fused_cuda import TorchCUDABackend
 from megatron_lc.attention.masks import attended_pairs
 from megatron_lc.attention.ranges import ANTI, CAUSAL, FULL, block_rects, spans
 from megatron_lc.config.documents import DocumentRanges
+from tests.attention.test_attention_backends import StandInKernels
 
 TOL = 1e-5
 
@@ -146,10 +147,17 @@ class StandInVarlen:
         return dq, dk, dv
 
 
-BACKENDS = [TorchCPUBackend(), MathBackend(), TorchCUDABackend(varlen=StandInVarlen())]
+class VarlenOnCPU(TorchCUDABackend):
+    """The bf16 / fp16 branch (the variable-length kernel) exercised in fp32 with the stand-in ops."""
+
+    def _uses_varlen(self, q):
+        return True
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=["torch-cpu", "math", "cuda-varlen-wrapping"])
+BACKENDS = [TorchCPUBackend(), MathBackend(), VarlenOnCPU(varlen=StandInVarlen()), TorchCUDABackend(ops=StandInKernels())]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=["torch-cpu", "math", "cuda-varlen-wrapping", "cuda-fp32-per-rect"])
 @pytest.mark.parametrize("window", [None, 3, 7])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
 def test_rectangles_equal_the_dense_masked_attention(backend, window, heads):
