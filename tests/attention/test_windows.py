@@ -6,8 +6,11 @@ dimension or reads a device value inside the step under masks.
 Tolerances (tests/support/parity.py): loss 1e-5 relative, every gradient 1e-4 absolute. The decomposition into
 rectangles changes only the order of the fp32 softmax sums (merged by lse, ~1e-7 relative per merge)."""
 import pytest
+import torch
 
 from megatron_lc.config import ConfigError, load_config, resolve_layout
+from megatron_lc.estimate.dims import Dims
+from megatron_lc.training.metrics import step_counts
 from tests.dist_cases import windows as dw
 from tests.support.dist import run_dist
 
@@ -87,3 +90,17 @@ def test_layer_types_give_each_layer_its_window():
         load_config(None, ["model.num_layers=2", "model.sliding_window=8", "model.layer_types=full_attention"])
     with pytest.raises(ConfigError, match="sliding_window is not set"):
         load_config(None, ["model.num_layers=1", "model.layer_types=sliding_attention"])
+
+
+def test_flops_count_the_window():
+    """MFU's pairs (host integers) and the estimator's attended keys with a window W < s: a sample of s tokens has
+    W^2/2 + (s - W) W pairs; two layers, one full: the mean."""
+    s, w = 64, 16
+    cfg = load_config(None, ["data.mock_data=true", f"data.seq_length={s}", "model.num_layers=2",
+                             f"model.sliding_window={w}", "model.layer_types=sliding_attention,full_attention"])
+    layout = resolve_layout(cfg, 1)
+    batch = {"tokens": torch.zeros(2, s, dtype=torch.long), "loss_mask": torch.ones(2, s)}
+    counts = step_counts([batch], layout)
+    assert float(counts[1]) == 2 * (w * w / 2 + (s - w) * w + s * s / 2) / 2 and float(counts[2]) == 1
+    dims = Dims.from_config(cfg, layout, "cpu")
+    assert dims.attended == (2 * w - w * w / s + s) / 2 and dims.earlier_chunks(4) == (3 + 6) / 2
