@@ -6,7 +6,8 @@ layout. FPDT, an attention block rather than a core attention, is in ``fpdt/``.
     cp_comm_type a2a        UlyssesAttention over the ulysses axis (= cp), contiguous layout         (ulysses.py)
     cp_comm_type a2a+p2p    UlyssesAttention (ulysses_size) around RingAttention (cp / ulysses_size)
 
-Each layer's module records the bytes it sends in ``topo.comm`` under the tag ``layer{n}.attn``."""
+Each layer's module records the bytes it sends in ``topo.comm`` under the tag ``layer{n}.attn``; its causal sliding
+window is the layout's for layer n (``Layout.window``), given when it is built."""
 from __future__ import annotations
 
 from ..config import ConfigError, Layout
@@ -25,13 +26,14 @@ def build_core_attention(layout: Layout, topo: Topology, backend, layer_number: 
     if layout.cp != topo.cp or layout.ulysses != topo.ulysses:
         raise ConfigError(f"topology cp={topo.cp} (ulysses {topo.ulysses}) does not match the layout "
                           f"(cp {layout.cp}, ulysses {layout.ulysses})")
+    window = layout.window(layer_number)  # the layer's own (model.sliding_window, model.layer_types)
     if topo.cp == 1:
-        return LocalCausalAttention(backend)
+        return LocalCausalAttention(backend, window)
     if layout.cp_comm_type not in ("p2p", "a2a", "a2a+p2p"):
         raise ConfigError(f"parallel.cp_comm_type {layout.cp_comm_type} has no core attention (FPDT replaces the "
                           f"attention block)")
     tag = f"layer{layer_number}.attn"
-    ring = RingAttention(topo, backend=backend, tag=tag)  # ring of size 1 = local causal attention
+    ring = RingAttention(topo, backend=backend, tag=tag, window=window)  # ring of size 1 = local causal attention
     if topo.ulysses == 1:
         return ring
     return UlyssesAttention(topo, ring, layout.heads, layout.kv_heads, layout.kv_replication, tag=tag)

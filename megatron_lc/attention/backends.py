@@ -2,13 +2,16 @@
 
     out, lse = backend.forward(q, k, v, causal)                 # q [b, nq, sq, d]; k, v [b, nkv, sk, d]
     dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal)
-    out, lse = backend.forward(q, k, v, causal, visible=mask)   # document masks: mask [b, 1, sq, sk] bool
+    out, lse = backend.forward_rects(q, k, v, rects, acc=None)  # documents / windows: ``ranges.py``'s rectangles
+    dq, dk, dv = backend.backward_rects(dout, q, k, v, out, lse, rects, grads=None)
 
 ``out`` has q's dtype, ``lse`` is fp32 ``[b, nq, sq]`` (natural log). GQA: nq may be a multiple of nkv; dk/dv have
 k's shape (gradients of the query heads sharing a kv head are summed). ``causal`` is only used with sq == sk
-(diagonal blocks); off-diagonal blocks of ring/FPDT are full (``causal=False``) or skipped. ``visible`` (True: the
-query may see the key; ``masks.py``) is combined with ``causal``; a query row that sees no key of the block gets out
-0 and lse -inf (the merge then ignores it), and its gradients from the block are 0.
+(diagonal blocks); off-diagonal blocks of ring/FPDT are full (``causal=False``) or skipped. Under document masks or a
+sliding window a block is a list of rectangles (``ranges.py``), never a mask: the ``_rects`` pair returns / adds
+into fp32 accumulators; a query row that sees no key of the block keeps out 0 and lse -inf (the merge then ignores
+it) and gets no gradient from the block. The CPU kernels run the rectangles one call each (``piecewise.py``); on
+CUDA, PyTorch's variable-length kernel takes them in a few calls (``fused_cuda.py``).
 
 Backends:
   * ``torch``: PyTorch's own fused kernels -- on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
@@ -27,16 +30,7 @@ import torch
 
 from ..config import ConfigError
 from .fused_cuda import TorchCUDABackend
-from .masks import with_causal
-
-
-def _blind_rows(out: torch.Tensor, lse: torch.Tensor, visible: torch.Tensor):
-    """Rows that see no key: out 0, lse -inf (the CPU kernel returns lse 0 there)."""
-    blind = ~visible.any(-1)  # [b, 1, sq]
-    if blind.any():
-        lse = lse.masked_fill(blind, float("-inf"))
-        out = out.masked_fill(blind.unsqueeze(-1), 0.0)
-    return out, lse
+from .piecewise import ByRectangles
 
 
 def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
@@ -45,37 +39,20 @@ def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-class TorchCPUBackend:
+class TorchCPUBackend(ByRectangles):
     name = "torch"
 
-    @staticmethod
-    def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The kernel takes a mask of q's dtype: 0 where visible, -inf elsewhere."""
-        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, (lse if q.dtype == torch.float64 else lse.float())
 
-    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None, visible=None):
-        if visible is None:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-            return out, (lse if q.dtype == torch.float64 else lse.float())
-        visible = with_causal(visible, causal)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=self._additive(visible, q.dtype), scale=scale)
-        return _blind_rows(out, lse if q.dtype == torch.float64 else lse.float(), visible)
-
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None, visible=None):
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None):
         lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-        if visible is None:
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                _last_dim_dense(dout), q, k, v, out, lse, 0.0, causal, scale=scale)
-        visible = with_causal(visible, causal)
-        # rows that saw no key: any finite lse (their probabilities are exp(-inf - lse) = 0 anyway)
-        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _last_dim_dense(dout), q, k, v, out, lse, 0.0, False, attn_mask=self._additive(visible, q.dtype),
-            scale=scale)
+            _last_dim_dense(dout), q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
-class MathBackend:
+class MathBackend(ByRectangles):
     """Reference implementation in fp32 (materialises the [sq, sk] scores of one call)."""
 
     name = "math"
@@ -84,38 +61,36 @@ class MathBackend:
     def _expand(t, nq):
         return t.repeat_interleave(nq // t.shape[1], dim=1) if t.shape[1] != nq else t
 
-    def _scores(self, q, k, causal, scale, visible=None):
-        """fp32 scores ``[b, nq, sq, sk]`` (-inf where not visible / above the diagonal) and the scale used."""
+    def _scores(self, q, k, causal, scale):
+        """fp32 scores ``[b, nq, sq, sk]`` (-inf above the diagonal when causal) and the scale used."""
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         s = torch.matmul(q.float(), self._expand(k, q.shape[1]).float().transpose(-1, -2)) * scale
-        if visible is not None:
-            s = s.masked_fill(~with_causal(visible, causal), float("-inf"))
-        elif causal:
+        if causal:
             sq, sk = s.shape[-2:]
             s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
         return s, scale
 
-    def _probs(self, q, k, causal, scale, visible=None):
-        s, scale = self._scores(q, k, causal, scale, visible)
+    def _probs(self, q, k, causal, scale):
+        s, scale = self._scores(q, k, causal, scale)
         lse = torch.logsumexp(s, dim=-1)
         safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1)
         return torch.exp(s - safe), lse, scale
 
-    def _block_probs(self, q, k, lse, causal, scale, visible=None):
-        s, _ = self._scores(q, k, causal, scale, visible)
+    def _block_probs(self, q, k, lse, causal, scale):
+        s, _ = self._scores(q, k, causal, scale)
         lse = lse.float().unsqueeze(-1)
         return torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
 
-    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None, visible=None):
-        p, lse, _ = self._probs(q, k, causal, scale, visible)
+    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None):
+        p, lse, _ = self._probs(q, k, causal, scale)
         out = torch.matmul(p, self._expand(v, q.shape[1]).float())
         return out.to(q.dtype), lse
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None, visible=None):
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None):
         # The probabilities come from the *given* lse (the merged lse over every key block when ring/FPDT call
         # this per block), not from this block's own softmax: P_blk = exp(S_blk - lse_total).
         nq, nkv = q.shape[1], k.shape[1]
-        p = self._block_probs(q, k, lse, causal, scale, visible)
+        p = self._block_probs(q, k, lse, causal, scale)
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         do = dout.float()
         ve = self._expand(v, nq).float()
@@ -132,12 +107,24 @@ class MathBackend:
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _no_mask(backend, visible) -> None:
-    if visible is not None:  # config/combinations.py refuses document masks with these backends first
-        raise NotImplementedError(f"the {backend.name} attention backend takes no document mask")
+class _NoRectangles:
+    """A GPU library's adapter without the rectangles of document masks and windows (config/combinations.py refuses
+    them with these backends before training); ``masked``: the kernel that takes them instead (``auto``)."""
+
+    masked = None
+
+    def forward_rects(self, q, k, v, rects, scale: Optional[float] = None, acc=None):
+        if self.masked is None:
+            raise NotImplementedError(f"the {self.name} attention backend takes no document masks or windows")
+        return self.masked.forward_rects(q, k, v, rects, scale, acc)
+
+    def backward_rects(self, dout, q, k, v, out, lse, rects, scale: Optional[float] = None, grads=None):
+        if self.masked is None:
+            raise NotImplementedError(f"the {self.name} attention backend takes no document masks or windows")
+        return self.masked.backward_rects(dout, q, k, v, out, lse, rects, scale, grads)
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(_NoRectangles):
     """flash-attn 2 (GPU). Never executed on this project's machines (no GPU); kept to the documented API."""
 
     name = "flash"
@@ -147,12 +134,9 @@ class FlashAttnBackend:
         from flash_attn import flash_attn_interface as fa
 
         self.fa = fa
-        self.masked = masked  # ``auto``: the kernel for blocks with a document mask (flash-attn's dense API has none)
+        self.masked = masked  # ``auto``: the kernel for rectangles (documents, windows): PyTorch's varlen one
 
-    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None, visible=None):
-        if visible is not None and self.masked is not None:
-            return self.masked.forward(q, k, v, causal, scale, visible)
-        _no_mask(self, visible)
+    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None):
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # flash-attn wants [b, s, n, d]
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         res = self.fa._flash_attn_forward(qt, kt, vt, 0.0, scale, causal=causal, window_size_left=-1,
@@ -161,10 +145,7 @@ class FlashAttnBackend:
         out, lse = res[0], res[1]
         return out.transpose(1, 2), lse.float()
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None, visible=None):
-        if visible is not None and self.masked is not None:
-            return self.masked.backward(dout, q, k, v, out, lse, causal, scale, visible)
-        _no_mask(self, visible)
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None):
         qt, kt, vt, ot, dot = (t.transpose(1, 2).contiguous() for t in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
         scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -173,7 +154,7 @@ class FlashAttnBackend:
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-class TEBackend:
+class TEBackend(_NoRectangles):
     """TransformerEngine's fused attention (cuDNN; GPU, fp16/bf16 only). Never executed on this project's machines
     (no GPU, TE not installed): written against TE 2.x ``transformer_engine.pytorch.cpp_extensions.fused_attn``
     (``fused_attn_fwd`` / ``fused_attn_bwd``, bshd layout, the F16_arbitrary_seqlen backend whose first auxiliary
@@ -193,8 +174,7 @@ class TEBackend:
     def _cu(b, s, device):
         return torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
 
-    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None, visible=None):
-        _no_mask(self, visible)
+    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None):
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [b, s, n, d]
         b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
         out, aux = self.tefa.fused_attn_fwd(
@@ -203,8 +183,7 @@ class TEBackend:
             qkv_layout="bshd_bshd_bshd", attn_mask_type="causal" if causal else "no_mask")
         return out.transpose(1, 2), aux[0].squeeze(-1).float()
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None, visible=None):
-        _no_mask(self, visible)
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None):
         qt, kt, vt, ot, dot = (t.transpose(1, 2).contiguous() for t in (q, k, v, out, dout))
         b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
         rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)  # dropout is 0: the state is not read
@@ -245,7 +224,7 @@ class Kernels:
 
 
 def get_backend(name: str = "auto", device: Optional[torch.device] = None):
-    """``auto``: flash-attn on CUDA when installed (PyTorch's kernels for blocks with a document mask), else
+    """``auto``: flash-attn on CUDA when installed (PyTorch's varlen kernel for rectangles), else
     PyTorch's fused kernels; on CPU, PyTorch's CPU flash kernel. ``torch``: PyTorch's fused kernel of the device.
     ``math`` only when named."""
     dev = device.type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,58 +1,136 @@
 """PyTorch's own fused attention kernels on CUDA, behind the (out, lse) interface of ``backends.py`` -- what a stock
 PyTorch install has: no flash-attn, no TransformerEngine.
 
-* bf16 / fp16, head dim <= 256, no document mask: ``aten._scaled_dot_product_flash_attention`` and its backward
-  (FlashAttention-2 inside PyTorch; lse ``[b, n, sq]`` fp32).
-* fp32, larger heads, or a document mask: ``aten._scaled_dot_product_efficient_attention`` (the memory-efficient
-  kernel: an additive bias for the mask; its lse is ``[b, n, round_up(sq, 32)]`` -- sliced to ``sq`` here and padded
-  back for its backward).
+* bf16 / fp16, head dim <= 256: ``aten._scaled_dot_product_flash_attention`` and its backward (FlashAttention-2
+  inside PyTorch; lse ``[b, n, sq]`` fp32).
+* fp32 or larger heads: ``aten._scaled_dot_product_efficient_attention`` (the memory-efficient kernel; its lse is
+  ``[b, n, round_up(sq, 32)]`` -- sliced to ``sq`` here and padded back for its backward).
+* Rectangles of document masks and windows (``ranges.py``), bf16 / fp16: the variable-length kernel of
+  ``torch.nn.attention.varlen`` (flash's: fp32 rectangles go one by one to the memory-efficient kernel,
+  ``piecewise.py``) -- its custom ops ``torch_attn::_varlen_attn`` (out and lse ``[n, total_q]``) and
+  ``torch_attn::_varlen_attn_backward``, which takes the out and lse it is given (``varlen_attn``'s autograd only
+  passes its own; the op itself is what the ring's merged backward calls). Both have fake-tensor kernels, so a
+  rehearsal runs their shapes. The rectangles of a block are packed by kind: FULL ones in one call with
+  ``is_causal=False``, CAUSAL ones and the ANTI ones with their rows listed in reverse (then causal) in one call with
+  ``is_causal=True``; each rectangle is one ``cu_seq`` segment, its rows gathered from the block's q, k, v by index
+  (``[total, n, d]``, GQA native: no repeat). A forward call's query rows must be distinct (the merge writes them
+  back), so a kind whose rectangles share query rows (a query span against two key spans) takes one call per layer
+  of disjoint rectangles; the backward adds every call's dq, dk, dv with ``index_put_(accumulate=True)``. The
+  indices are built on the host (numpy) and copied from pinned memory without blocking: no host sync.
 
-Both backwards take the out and lse they are given -- the *merged* ones of ring / FPDT blocks, as the protocol
-needs. Neither kernel takes fewer kv heads than query heads: k and v are repeated to nq heads for the kernel and
-dk, dv summed back over each group (the memory of one repeated block, not of the sequence). Dropout is 0, so the
-kernels' RNG arguments are unused (placeholders are passed).
+The flash and memory-efficient backwards take the out and lse they are given -- the *merged* ones of ring / FPDT
+blocks, as the protocol needs. Neither kernel takes fewer kv heads than query heads: k and v are repeated to nq heads
+for the kernel and dk, dv summed back over each group (the memory of one repeated block, not of the sequence).
+Dropout is 0, so the kernels' RNG arguments are unused (placeholders are passed).
 
-Never executed on this project's CPU machines: the wrapping (GQA repeat and sum, lse padding, bias layout, rows
-that see no key) is tested on CPU with stand-in kernels of the same signatures
-(tests/attention/test_attention_backends.py);
-``scripts/gpu_check.sh`` T1 is where the kernels themselves are checked.
+Never executed on this project's CPU machines: the wrapping (GQA repeat and sum, lse padding, the varlen packing,
+reversal and merge) is tested on CPU with stand-in kernels of the same signatures
+(tests/attention/test_attention_backends.py, tests/attention/test_ranges.py); ``scripts/gpu_check.sh`` T1 is where
+the kernels themselves are checked.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
+import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn: the variable-length kernel)
 
-from .masks import with_causal
+from .merge import merge_into
+from .piecewise import empty_result, rects_backward, rects_forward
+from .ranges import ANTI, FULL
 
 LSE_PAD = 32  # the memory-efficient kernel pads its lse rows to a multiple of this
-BIAS_ALIGN = 16  # its bias needs a 16-element aligned row stride (as SDPA pads masks)
 
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def _additive_bias(visible: torch.Tensor, causal: bool, nq: int, dtype: torch.dtype) -> torch.Tensor:
-    """``visible [b, 1, sq, sk]`` (and the causal triangle) -> 0 / -inf bias ``[b, nq, sq, sk]`` of ``dtype``: a
-    view of a ``[b, 1, sq, round_up(sk, 16)]`` buffer, broadcast over heads."""
-    vis = with_causal(visible, causal)
-    b, _, sq, sk = vis.shape
-    buf = torch.zeros(b, 1, sq, _round_up(sk, BIAS_ALIGN), dtype=dtype, device=vis.device)
-    bias = buf[..., :sk]
-    bias.masked_fill_(~vis, float("-inf"))
-    return bias.expand(b, nq, sq, sk)
+def _index(dev: torch.device, values: np.ndarray) -> torch.Tensor:
+    """A host index array on ``dev``; on CUDA from pinned memory without blocking (no stream sync)."""
+    t = torch.from_numpy(values)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
+
+class _Call:
+    """One varlen call: the rows of its segments (batch row and position of each packed query and key) and the
+    segments' offsets. ``calls(rects)`` groups a block's rectangles into calls."""
+
+    def __init__(self, causal: bool, rects: list):
+        self.causal = causal
+        q = [(r.row or 0, np.arange(r.q0, r.q1)[::-1] if r.kind == ANTI else np.arange(r.q0, r.q1)) for r in rects]
+        k = [(r.row or 0, np.arange(r.k0, r.k1)[::-1] if r.kind == ANTI else np.arange(r.k0, r.k1)) for r in rects]
+        self.q_rows, self.q_pos = (np.concatenate([np.full(len(p), b) for b, p in q]),
+                                   np.concatenate([p for _, p in q]))
+        self.k_rows, self.k_pos = (np.concatenate([np.full(len(p), b) for b, p in k]),
+                                   np.concatenate([p for _, p in k]))
+        lq, lk = [r.q1 - r.q0 for r in rects], [r.k1 - r.k0 for r in rects]
+        self.cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+        self.cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+        self.max_q, self.max_k = max(lq), max(lk)
+
+    def on(self, dev: torch.device):
+        """Device index tensors: (q rows, q positions, k rows, k positions, cu_q, cu_k)."""
+        return [_index(dev, a) for a in (self.q_rows, self.q_pos, self.k_rows, self.k_pos, self.cu_q, self.cu_k)]
+
+
+def calls(rects, forward: bool) -> list[_Call]:
+    """The varlen calls of ``rects`` (each with its batch row: ``_per_row``), see the module doc: one per kind in
+    backward (its grads are added with ``accumulate=True``); in forward one per layer of a kind's rectangles with
+    disjoint query rows -- by start, each to the first layer whose rows of its batch row end before it (interval
+    colouring: as few layers as rectangles overlap at a row, 2 for a query span against two key spans)."""
+    if not forward:
+        by_kind: dict = {}
+        for r in rects:
+            by_kind.setdefault(r.kind != FULL, []).append(r)
+        return [_Call(causal, rs) for causal, rs in sorted(by_kind.items())]
+    layers: dict = {}  # causal -> [(rectangles, {batch row: end of its last query rows})]
+    for r in sorted(rects, key=lambda r: (r.row or 0, r.q0)):
+        kind = layers.setdefault(r.kind != FULL, [])
+        for layer, ends in kind:
+            if ends.get(r.row, 0) <= r.q0:
+                layer.append(r)
+                ends[r.row] = r.q1
+                break
+        else:
+            kind.append(([r], {r.row: r.q1}))
+    return [_Call(causal, layer) for causal, kind in sorted(layers.items()) for layer, _ in kind]
+
+
+def packed_calls(rects, b: int, forward: bool) -> list[_Call]:
+    """``calls`` of a block's rectangles for ``b`` batch rows, made once per block (kept on the ``ranges.Rects``)."""
+    key = (b, forward)
+    cache = getattr(rects, "packed", None)
+    if cache is not None and key in cache:
+        return cache[key]
+    out = calls(_per_row(rects, b), forward)
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def _per_row(rects, b: int) -> list:
+    """Rectangles of every row (``row`` None: no documents) spelled out per batch row."""
+    return [r._replace(row=i) for r in rects for i in range(b)] if rects and rects[0].row is None and b > 1 \
+        else list(rects)
 
 
 class TorchCUDABackend:
     name = "torch"
 
-    def __init__(self, ops=None):
-        self.ops = ops if ops is not None else torch.ops.aten  # tests pass CPU stand-ins of the two kernels
+    def __init__(self, ops=None, varlen=None):
+        self.ops = ops if ops is not None else torch.ops.aten  # tests pass CPU stand-ins of the kernels
+        self.varlen = varlen if varlen is not None else torch.ops.torch_attn
 
     @staticmethod
-    def _uses_flash(q: torch.Tensor, visible) -> bool:
-        return visible is None and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+    def _uses_flash(q: torch.Tensor) -> bool:
+        return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+
+    def _uses_varlen(self, q: torch.Tensor) -> bool:
+        """The variable-length kernel is flash's (bf16 / fp16, head dim <= 256); otherwise the rectangles go one by
+        one through ``forward`` / ``backward`` (``piecewise.py``: the memory-efficient kernel, no mask)."""
+        return self._uses_flash(q)
 
     @staticmethod
     def _repeat(k: torch.Tensor, v: torch.Tensor, nq: int):
@@ -66,39 +144,84 @@ class TorchCUDABackend:
         b, nq, s, d = g.shape
         return g if nq == nkv else g.view(b, nkv, nq // nkv, s, d).sum(2)
 
-    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None, visible=None):
+    def forward(self, q, k, v, causal: bool, scale: Optional[float] = None):
         sq = q.shape[2]
         ke, ve = self._repeat(k, v, q.shape[1])
-        if self._uses_flash(q, visible):
+        if self._uses_flash(q):
             res = self.ops._scaled_dot_product_flash_attention(q, ke, ve, 0.0, causal, False, scale=scale)
             return res[0], res[1].float()
-        bias = None if visible is None else _additive_bias(visible, causal, q.shape[1], q.dtype)
-        out, lse, _, _ = self.ops._scaled_dot_product_efficient_attention(
-            q, ke, ve, bias, True, 0.0, causal and bias is None, scale=scale)
-        lse = lse[..., :sq].float()
-        if visible is not None:  # rows that see no key: out 0, lse -inf (the merge ignores them)
-            blind = ~with_causal(visible, causal).any(-1)  # [b, 1, sq]
-            if bool(blind.any()):
-                out = out.masked_fill(blind.unsqueeze(-1), 0.0)
-                lse = lse.masked_fill(blind, float("-inf"))
-        return out, lse
+        out, lse, _, _ = self.ops._scaled_dot_product_efficient_attention(q, ke, ve, None, True, 0.0, causal,
+                                                                           scale=scale)
+        return out, lse[..., :sq].float()
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None, visible=None):
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None):
         b, nq, sq, d = q.shape
         nkv = k.shape[1]
         ke, ve = self._repeat(k, v, nq)
-        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).float().contiguous()
+        lse = lse.float().contiguous()
         placeholder = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout 0: RNG state unused
-        if self._uses_flash(q, visible):
+        if self._uses_flash(q):
             dq, dk, dv = self.ops._scaled_dot_product_flash_attention_backward(
                 dout.contiguous(), q, ke, ve, out, lse, None, None, sq, ke.shape[2], 0.0, causal, placeholder,
                 placeholder, scale=scale)
         else:
-            bias = None if visible is None else _additive_bias(visible, causal, nq, q.dtype)
             lse_p = torch.zeros(b, nq, _round_up(sq, LSE_PAD), dtype=torch.float32, device=q.device)
             lse_p[..., :sq] = lse
             dq, dk, dv, _ = self.ops._scaled_dot_product_efficient_attention_backward(
-                dout.contiguous(), q, ke, ve, bias, out, lse_p, placeholder, placeholder, 0.0,
-                [True, True, True, False], causal and bias is None, scale=scale)
+                dout.contiguous(), q, ke, ve, None, out, lse_p, placeholder, placeholder, 0.0,
+                [True, True, True, False], causal, scale=scale)
         return dq, self._sum_groups(dk, nkv), self._sum_groups(dv, nkv)
 
+    # ---- rectangles: the variable-length kernel -------------------------------------------------------------
+    @staticmethod
+    def _packed(idx, q, k, v):
+        """A call's packed q, k, v ``[total, n, d]``, gathered from ``[b, n, s, d]`` by (row, position)."""
+        qr, qp, kr, kp = idx[:4]
+        return q.transpose(1, 2)[qr, qp], k.transpose(1, 2)[kr, kp], v.transpose(1, 2)[kr, kp]
+
+    def forward_rects(self, q, k, v, rects, scale: Optional[float] = None, acc=None):
+        """Every call's out merged by lse into ``acc`` (fp32 ``[b, nq, s, d]``, ``[b, nq, s]``; in place) at its
+        query rows, which are distinct within a call."""
+        if not self._uses_varlen(q):
+            return rects_forward(self, q, k, v, rects, scale, acc)
+        out, lse = acc if acc is not None else empty_result(q)
+        out_t, lse_t = out.transpose(1, 2), lse.transpose(1, 2)  # [b, s, n, d], [b, s, n] views
+        for call in packed_calls(rects, q.shape[0], forward=True):
+            idx = call.on(q.device)
+            qp, kp, vp = self._packed(idx, q, k, v)
+            o, l, _ = self.varlen._varlen_attn(qp, kp, vp, idx[4], idx[5], call.max_q, call.max_k, call.causal,
+                                              scale, [-1, -1], kp.shape[1] != qp.shape[1], None, None, None)
+            del qp, kp, vp
+            rows = (idx[0], idx[1])
+            acc_out, acc_lse = out_t[rows], lse_t[rows]  # the call's rows gathered: [T, n, d], [T, n] fp32
+            merge_into(acc_out, acc_lse, o, l.t())
+            del o, l
+            out_t.index_put_(rows, acc_out)
+            lse_t.index_put_(rows, acc_lse)
+            del acc_out, acc_lse
+        return out, lse
+
+    def backward_rects(self, dout, q, k, v, out, lse, rects, scale: Optional[float] = None, grads=None):
+        """dq, dk, dv (fp32) of the rectangles from the merged ``out``, ``lse``, added into ``grads``."""
+        if not self._uses_varlen(q):
+            return rects_backward(self, dout, q, k, v, out, lse, rects, scale, grads)
+        if grads is None:
+            grads = (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+                     torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                     torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+        dq_t, dk_t, dv_t = (g.transpose(1, 2) for g in grads)  # [b, s, n, d] views
+        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: the RNG state is not read
+        for call in packed_calls(rects, q.shape[0], forward=False):
+            idx = call.on(q.device)
+            qp, kp, vp = self._packed(idx, q, k, v)
+            rows = (idx[0], idx[1])
+            do_p, o_p = dout.transpose(1, 2)[rows], out.transpose(1, 2)[rows]
+            l_p = lse.transpose(1, 2)[rows].t().contiguous().float()  # [n, T]
+            gq, gk, gv = self.varlen._varlen_attn_backward(do_p, qp, kp, vp, o_p, l_p, idx[4], idx[5], call.max_q,
+                                                           call.max_k, call.causal, rng, scale, [-1, -1])
+            del qp, kp, vp, do_p, o_p, l_p
+            dq_t.index_put_(rows, gq.float(), accumulate=True)
+            dk_t.index_put_((idx[2], idx[3]), gk.float(), accumulate=True)
+            dv_t.index_put_((idx[2], idx[3]), gv.float(), accumulate=True)
+            del gq, gk, gv
+        return grads

@@ -1,40 +1,74 @@
 """Local (single-rank) causal attention, used when cp == 1. q/k/v ``[s, b, n, d]`` (k/v may have fewer heads: GQA)
--> ``[s, b, nq, d]``."""
+-> ``[s, b, nq, d]``. Under document masks or a sliding window the sequence is one block of rectangles
+(``ranges.py``): 3 documents are 3 causal kernel calls, a window W over s tokens about 2s/W calls of W x W."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from ..config.documents import DocumentRanges
 from .backends import Kernels
 from .core import CoreAttention, to_bnsd, to_sbnd
-from .masks import visible, with_causal
+from .ranges import block_rects
+
+
+class _RectsAttention(torch.autograd.Function):
+    """Attention of ``[b, n, s, d]`` tensors over a block's rectangles, with the (out, lse) kernels' backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, rects):
+        out, lse = kernel.forward_rects(q, k, v, rects)
+        out = out.to(q.dtype)
+        ctx.kernel, ctx.rects = kernel, rects
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward_rects(dout, q, k, v, out, lse, ctx.rects)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 class LocalCausalAttention(CoreAttention):
     """The plain forward is torch SDPA on the whole local sequence (its best kernel for the device); the (out, lse)
-    pair goes through ``parallel.attention_backend``'s kernel."""
+    pair, and every call under documents or a window, go through ``parallel.attention_backend``'s kernel.
+    ``window``: the layer's causal sliding window in tokens (None: every earlier token)."""
 
-    def __init__(self, backend="auto"):  # a parallel.attention_backend name or the model's Kernels
+    def __init__(self, backend="auto", window: Optional[int] = None):  # a parallel.attention_backend name or Kernels
         super().__init__()
         self.kernels = Kernels.of(backend)
+        self.window = window
+
+    def rects(self, documents: Optional[DocumentRanges], s: int):
+        """The whole local sequence as one block (None: plain causal)."""
+        whole = ((0, s, 0),)
+        return block_rects(documents, self.window, whole, whole)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
         q_, k_, v_ = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
-        gqa = k_.shape[1] != q_.shape[1]
-        if documents is None:
-            out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=gqa)
-        else:  # the whole sequence is local: the ids are in order
-            mask = with_causal(visible(documents, documents), True)
-            out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, enable_gqa=gqa)
+        rects = self.rects(documents, q.shape[0])
+        if rects is None:
+            out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=k_.shape[1] != q_.shape[1])
+        else:
+            out = _RectsAttention.apply(q_, k_, v_, self.kernels(q.device), rects)
         return out.permute(2, 0, 1, 3)
 
     def forward_with_lse(self, q, k, v, documents=None):
-        vis = None if documents is None else visible(documents, documents)
-        out, lse = self.kernels(q.device).forward(to_bnsd(q), to_bnsd(k), to_bnsd(v), True, visible=vis)
-        return to_sbnd(out), lse
+        rects, kernel = self.rects(documents, q.shape[0]), self.kernels(q.device)
+        if rects is None:
+            out, lse = kernel.forward(to_bnsd(q), to_bnsd(k), to_bnsd(v), True)
+        else:
+            out, lse = kernel.forward_rects(to_bnsd(q), to_bnsd(k), to_bnsd(v), rects)
+        return to_sbnd(out.to(q.dtype)), lse
 
     def backward_with_lse(self, dout, q, k, v, out, lse, documents=None):
-        vis = None if documents is None else visible(documents, documents)
-        dq, dk, dv = self.kernels(q.device).backward(to_bnsd(dout), to_bnsd(q), to_bnsd(k), to_bnsd(v), to_bnsd(out),
-                                                      lse, True, visible=vis)
+        rects, kernel = self.rects(documents, q.shape[0]), self.kernels(q.device)
+        args = (to_bnsd(dout), to_bnsd(q), to_bnsd(k), to_bnsd(v), to_bnsd(out), lse)
+        if rects is None:
+            dq, dk, dv = kernel.backward(*args, True)
+        else:
+            dq, dk, dv = (g.to(t.dtype) for g, t in zip(kernel.backward_rects(*args, rects), (q, k, v)))
         return to_sbnd(dq), to_sbnd(dk), to_sbnd(dv)

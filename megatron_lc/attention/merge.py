@@ -17,7 +17,11 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
 
 
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """In-place variant: ``acc_out`` (fp32) and ``acc_lse`` updated with a new partial result."""
-    new_out, new_lse = merge(acc_out, acc_lse, out, lse)
-    acc_out.copy_(new_out)
-    acc_lse.copy_(new_lse)
+    """In-place variant: ``acc_out`` (fp32, may be a view) and ``acc_lse`` updated with a new partial result, with
+    no temporary of ``out``'s size but ``out`` itself (``acc_out *= w_a``, then ``acc_out += out * w_b`` in one
+    op, ``out`` read in its own dtype)."""
+    new = torch.logaddexp(acc_lse, lse)
+    safe = torch.where(torch.isinf(new) & (new < 0), torch.zeros_like(new), new)
+    acc_out.mul_(torch.exp(acc_lse - safe).unsqueeze(-1))
+    acc_out.addcmul_(out, torch.exp(lse - safe).unsqueeze(-1))
+    acc_lse.copy_(new)

@@ -25,6 +25,13 @@ is added to the owner's own diagonal-block gradient. Bytes sent per rank and lay
     forward  (R-1) * K                  backward (R-1) * K  +  (R-1) * K_fp32   (dk/dv accumulated in fp32)
 
 Bytes are recorded in ``topo.comm`` under the module's tag with ops ``p2p_fwd`` / ``p2p_bwd``.
+
+Document masks and a sliding window: every block is cut into rectangles on the host (``ranges.py``, ``RingCuts``:
+each ring rank's two zigzag chunks are its spans of global positions), run without a mask (``piecewise.py``, or
+the variable-length kernel on CUDA) and merged into the same fp32 accumulators; a block without rectangles is
+skipped (forward) or passes the travelling dk/dv accumulator on unchanged (backward). With a window smaller than a
+chunk most off-diagonal blocks are skipped, so the work is O(s * W). The k/v still travel the whole ring (the
+byte counts above do not change).
 """
 from __future__ import annotations
 
@@ -35,13 +42,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import ConfigError
+from ..config.documents import DocumentRanges
 from ..parallel.collectives import count_send
-from ..parallel.token_layout import zigzag_index
 from ..parallel.topology import Axis, Topology
 from .backends import Kernels
 from .core import CoreAttention, to_bnsd, to_sbnd
-from .masks import overlap, select, visible
 from .merge import merge
+from .ranges import block_rects
 
 KV_TAG, DKV_TAG = 11, 12  # distinct p2p tags: k/v and dk/dv transfers between the same two ranks overlap
 
@@ -85,27 +92,29 @@ class RingComm:
         return _Pending(dist.batch_isend_irecv(ops), t, buf)
 
 
-def _block_masks(docs: Optional[list], r: int, j: int, c: int):
-    """Document masks of step j's block on ring rank r (see module doc for the three cases); (None, True) without
-    documents; ``(mask, False)`` when no query of the block sees a key (the block is skipped)."""
-    if docs is None:
-        return None, True
-    if j == r:
-        dq, dk = docs[r], docs[r]
-    elif j < r:
-        dq, dk = docs[r], docs[j][:, :c]
-    else:
-        dq, dk = docs[r][:, c:], docs[j]
-    return visible(dq, dk), j == r or overlap(dq, dk)
+class RingCuts:
+    """The rectangles of the block (queries of ring rank r, keys of ring rank j) under documents and a window, for a
+    ring of R ranks over ``s`` tokens: rank j's spans are its zigzag chunks j and 2R-1-j (one span when R == 1).
+    Example, s = 8, R = 2: rank 0 ``((0, 2, 0), (6, 8, 2))``, rank 1 ``((2, 4, 0), (4, 6, 2))``."""
+
+    def __init__(self, documents: Optional[DocumentRanges], window: Optional[int], s: int, R: int):
+        self.documents, self.window = documents, window
+        c = s // (2 * R)
+        self.spans = [((0, s, 0),)] if R == 1 else [((j * c, (j + 1) * c, 0), ((2 * R - 1 - j) * c, (2 * R - j) * c, c))
+                                                    for j in range(R)]
+
+    def rects(self, r: int, j: int):
+        return block_rects(self.documents, self.window, self.spans[r], self.spans[j])
 
 
-def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None, docs: Optional[list] = None):
-    """Forward of ring attention on zigzag-local tensors ``[b, n, 2c, d]``; returns fp32 (out, lse). ``docs``: the
-    document ids of every ring rank's local tokens (``masks.py``), or None."""
+def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None, cuts: Optional[RingCuts] = None):
+    """Forward of ring attention on zigzag-local tensors ``[b, n, 2c, d]``; returns fp32 (out, lse). ``cuts``: the
+    blocks' rectangles under documents / a window (None: causal over the whole sequence)."""
+    if cuts is not None:
+        return _ring_forward_rects(q, k, v, comm, backend, scale, cuts)
     R, r = comm.size, comm.rank
     c = q.shape[2] // 2
-    mask, _ = _block_masks(docs, r, r, c)
-    out, lse = backend.forward(q, k, v, True, scale, visible=mask)  # step 0: own k/v, causal on the local order
+    out, lse = backend.forward(q, k, v, True, scale)  # step 0: own k/v, causal on the local order
     out, lse = out.float(), lse.float()
     if R == 1:
         return out, lse
@@ -117,15 +126,11 @@ def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None
         if i + 1 < R:
             pending = comm.send_recv(kv, KV_TAG, "p2p_fwd")  # next transfer in flight during this block
         j = (r - i) % R
-        mask, seen = _block_masks(docs, r, j, c)
-        if not seen:  # no query of this block shares a document with its keys
-            continue
         if j < r:  # all queries x front keys of j
-            o, l = backend.forward(q, kv[0, :, :, :c].contiguous(), kv[1, :, :, :c].contiguous(), False, scale,
-                                   visible=mask)
+            o, l = backend.forward(q, kv[0, :, :, :c].contiguous(), kv[1, :, :, :c].contiguous(), False, scale)
             out, lse = merge(out, lse, o, l)
         else:  # back queries x all keys of j
-            o, l = backend.forward(q_back, kv[0], kv[1], False, scale, visible=mask)
+            o, l = backend.forward(q_back, kv[0], kv[1], False, scale)
             ob, lb = merge(out[:, :, c:], lse[:, :, c:], o, l)
             out, lse = torch.cat([out[:, :, :c], ob], dim=2), torch.cat([lse[:, :, :c], lb], dim=2)
             del ob, lb
@@ -133,13 +138,32 @@ def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None
     return out, lse
 
 
+def _ring_forward_rects(q, k, v, comm: RingComm, backend, scale, cuts: RingCuts):
+    """``ring_forward`` over the blocks' rectangles, merged in place into one pair of fp32 accumulators."""
+    R, r = comm.size, comm.rank
+    acc = backend.forward_rects(q, k, v, cuts.rects(r, r), scale)
+    if R == 1:
+        return acc
+    kv = torch.stack([k, v])
+    pending = comm.send_recv(kv, KV_TAG, "p2p_fwd")
+    for i in range(1, R):
+        kv = pending.wait()
+        if i + 1 < R:
+            pending = comm.send_recv(kv, KV_TAG, "p2p_fwd")  # next transfer in flight during this block
+        rects = cuts.rects(r, (r - i) % R)
+        if rects:  # else: no query of this block shares a document (or a window) with its keys
+            backend.forward_rects(q, kv[0], kv[1], rects, scale, acc=acc)
+    return acc
+
+
 def ring_backward(dout, q, k, v, out, lse, comm: RingComm, backend, scale: Optional[float] = None,
-                  docs: Optional[list] = None):
+                  cuts: Optional[RingCuts] = None):
     """Backward of ``ring_forward`` given the merged ``out`` and ``lse``; returns dq, dk, dv in input dtypes."""
+    if cuts is not None:
+        return _ring_backward_rects(dout, q, k, v, out, lse, comm, backend, scale, cuts)
     R, r = comm.size, comm.rank
     c = q.shape[2] // 2
-    mask, _ = _block_masks(docs, r, r, c)
-    dq0, dk0, dv0 = backend.backward(dout, q, k, v, out, lse, True, scale, visible=mask)
+    dq0, dk0, dv0 = backend.backward(dout, q, k, v, out, lse, True, scale)
     if R == 1:
         return dq0, dk0, dv0
     dq = dq0.float()
@@ -155,22 +179,44 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm, backend, scale: Optio
         if i + 1 < R:
             pending_kv = comm.send_recv(kv, KV_TAG, "p2p_bwd")
         j = (r - i) % R
-        mask, seen = _block_masks(docs, r, j, c)
-        if not seen:  # nothing of this block was seen: j's dk/dv accumulator passes through unchanged
-            blk = torch.zeros_like(kv, dtype=torch.float32)
-        elif j < r:
+        if j < r:
             kf, vf = kv[0, :, :, :c].contiguous(), kv[1, :, :, :c].contiguous()
-            dq_, dk_, dv_ = backend.backward(dout, q, kf, vf, out, lse, False, scale, visible=mask)
+            dq_, dk_, dv_ = backend.backward(dout, q, kf, vf, out, lse, False, scale)
             del kf, vf
             dq += dq_.float()
             blk = F.pad(torch.stack([dk_, dv_]).float(), (0, 0, 0, c))  # zero grads for j's back chunk
             del dq_, dk_, dv_  # accumulated: not held through the next block's kernel
         else:
-            dq_, dk_, dv_ = backend.backward(back[0], back[1], kv[0], kv[1], back[2], back[3], False, scale,
-                                             visible=mask)
+            dq_, dk_, dv_ = backend.backward(back[0], back[1], kv[0], kv[1], back[2], back[3], False, scale)
             dq[:, :, c:] += dq_.float()
             blk = torch.stack([dk_, dv_]).float()
             del dq_, dk_, dv_
+        if pending_dkv is not None:
+            blk = blk + pending_dkv.wait()  # accumulator of j's dk/dv from the ranks before this one
+        pending_dkv = comm.send_recv(blk, DKV_TAG, "p2p_bwd")  # after step R-1 it reaches its owner
+    own = own + pending_dkv.wait()
+    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
+
+
+def _ring_backward_rects(dout, q, k, v, out, lse, comm: RingComm, backend, scale, cuts: RingCuts):
+    """``ring_backward`` over the blocks' rectangles: dq and each block's dk/dv added into fp32 accumulators."""
+    R, r = comm.size, comm.rank
+    dq, dk0, dv0 = backend.backward_rects(dout, q, k, v, out, lse, cuts.rects(r, r), scale)
+    if R == 1:
+        return dq.to(q.dtype), dk0.to(k.dtype), dv0.to(v.dtype)
+    own = torch.stack([dk0, dv0])
+    del dk0, dv0
+    kv = torch.stack([k, v])
+    pending_kv = comm.send_recv(kv, KV_TAG, "p2p_bwd")
+    pending_dkv = None
+    for i in range(1, R):
+        kv = pending_kv.wait()
+        if i + 1 < R:
+            pending_kv = comm.send_recv(kv, KV_TAG, "p2p_bwd")
+        blk = torch.zeros_like(kv, dtype=torch.float32)  # j's dk/dv from this rank's queries (0 when skipped)
+        rects = cuts.rects(r, (r - i) % R)
+        if rects:
+            backend.backward_rects(dout, q, kv[0], kv[1], out, lse, rects, scale, grads=(dq, blk[0], blk[1]))
         if pending_dkv is not None:
             blk = blk + pending_dkv.wait()  # accumulator of j's dk/dv from the ranks before this one
         pending_dkv = comm.send_recv(blk, DKV_TAG, "p2p_bwd")  # after step R-1 it reaches its owner
@@ -182,10 +228,10 @@ class RingAttnFunction(torch.autograd.Function):
     """q ``[b, nq, 2c, d]``, k/v ``[b, nkv, 2c, d]`` (zigzag-local order) -> out ``[b, nq, 2c, d]``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: RingComm, backend, tag: str, scale: Optional[float], docs: Optional[list]):
-        ctx.comm, ctx.backend, ctx.tag, ctx.scale, ctx.docs = comm, backend, tag, scale, docs
+    def forward(ctx, q, k, v, comm: RingComm, backend, tag: str, scale: Optional[float], cuts: Optional[RingCuts]):
+        ctx.comm, ctx.backend, ctx.tag, ctx.scale, ctx.cuts = comm, backend, tag, scale, cuts
         with comm.topo.comm.tag(tag):
-            out, lse = ring_forward(q, k, v, comm, backend, scale, docs)
+            out, lse = ring_forward(q, k, v, comm, backend, scale, cuts)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -195,7 +241,7 @@ class RingAttnFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with ctx.comm.topo.comm.tag(ctx.tag):
             dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.comm, ctx.backend, ctx.scale,
-                                       ctx.docs)
+                                       ctx.cuts)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -203,11 +249,12 @@ class RingAttention(CoreAttention):
     """Core attention over the ring axis: q/k/v ``[s_local, b, n, d]`` (zigzag-local order) -> ``[s_local, b, nq, d]``.
 
     With a ring of size 1 this is plain causal attention through the chosen kernel (used by Ulysses when
-    cp_comm_type is a2a)."""
+    cp_comm_type is a2a). ``window``: the layer's causal sliding window in tokens (None: every earlier token)."""
 
-    def __init__(self, topo: Topology, backend="auto", tag: str = "attn", axis: Axis = Axis.RING):
+    def __init__(self, topo: Topology, backend="auto", tag: str = "attn", axis: Axis = Axis.RING,
+                 window: Optional[int] = None):
         super().__init__()
-        self.tag = tag
+        self.tag, self.window = tag, window
         self.kernels = Kernels.of(backend)
         self.comm = RingComm(topo, axis)
 
@@ -217,20 +264,17 @@ class RingAttention(CoreAttention):
                               f"rank, ring size {self.comm.size}); the full sequence must be divisible by "
                               f"{2 * self.comm.size} x ulysses size")
 
-    def ring_documents(self, documents: Optional[torch.Tensor]) -> Optional[list]:
-        """The document ids of every ring rank's zigzag part of the full sequence (a ring of size 1: in order)."""
-        if documents is None:
+    def cuts(self, documents: Optional[DocumentRanges], s_local: int) -> Optional[RingCuts]:
+        """The blocks' rectangles for this ring (None: no documents, no window)."""
+        if documents is None and self.window is None:
             return None
-        s, R = documents.shape[1], self.comm.size
-        if R == 1:
-            return [documents]
-        return [select(documents, zigzag_index(s, R, j)) for j in range(R)]
+        return RingCuts(documents, self.window, s_local * self.comm.size, self.comm.size)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
         self._check_length(q.shape[0])
         q_, k_, v_ = (t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v))  # [b, n, s, d]
         out = RingAttnFunction.apply(q_, k_, v_, self.comm, self.kernels(q.device), self.tag, None,
-                                     self.ring_documents(documents))
+                                     self.cuts(documents, q.shape[0]))
         return out.permute(2, 0, 1, 3)
 
     def forward_with_lse(self, q, k, v, documents=None):
@@ -238,11 +282,11 @@ class RingAttention(CoreAttention):
         self._check_length(q.shape[0])
         with self.comm.topo.comm.tag(self.tag):
             out, lse = ring_forward(to_bnsd(q), to_bnsd(k), to_bnsd(v), self.comm, self.kernels(q.device),
-                                    docs=self.ring_documents(documents))
+                                    cuts=self.cuts(documents, q.shape[0]))
         return to_sbnd(out.to(q.dtype)), lse
 
     def backward_with_lse(self, dout, q, k, v, out, lse, documents=None):
         with self.comm.topo.comm.tag(self.tag):
             dq, dk, dv = ring_backward(to_bnsd(dout), to_bnsd(q), to_bnsd(k), to_bnsd(v), to_bnsd(out), lse,
-                                       self.comm, self.kernels(q.device), docs=self.ring_documents(documents))
+                                       self.comm, self.kernels(q.device), cuts=self.cuts(documents, q.shape[0]))
         return to_sbnd(dq), to_sbnd(dk), to_sbnd(dv)

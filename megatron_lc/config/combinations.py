@@ -39,11 +39,17 @@ def _refusals(cfg):
 
 
 def _document_refusals(cfg):
+    """Documents and windows reach the kernels as rectangles (attention/ranges.py): PyTorch's kernels take them (one
+    call each on CPU, the variable-length kernel on CUDA); the flash-attn / TransformerEngine adapters do not."""
     p = cfg.parallel
     yield (cfg.data.reset_attention_mask and p.attention_backend in ("flash", "te"),
-           f"data.reset_attention_mask with parallel.attention_backend={p.attention_backend}: the document mask goes "
-           f"to the kernel as a mask, which the flash-attn / TransformerEngine adapters do not take yet (their "
-           f"varlen entry points are not wired); use attention_backend auto or torch")
+           f"data.reset_attention_mask with parallel.attention_backend={p.attention_backend}: documents reach the "
+           f"kernel as rectangles, which the flash-attn / TransformerEngine adapters do not take (their varlen entry "
+           f"points are not wired); use attention_backend auto or torch")
+    yield (cfg.model.sliding_window is not None and p.attention_backend in ("flash", "te"),
+           f"model.sliding_window with parallel.attention_backend={p.attention_backend}: a window reaches the kernel "
+           f"as rectangles, which the flash-attn / TransformerEngine adapters do not take (their window arguments "
+           f"are not wired); use attention_backend auto or torch")
 
 
 def check_combinations(cfg) -> None:

@@ -164,9 +164,10 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
-    # the estimator's attention FLOPs with reset_attention_mask: the length-weighted mean document length
-    # (sum of len^2 / sum of len; tools/data_stats.py prints it for a corpus); unset: no saving counted.
-    # Training metrics count the masked work of each step itself.
+    # the length-weighted mean document length (sum of len^2 / sum of len: the length of the document a random token
+    # sits in; tools/data_stats.py prints it for a corpus): the estimator's attention FLOPs and working memory with
+    # reset_attention_mask (unset: no saving counted; training metrics count each step's own documents); with
+    # mock_data, samples are packed documents of seeded long-tailed (lognormal) lengths of this length-weighted mean
     mean_document_length: Optional[int] = None
     # the demo corpus (the Python stdlib sources) and its tokenizer, built on first use under data/demo/ (demo_files);
     # data_path and tokenizer_model stay unset: files you name are never written by the demo

@@ -63,6 +63,13 @@ class Layout:
     kv_replication: int  # copies of each kv head for the head scatter over the Ulysses ranks
     micro_batch_size: int
     global_batch_size: int
+    # each layer's causal sliding window in tokens (None: full attention; model.sliding_window, model.layer_types):
+    # the core attention built for layer n takes windows[n]
+    windows: tuple = ()
+
+    def window(self, layer_number: int):
+        """Layer ``layer_number``'s window (None: every earlier key)."""
+        return self.windows[layer_number] if self.windows else None
 
     @property
     def sp_degree(self) -> int:
@@ -149,7 +156,8 @@ def resolve_layout(cfg, world_size: int) -> Layout:
           f"train.global_batch_size ({gbs}) must be divisible by micro_batch_size ({mbs}) x dp ({dp})")
     return Layout(world_size=world_size, dp=dp, tp=tp, cp=cp, ring=p.ring_size, ulysses=p.ulysses_size,
                   cp_comm_type=p.cp_comm_type, sequence_parallel=sp, seq_length=s, seq_multiple=mult, fpdt_chunks=u,
-                  heads=heads, kv_heads=kv_heads, kv_replication=rep, micro_batch_size=mbs, global_batch_size=gbs)
+                  heads=heads, kv_heads=kv_heads, kv_replication=rep, micro_batch_size=mbs, global_batch_size=gbs,
+                  windows=m.attention_windows())
 
 
 __all__ = ["Layout", "resolve_layout", "kv_replication"]

@@ -74,6 +74,12 @@ class ModelConfig:
     # Megatron's default, ALST and FPDT do -- half the bytes of every layer input and of the host checkpoints
     # (memory.activation_offload: checkpoints). No effect in fp32 training (CPU).
     fp32_residual_connection: bool = True
+    # causal sliding-window attention (Mistral's / Hugging Face's sliding_window, in tokens): query i sees keys
+    # (i - W, i] of its document. On the layers layer_types names sliding_attention; every layer when it is unset
+    sliding_window: Optional[int] = None
+    # per layer, Hugging Face's names: sliding_attention (the window) or full_attention (every earlier key), e.g.
+    # Gemma 3's five local layers to one global one. Unset: every layer sliding_attention with a sliding_window
+    layer_types: Optional[list[Literal["sliding_attention", "full_attention"]]] = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
@@ -98,6 +104,20 @@ class ModelConfig:
         self.rope_scaling = check_rope_scaling(self.rope_scaling)
         check(self.rope_scaling is None or self.position_embedding_type == "rope",
               "model.rope_scaling needs model.position_embedding_type: rope")
+        check(self.sliding_window is None or self.sliding_window >= 1,
+              f"model.sliding_window ({self.sliding_window}) must be >= 1 token")
+        if self.layer_types is not None:
+            check(len(self.layer_types) == self.num_layers,
+                  f"model.layer_types has {len(self.layer_types)} entries for model.num_layers ({self.num_layers})")
+            check(self.sliding_window is not None or "sliding_attention" not in self.layer_types,
+                  "model.layer_types names sliding_attention layers but model.sliding_window is not set")
+
+    def attention_windows(self) -> tuple:
+        """Each layer's causal window in tokens, None for full attention. Example: 4 layers, ``sliding_window: 1024,
+        layer_types: [sliding_attention, sliding_attention, sliding_attention, full_attention]`` -> ``(1024, 1024,
+        1024, None)``."""
+        types = self.layer_types or ["sliding_attention"] * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
 
     @property
     def padded_vocab_size(self) -> int:

@@ -68,8 +68,8 @@ def build_dataset(cfg: Config, sizes: list[int]) -> DataSplits:
     ``MockDataset`` streams; else megatron-core's blended GPTDataset splits (``gpt.py``). Every rank calls this."""
     d = cfg.data
     if d.mock_data:
-        return DataSplits(*[MockDataset(d.seq_length, cfg.model.vocab_size, cfg.train.seed, i) if n else None
-                            for i, n in enumerate(sizes)])
+        return DataSplits(*[MockDataset(d.seq_length, cfg.model.vocab_size, cfg.train.seed, i,
+                                        d.mean_document_length) if n else None for i, n in enumerate(sizes)])
     blend = d.blend(cfg.model.vocab_size)
     if blend is None:
         raise DataError("data.data_path is not set (or set data.mock_data: true for random tokens)")

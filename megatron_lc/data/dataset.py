@@ -10,22 +10,65 @@ share of the sequence (``parallel/token_layout.py``).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
+
+from ..config.documents import DocumentRanges
+
+
+# Mock documents' lengths: lognormal with sigma 1 (a long tail: the demo corpus's length-weighted mean is 2.7x its
+# mean, exp(sigma^2) = 2.7 here), its mu set so that the length-weighted mean (sum len^2 / sum len, the length of the
+# document a random token sits in: what ``data.mean_document_length`` means) is the one asked for
+MOCK_DOC_SIGMA = 1.0
+
+
+def document_lengths(rng: np.random.Generator, n: int, mean_document_length: float,
+                     length_biased: bool = False) -> np.ndarray:
+    """``n`` lognormal document lengths (at least 1 token) whose length-weighted mean is ``mean_document_length``
+    (for lognormal(mu, sigma): ``exp(mu + 1.5 sigma^2)``; the plain mean is that over ``exp(sigma^2)``).
+    ``length_biased``: the length of the document a random token sits in (lognormal(mu + sigma^2, sigma)).
+    Example: 65536 asked -> plain mean 24109, median 14624 tokens."""
+    sigma = MOCK_DOC_SIGMA
+    mu = np.log(mean_document_length) - 1.5 * sigma * sigma + (sigma * sigma if length_biased else 0.0)
+    return np.maximum(1, np.rint(rng.lognormal(mu, sigma, n))).astype(np.int64)
+
+
+def mock_document_ends(rng: np.random.Generator, n_tokens: int, mean_document_length: float) -> np.ndarray:
+    """Positions of the end-of-document tokens in a window of ``n_tokens`` of an endless stream of documents of
+    ``document_lengths``: the window starts inside a document (length-biased, at a uniform offset) as a sample of a
+    packed corpus does. Example: 8 tokens, documents of 5 (3 of them before the window), 2, 9: ends ``[1, 3]``."""
+    first = document_lengths(rng, 1, mean_document_length, length_biased=True)[0]
+    ends = [int(rng.integers(0, first))]  # tokens of the first document left at the window's start, less one
+    plain = mean_document_length / np.exp(MOCK_DOC_SIGMA ** 2)
+    while ends[-1] < n_tokens:
+        more = document_lengths(rng, int(2 * (n_tokens - ends[-1]) / plain) + 8, mean_document_length)
+        ends += (ends[-1] + np.cumsum(more)).tolist()
+    return np.array([e for e in ends if e < n_tokens], dtype=np.int64)
 
 
 class MockDataset:
     """Random tokens, a pure function of (seed, split, k): for tests and benchmarks without data files. Its
     end-of-document id is the last one of the vocabulary; random tokens hit it rarely. ``split`` 0 is the training
-    stream; 1 and 2 (valid, test) are others."""
+    stream; 1 and 2 (valid, test) are others. ``mean_document_length`` (``data.mean_document_length``): the sample
+    is packed documents of seeded random lengths of that length-weighted mean (``mock_document_ends``), each ended
+    by the end-of-document id, which no other token is."""
 
-    def __init__(self, seq_length: int, vocab_size: int, seed: int, split: int = 0):
+    def __init__(self, seq_length: int, vocab_size: int, seed: int, split: int = 0,
+                 mean_document_length: Optional[int] = None):
         self.seq_length, self.vocab_size, self.seed, self.split = seq_length, vocab_size, seed, split
         self.eod = vocab_size - 1
+        self.mean_document_length = mean_document_length
 
     def __getitem__(self, k: int) -> np.ndarray:
         key = [self.seed, int(k)] + ([self.split] if self.split else [])
-        return np.random.default_rng(key).integers(0, self.vocab_size, self.seq_length + 1)
+        rng = np.random.default_rng(key)
+        if self.mean_document_length is None:
+            return rng.integers(0, self.vocab_size, self.seq_length + 1)
+        tokens = rng.integers(0, self.eod, self.seq_length + 1)
+        tokens[mock_document_ends(rng, self.seq_length + 1, self.mean_document_length)] = self.eod
+        return tokens
 
 
 def microbatch_sample_ids(micro: int, gbs: int, mbs: int, dp: int, dp_rank: int) -> list[int]:
@@ -64,7 +107,8 @@ def document_fields(tokens: torch.Tensor, eod: int, reset_position_ids: bool, re
 
 def make_batch(dataset, sample_ids: list[int], data_cfg=None) -> dict:
     """Full-sequence batch ``{tokens, labels, position_ids: [b, s], loss_mask, sample_ids}``, with the document
-    fields of ``data_cfg`` (``reset_position_ids``, ``reset_attention_mask``: ``document_ids``, ``eod_mask_loss``)."""
+    fields of ``data_cfg`` (``reset_position_ids``, ``reset_attention_mask``: ``document_ids`` and ``documents``,
+    the host's ``config.DocumentRanges`` every core attention cuts its blocks by, ``eod_mask_loss``)."""
     arr = np.stack([dataset[k] for k in sample_ids])
     data = torch.from_numpy(arr)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
@@ -80,4 +124,6 @@ def make_batch(dataset, sample_ids: list[int], data_cfg=None) -> dict:
     if d is not None and (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
         batch.update(document_fields(tokens, dataset.eod, d.reset_position_ids, d.reset_attention_mask,
                                      d.eod_mask_loss, batch["loss_mask"]))
+    if d is not None and d.reset_attention_mask:  # from the host array: no device value is ever read for it
+        batch["documents"] = DocumentRanges.from_eod(arr[:, :-1], dataset.eod)
     return batch

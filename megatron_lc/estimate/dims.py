@@ -7,6 +7,7 @@ tp=2 (sequence parallel), cp=4, micro-batch 1: ``tokens = 1M / 4 = 262144`` per 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,7 @@ class Dims:
     micro_batches: int = 1
     fpdt_chunks: int = 1  # u, FPDT's chunks per rank (the layout's)
     doc_length: int = 0  # document masks: the length-weighted mean document length (data.mean_document_length); 0: s
+    windows: tuple = ()  # each layer's causal sliding window in tokens (None: full attention; the layout's)
 
     @classmethod
     def from_config(cls, cfg: Config, layout: Layout, device: str) -> "Dims":
@@ -69,14 +71,40 @@ class Dims:
                    sequence_parallel=layout.sequence_parallel, cp_comm_type=layout.cp_comm_type, device=device,
                    compute_bytes=ex.compute_dtype.itemsize, residual_bytes=ex.residual_dtype.itemsize,
                    micro_batches=layout.num_micro_batches, fpdt_chunks=layout.fpdt_chunks,
-                   doc_length=(cfg.data.mean_document_length or 0) if cfg.data.reset_attention_mask else 0)
+                   doc_length=(cfg.data.mean_document_length or 0) if cfg.data.reset_attention_mask else 0,
+                   windows=layout.windows)
 
     # ---- per-rank sizes ------------------------------------------------------------------------------------
     @property
-    def attended(self) -> int:
-        """Keys a token attends to, counted as the causal formula counts them (twice the mean): ``s``, or the mean
-        document length under document masks (at most ``s``)."""
+    def reach(self) -> int:
+        """How far back a token's keys go without a window: the sequence, or the mean document length (at most s)."""
         return min(self.doc_length, self.seq_length) if self.doc_length else self.seq_length
+
+    @property
+    def attended(self) -> float:
+        """Keys a token attends to, counted as the causal formula counts them (twice the mean), the mean over the
+        layers: ``s``, or the length-weighted mean document length L under document masks (at most ``s``); a layer
+        with a window W < L attends ``2W - W^2/L`` (a document of L tokens has ``W^2/2 + (L - W) W`` pairs, as
+        ``config.documents.window_pairs`` counts them). Example: s = 32768, W = 1024 on every layer: 2016."""
+        L = self.reach
+        per_layer = [L if w is None or w >= L else 2 * w - w * w / L for w in (self.windows or (None,))]
+        return sum(per_layer) / len(per_layer)
+
+    @property
+    def ranges(self) -> bool:
+        """Document masks or a window on some layer: the attention runs rectangles (``attention/ranges.py``)."""
+        return bool(self.doc_length) or any(w is not None for w in self.windows)
+
+    def earlier_chunks(self, n: int) -> float:
+        """(q chunk, earlier kv chunk) pairs of ``n`` equal chunks of the sequence that a layer computes and fetches,
+        the mean over the layers: all ``n(n-1)/2``, or those within the keys' reach (a window, the documents): q
+        chunk i needs ``min(i, ceil(reach / c))`` earlier ones. Example: 16 chunks, a window of one chunk: 15."""
+        c = self.seq_length / n
+        out = []
+        for w in (self.windows or (None,)):
+            back = math.ceil(min(self.reach, w if w is not None else self.reach) / c)
+            out.append(sum(min(i, back) for i in range(n)))
+        return sum(out) / len(out)
 
     @property
     def world(self) -> int:

@@ -43,6 +43,22 @@ def torch_kernels(cfg: Config, dims: Dims) -> bool:
     return dims.device == "cuda" and cfg.parallel.attention_backend in ("auto", "torch")
 
 
+def varlen_extra(dims: Dims, Q: float, KV: float, fq: float, fk: float, backward: bool = True) -> float:
+    """Bytes one block's variable-length calls hold (``fused_cuda.TorchCUDABackend.forward_rects`` /
+    ``backward_rects``: documents or windows on CUDA) above its q, k, v and the fp32 accumulators, the larger of two
+    moments. The rectangles' rows are gathered into packed tensors (no GQA repeat: the kernel takes the kv heads as
+    they are). Forward: at the kernel packed q, k, v and its out (fq·Q twice, fk·KV); then, the packed inputs
+    freed, the out and the accumulator rows it merges into, gathered in fp32 (fq·Q + f·fq·Q; ``merge.merge_into``
+    works in place). Backward: at the kernel packed dout, q, out, k, v and its dq, dk, dv (4 fq·Q, 2 fk·KV); then
+    the grads and each one's fp32 copy for the accumulation (f·(fq·Q + fk·KV) more). Example, Llama3-8B, ring cp 8 at
+    1M with documents (a rank's q Q = 1 GiB in bf16, KV = 0.5 GiB): an earlier rank's block (fq 1, fk 1/2) holds
+    3 GiB in forward, 4.5 GiB in backward."""
+    f = 4 / dims.compute_bytes
+    if not backward:
+        return max(2 * fq * Q + fk * KV, fq * Q * (1 + f))
+    return max(4 * fq * Q + 2 * fk * KV, (fq * Q + fk * KV) + f * max(fq * Q, fk * KV / 2))
+
+
 def kernel_extra(cfg: Config, dims: Dims, Q: float, KV: float, fq: float, fk: float, dout_view: bool = False,
                  backward: bool = True) -> float:
     """Bytes one fused CUDA kernel call holds above a kernel that takes the kv heads as they are (0 with other
@@ -58,6 +74,14 @@ def kernel_extra(cfg: Config, dims: Dims, Q: float, KV: float, fq: float, fk: fl
     kernel, 1 (dout) + 2 + 2 GiB beside dq and at the query heads, dk, dv, in place of dk, dv (0.5): 4.5 GiB more."""
     if not torch_kernels(cfg, dims):
         return 0.0
+    ranges = varlen_extra(dims, Q, KV, fq, fk, backward) if dims.ranges else 0.0
+    if dims.doc_length or (dims.ranges and all(w is not None for w in dims.windows)):
+        return ranges  # every block runs the variable-length kernel
+    return max(ranges, _dense_extra(Q, KV, fq, fk, dout_view, backward))  # full-attention layers: the dense kernels
+
+
+def _dense_extra(Q: float, KV: float, fq: float, fk: float, dout_view: bool, backward: bool) -> float:
+    """``kernel_extra`` of the dense fused kernels (see there)."""
     copy = fq * Q if dout_view else 0.0
     if KV >= 2 * Q:  # as many kv heads as query heads: nothing repeated
         return copy if backward else 0.0
@@ -164,6 +188,8 @@ def _ring_backward(cfg: Config, dims: Dims, Q: float, KV: float, R: int, dout_vi
     if not torch_kernels(cfg, dims):
         return (Q if a == 4 else 0.0) + 1.5 * Q + (Q + KV) + 4 * f * KV + (3 if R > 2 else 2) * KV \
             + (f * Q if a < 4 else 0.0)
+    if dims.doc_length or all(w is not None for w in dims.windows or (None,)):
+        return _ring_backward_rects(dims, Q, KV, R)
     later = Q / 2 + KV + kernel_extra(cfg, dims, Q, KV, 0.5, 1.0)  # dq over the back half, dk, dv over all keys
     earlier = KV / 2 + Q + KV / 2 + kernel_extra(cfg, dims, Q, KV, 1.0, 0.5, dout_view)
     steps = [f * Q + f * KV + 1.5 * Q + KV * (2 if i + 1 < R else 1) + (2 * f * KV if i >= 2 else 0.0)
@@ -171,6 +197,20 @@ def _ring_backward(cfg: Config, dims: Dims, Q: float, KV: float, R: int, dout_vi
     diagonal = Q + KV + kernel_extra(cfg, dims, Q, KV, 1.0, 1.0, dout_view)
     accumulate = f * Q + 4 * f * KV + 1.5 * Q + 2 * KV
     return max(diagonal, accumulate, *steps)
+
+
+def _ring_backward_rects(dims: Dims, Q: float, KV: float, R: int) -> float:
+    """``ring._ring_backward_rects`` on CUDA (documents or windows on every layer): no half copies; at step i the
+    fp32 dq accumulator and this rank's fp32 dk/dv, the k, v in use and (i < R-1) the next ones, the block's fp32
+    dk/dv accumulator and (i >= 2) the previous one in flight (sent and being received), and the block's variable-
+    length calls (an earlier rank's block: all queries x half the keys; a later one's: half the queries x all);
+    first the diagonal block's calls beside its fresh fp32 dq, dk, dv."""
+    f = 4 / dims.compute_bytes
+    block = max(varlen_extra(dims, Q, KV, 1.0, 0.5), varlen_extra(dims, Q, KV, 0.5, 1.0))
+    steps = [f * Q + f * KV + KV * (2 if i + 1 < R else 1) + f * KV + (2 * f * KV if i >= 2 else 0.0) + block
+             for i in range(1, R)]
+    diagonal = f * Q + f * KV + varlen_extra(dims, Q, KV, 1.0, 1.0)
+    return max(diagonal, *steps)
 
 
 def attention_backward_lse(cfg: Config, dims: Dims) -> float:

@@ -52,5 +52,5 @@ class SelfAttention(AttentionProjections):
 
     def forward(self, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
         q, k, v = self.qkv(x, rope)
-        out = self.core_attention(q, k, v, documents)  # documents: full-sequence ids of packed documents, or None
+        out = self.core_attention(q, k, v, documents)  # documents: config.DocumentRanges, or None
         return self.linear_proj(out.flatten(2))

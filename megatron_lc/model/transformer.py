@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..config.documents import DocumentRanges
 from ..parallel.tensor_parallel import replicated_parameter, init_std_for_output
 from .norm import build_norm
 from .rope import RotaryEmbedding
@@ -103,16 +104,16 @@ class GPTModel(nn.Module):
         return h.to(residual_dtype(self.cfg.fp32_residual_connection, h))
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``document_ids``: the *full-sequence* ``[b, s]`` document index of every token
-        (``data.reset_attention_mask``; not sharded: each core attention picks the ids of the tokens it holds);
-        None: one causal sequence."""
-        h = self.final_hidden_states(tokens, position_ids, document_ids)
+                documents: Optional[DocumentRanges] = None) -> torch.Tensor:
+        """``documents``: where the packed documents of the *full* sequences start and end (``data.
+        reset_attention_mask``; host integers, the same on every rank: each core attention cuts its blocks by the
+        global positions of the tokens it holds); None: one causal sequence a row."""
+        h = self.final_hidden_states(tokens, position_ids, documents)
         out = self.head(h, labels.t().contiguous() if labels is not None else None)
         return out.transpose(0, 1)
 
     def final_hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor,
-                            document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            documents: Optional[DocumentRanges] = None) -> torch.Tensor:
         """What the head reads: ``[s_local, b, h]`` (``[s_local/tp, b, h]`` under sequence parallel) for
         ``tokens [b, s_local]`` -- embedding, the layers (their executors), the final norm."""
         self.arena.begin_iteration()
@@ -120,5 +121,5 @@ class GPTModel(nn.Module):
         rope = self.rotary(pos_sb) if self.rotary is not None else None
         h = self.embed(tokens_sb, pos_sb)
         for layer in self.layers:
-            h = layer(h, rope, document_ids)
+            h = layer(h, rope, documents)
         return self.final_layernorm(h)

@@ -76,14 +76,14 @@ class Trainer:
         """Accumulate gradients of the global-mean loss over the micro-batches; returns the global loss (a 0-dim
         fp64 tensor on the device: nothing here reads a value). Sets ``self.counts``: the all-reduced
         ``metrics.step_counts`` (the global valid-token count, MFU's attended pairs)."""
-        counts = step_counts(batches)  # one all-reduce: the global valid-token count and MFU's attended pairs
+        counts = step_counts(batches, self.layout)  # one all-reduce: the global valid-token count and MFU's attended pairs
         all_reduce(counts, self.topo, Axis.DP_CP)
         self.counts = counts
         total = counts[0].clamp(min=1.0).float()  # (fp32: the same division as by a Python number)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for b in batches:
             with self.execution.autocast():
-                token_loss = self.model(b["tokens"], b["position_ids"], b["labels"], b.get("document_ids"))
+                token_loss = self.model(b["tokens"], b["position_ids"], b["labels"], b.get("documents"))
             local = (token_loss.float() * b["loss_mask"]).sum()
             (local / total).backward()
             loss_sum = loss_sum + local.detach().double()

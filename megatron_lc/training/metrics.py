@@ -2,8 +2,9 @@
 
 Model FLOPs per sample (Memo §5.1, FlashAttention with the causal mask): ``6*s*P + 6*n*h*s^2`` with s the sequence
 length, P the parameter count, n the number of layers and h the hidden size; ``12*n*h`` per attended (query, key)
-pair, of which a causal sample has ``s^2 / 2`` -- with document masks (``data.reset_attention_mask``) the step's
-own count, the sum over documents of ``len^2 / 2`` (``attention/masks.attended_pairs``). MFU = model FLOPs per second /
+pair, of which a causal sample has ``s^2 / 2`` -- with document masks (``data.reset_attention_mask``) or sliding
+windows (``model.sliding_window``) the step's own count from the host's document ranges, the sum over documents of
+``len^2 / 2``, each query at most W keys, averaged over the layers (``attention/masks.attended_pairs``). MFU = model FLOPs per second /
 (devices x peak), the peak ``logging.peak_tflops`` or, unset, measured at start on this device (``measure_peak``:
 the best of a few square GEMMs in the training dtype with this process's threads; the log says which). An MFU
 above 100% means the peak is wrong for this machine: it is reported once (rank 0) and left out, never printed."""
@@ -68,19 +69,23 @@ def peak_flops(cfg: Config, execution: Execution) -> tuple[float, str]:
     return measure_peak(device, dtype, n), f"measured: {name} GEMM {n}x{n}"
 
 
-def step_counts(batches: list[dict]) -> torch.Tensor:
-    """This rank's ``[valid tokens, attended pairs, micro-batches with document masks]`` of a step (float64), for
+def step_counts(batches: list[dict], layout: Layout) -> torch.Tensor:
+    """This rank's ``[valid tokens, attended pairs, micro-batches with masks or windows]`` of a step (float64), for
     the loop's one all-reduce over dp x cp: the loss's global token count and MFU's attended pairs (every cp rank
-    holds the full-sequence document ids, so the pairs are counted cp times; ``pairs_per_sample`` divides)."""
-    docs = [b["document_ids"] for b in batches if "document_ids" in b]
+    holds the full-sequence document ranges, so the pairs are counted cp times; ``pairs_per_sample`` divides). The
+    pairs come from host integers (``DocumentRanges``, the layout's windows): no device value is read."""
+    windowed = any(w is not None for w in layout.windows)
+    restricted = [b for b in batches if windowed or b.get("documents") is not None]
+    pairs = sum(attended_pairs(b.get("documents"), layout.windows, layout.seq_length, b["tokens"].shape[0])
+                for b in restricted)
     tokens = torch.stack([b["loss_mask"].sum(dtype=torch.float64) for b in batches]).sum()
-    rest = torch.tensor([sum(map(attended_pairs, docs)), len(docs)], dtype=torch.float64, device=tokens.device)
+    rest = torch.tensor([pairs, len(restricted)], dtype=torch.float64, device=tokens.device)
     return torch.cat([tokens.view(1), rest])
 
 
 def pairs_per_sample(counts: torch.Tensor, layout: Layout) -> Optional[float]:
     """The step's mean attended pairs per sample from the all-reduced ``step_counts`` (None without document
-    masks: causal over the whole sequence)."""
+    masks or windows: causal over the whole sequence)."""
     return float(counts[1]) / layout.cp / layout.global_batch_size if float(counts[2]) else None
 
 

@@ -71,8 +71,8 @@ def test_merge_handles_rows_with_no_keys():
 # ---- PyTorch's fused CUDA kernels (fused_cuda.TorchCUDABackend), wrapping tested on CPU ---------------------------
 class StandInKernels:
     """CPU stand-ins with the signatures and constraints of aten's CUDA kernels: equal q and kv heads, the
-    memory-efficient kernel's lse padded to a multiple of 32 (NaN in the padding, which must never be read) and its
-    additive bias of q's dtype; computed by ``MathBackend``."""
+    memory-efficient kernel's lse padded to a multiple of 32 (NaN in the padding, which must never be read) and no
+    bias (masks are never dense); computed by ``MathBackend``."""
 
     math = MathBackend()
 
@@ -93,9 +93,8 @@ class StandInKernels:
 
     def _scaled_dot_product_efficient_attention(self, q, k, v, bias, compute_lse, dropout_p, is_causal, scale=None):
         self._heads(q, k)
-        assert compute_lse and (bias is None or (bias.dtype == q.dtype and bias.shape[1] == q.shape[1]))
-        visible = None if bias is None else (bias[:, :1] == 0)
-        out, lse = self.math.forward(q, k, v, is_causal, scale, visible=visible)
+        assert compute_lse and bias is None
+        out, lse = self.math.forward(q, k, v, is_causal, scale)
         sq = q.shape[2]
         padded = torch.full((*lse.shape[:2], (sq + 31) // 32 * 32), float("nan"))
         padded[..., :sq] = lse
@@ -105,9 +104,8 @@ class StandInKernels:
                                                          dropout_p, grad_input_mask, is_causal=False, scale=None):
         self._heads(q, k)
         sq = q.shape[2]
-        assert lse.shape[-1] == (sq + 31) // 32 * 32
-        visible = None if bias is None else (bias[:, :1] == 0)
-        dq, dk, dv = self.math.backward(dout, q, k, v, out, lse[..., :sq], is_causal, scale, visible=visible)
+        assert lse.shape[-1] == (sq + 31) // 32 * 32 and bias is None
+        dq, dk, dv = self.math.backward(dout, q, k, v, out, lse[..., :sq], is_causal, scale)
         return dq, dk, dv, None
 
 
@@ -115,8 +113,8 @@ class FlashPathOnCPU(TorchCUDABackend):
     """The bf16/fp16 branch (aten's flash kernel) exercised in fp32."""
 
     @staticmethod
-    def _uses_flash(q, visible):
-        return visible is None
+    def _uses_flash(q):
+        return True
 
 
 CUDA_WRAPPERS = [TorchCUDABackend(ops=StandInKernels()), FlashPathOnCPU(ops=StandInKernels())]
@@ -133,24 +131,6 @@ def test_fused_cuda_wrapping_matches_sdpa(backend, causal, heads):
 @pytest.mark.parametrize("backend", CUDA_WRAPPERS, ids=["efficient", "flash"])
 def test_fused_cuda_wrapping_merges_blocks(backend):
     test_two_key_blocks_merged_by_lse_equal_one_call(backend)
-
-
-@pytest.mark.parametrize("backend", [TorchCPUBackend(), CUDA_WRAPPERS[0]], ids=["torch-cpu", "torch-cuda-efficient"])
-def test_document_mask_matches_math_with_blind_rows(backend):
-    """A block where queries 0-3 see no key (other documents): out 0, lse -inf, no gradient from the block."""
-    q, k, v = qkv(4, 2, s=8)
-    docs_q = torch.tensor([[0, 0, 0, 0, 1, 1, 2, 2]] * 2)
-    docs_k = torch.tensor([[1, 1, 1, 2, 2, 2, 3, 3]] * 2)
-    vis = (docs_q.unsqueeze(-1) == docs_k.unsqueeze(-2)).unsqueeze(1)
-    out, lse = backend.forward(q, k, v, False, visible=vis)
-    ref_out, ref_lse = MathBackend().forward(q, k, v, False, visible=vis)
-    assert torch.isinf(lse[:, :, :4]).all() and (lse[:, :, :4] < 0).all() and not out[:, :, :4].any()
-    assert (out - ref_out).abs().max() <= TOL and (lse[:, :, 4:] - ref_lse[:, :, 4:]).abs().max() <= TOL
-    dout = torch.randn_like(q)
-    got = backend.backward(dout, q, k, v, out, lse, False, visible=vis)
-    want = MathBackend().backward(dout, q, k, v, ref_out, ref_lse, False, visible=vis)
-    for g, w in zip(got, want):
-        assert torch.isfinite(g).all() and (g - w).abs().max() <= TOL
 
 
 def test_backend_choice_per_device(monkeypatch):
@@ -171,5 +151,5 @@ def test_backend_choice_per_device(monkeypatch):
 
     monkeypatch.setattr(b, "FlashAttnBackend", FakeFlash)
     auto = b.get_backend("auto", cuda)
-    assert isinstance(auto, FakeFlash) and isinstance(auto.masked, TorchCUDABackend)  # masks go to torch's kernels
+    assert isinstance(auto, FakeFlash) and isinstance(auto.masked, TorchCUDABackend)  # rectangles: torch's varlen
     assert b.get_backend("flash", cuda).masked is None

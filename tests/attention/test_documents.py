@@ -8,6 +8,7 @@ import torch
 
 from megatron_lc.attention.masks import attended_pairs
 from megatron_lc.config import ConfigError, load_config, resolve_layout
+from megatron_lc.config.documents import DocumentRanges
 from megatron_lc.config.combinations import check_combinations
 from megatron_lc.data.dataset import document_fields
 from megatron_lc.estimate.flops import model_flops_per_sample
@@ -29,10 +30,12 @@ MEMO = ["memory.activation_offload=memo", "memory.offload_fraction=0.25"]
 # world -> cases (overrides, tp); one spawn per world, each rank loops over its cases
 CASES = {
     1: [([], 1), (["memory.recompute_granularity=full"], 1), (["memory.recompute_granularity=selective"], 1),
-        (MEMO, 1), (["memory.mst=true", "memory.mst_mlp_chunk_size=8", "memory.mst_head_chunks=4"], 1)],
+        (MEMO, 1), (["memory.mst=true", "memory.mst_mlp_chunk_size=8", "memory.mst_head_chunks=4"], 1),
+        (["memory.activation_offload=checkpoints", "memory.layer_chunk_size=8"], 1)],
     2: [(["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p"], 1),
         (["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p", "memory.recompute_granularity=full"], 1),
         (["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p"] + MEMO, 1),
+        (["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p", "memory.activation_offload=checkpoints"], 1),
         (["parallel.context_parallel_size=2", "parallel.cp_comm_type=a2a"], 1),
         (FPDT + ["memory.fpdt_offload=false"], 1),
         (FPDT + ["memory.fpdt_offload=true", "memory.recompute_granularity=full"], 1),
@@ -94,9 +97,9 @@ def test_attention_flops_follow_the_masks():
     """Metrics: one document a sample counts as the causal formula; documents of s/4 tokens count a quarter of its
     attention. Estimator: ``data.mean_document_length`` does the same to its model FLOPs."""
     s = 64
-    one = torch.zeros(2, s, dtype=torch.long)
-    quarters = torch.arange(s).div(s // 4, rounding_mode="floor").expand(2, s)
-    assert attended_pairs(one) == 2 * s * s / 2 and attended_pairs(quarters) == 2 * s * s / 8
+    one = DocumentRanges.from_ids(torch.zeros(2, s, dtype=torch.long))
+    quarters = DocumentRanges.from_ids(torch.arange(s).div(s // 4, rounding_mode="floor").expand(2, s))
+    assert attended_pairs(one, [None], s) == 2 * s * s / 2 and attended_pairs(quarters, [None], s) == 2 * s * s / 8
     cfg = small_config([f"data.seq_length={s}"])
     linear = flops_per_sample(cfg, 0.0)
     assert flops_per_sample(cfg, s * s / 2) == flops_per_sample(cfg)

@@ -2,7 +2,9 @@
 
 Features: tp=2 +- sequence parallel; ring, Ulysses, hybrid, FPDT +- offload; MsT; recompute selective / full; Memo with
 a fixed alpha and with alpha from its LP; activation checkpoints on the host, with and without layer chunks;
-``memory.plan: auto``; ZeRO-1; FSDP2; gradient accumulation (``tests/dist_cases/pairs.py`` has the exact overrides). A
+``memory.plan: auto``; ZeRO-1; FSDP2; gradient accumulation; a causal sliding window on two of three layers; and, in
+the triples, mock packed documents (``tests/dist_cases/pairs.py`` has the exact overrides; a case with a window or
+documents is compared with the plain model that has them too). A
 case that runs trains 2 AdamW steps through the real setup and loop and must give the plain single-process model's loss
 at each step within 1e-5 relative: the features only re-associate fp32 sums (~1e-7 relative per op), and the step-2 loss
 also carries the step-1 update, so a wrong gradient shows there (one AdamW step at lr 1e-3 moves every weight by ~1e-3).
@@ -29,7 +31,7 @@ def _refused_pair(case):
 @pytest.fixture(scope="module")
 def results():
     """All cases, one spawn per world size; {case: [rank results]}."""
-    out = {"reference": pairs.reference_losses()}
+    out = {"reference": {base: pairs.reference_losses(base) for base in {pairs.base_of(c) for c in CASES}}}
     for world in (4, 8):
         names = [c for c in CASES if pairs.world_for(c) == world]
         ranks = run_dist(world, pairs.run_cases, names)
@@ -40,7 +42,7 @@ def results():
 
 @pytest.mark.parametrize("case", CASES, ids=["+".join(c) for c in CASES])
 def test_feature_combination(results, case):
-    ref, got = results["reference"], results[case]
+    ref, got = results["reference"][pairs.base_of(case)], results[case]
     refused = _refused_pair(case)
     if refused is not None:
         msg = got[0].get("refused")

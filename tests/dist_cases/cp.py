@@ -149,11 +149,11 @@ class _BlockWatch:
         self.calls += 1
         return outs
 
-    def forward(self, q, k, v, causal, scale=None, visible=None):
-        return self._watch(causal, lambda: self.inner.forward(q, k, v, causal, scale, visible))
+    def forward(self, q, k, v, causal, scale=None):
+        return self._watch(causal, lambda: self.inner.forward(q, k, v, causal, scale))
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale=None, visible=None):
-        return self._watch(causal, lambda: self.inner.backward(dout, q, k, v, out, lse, causal, scale, visible))
+    def backward(self, dout, q, k, v, out, lse, causal, scale=None):
+        return self._watch(causal, lambda: self.inner.backward(dout, q, k, v, out, lse, causal, scale))
 
 
 def ring_blocks_released(rank, world):

@@ -10,6 +10,7 @@ import copy
 import torch
 
 from megatron_lc.config import resolve_layout
+from megatron_lc.config.documents import DocumentRanges
 from megatron_lc.data.dataset import document_fields
 from megatron_lc.parallel.collectives import all_reduce
 from megatron_lc.parallel.token_layout import shard_batch
@@ -37,6 +38,7 @@ def packed_batch(seq: int, lengths: list[list[int]], seed: int = 0, all_padding:
              "position_ids": torch.arange(seq).expand(len(rows), seq).contiguous()}
     batch.update(document_fields(tokens, EOD, reset_position_ids=True, reset_attention_mask=True,
                                  eod_mask_loss=True, loss_mask=batch["loss_mask"]))
+    batch["documents"] = DocumentRanges.from_eod(tokens.numpy(), EOD)  # what make_batch adds
     if all_padding:
         batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
     return batch
@@ -48,7 +50,8 @@ def per_document_reference(cfg, batch: dict, total: float):
     ref_cfg.parallel.tensor_model_parallel_size = ref_cfg.parallel.context_parallel_size = 1
     ref_cfg.parallel.ulysses_size, ref_cfg.parallel.cp_comm_type = 1, "p2p"
     ref_cfg.parallel.sequence_parallel = False
-    for k, v in {"mst": False, "recompute_granularity": "none", "activation_offload": "none", "plan": "off"}.items():
+    for k, v in {"mst": False, "recompute_granularity": "none", "activation_offload": "none", "plan": "off",
+                 "layer_chunk_size": None}.items():
         setattr(ref_cfg.memory, k, v)
     for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
         setattr(ref_cfg.data, k, False)
@@ -74,12 +77,12 @@ def document_parity(rank, world, overrides, lengths, seq, tp=1, all_padding=Fals
     total = max(float(batch["loss_mask"].sum()), 1.0)
     ref_loss, ref_grads = per_document_reference(cfg, batch, total)
     if not masks:  # the same tokens as one causal sequence
-        del batch["document_ids"]
+        del batch["document_ids"], batch["documents"]
         batch["position_ids"] = torch.arange(seq).expand_as(batch["tokens"]).contiguous()
     topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
     model, _ = build(cfg, topo)
     local = shard_batch(batch, layout, topo)
-    tok = model(local["tokens"], local["position_ids"], local["labels"], local.get("document_ids"))
+    tok = model(local["tokens"], local["position_ids"], local["labels"], local.get("documents"))
     loss = (tok * local["loss_mask"]).sum() / total
     loss.backward()
     sync_gradients(model, topo)

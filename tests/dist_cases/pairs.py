@@ -54,7 +54,15 @@ FEATURES = {
     "chunks": ("memory.layer_chunk_size", ["memory.recompute_granularity=full", "memory.layer_chunk_size=20"]),
     "ckpt-chunks": ("memory.layer_chunk_size", ["memory.activation_offload=checkpoints", "memory.layer_chunk_size=20"]),
     "accum": ("train.micro_batch_size", ["train.micro_batch_size=1"]),  # every rank: several micro-batches
+    # a causal sliding window below a ring chunk at cp 2 (32 tokens) and above one at cp 4 (16), on layers 0 and 2
+    "window": ("model.sliding_window", ["model.sliding_window=20",
+                                        "model.layer_types=sliding_attention,full_attention,sliding_attention"]),
+    # mock packed documents (only in the triples below)
+    "docs": ("data.reset_attention_mask", ["data.reset_position_ids=true", "data.reset_attention_mask=true",
+                                           "data.eod_mask_loss=true", "data.mean_document_length=24"]),
 }
+# features that change the model's function: a case is compared with the plain model that has them too
+BASES = ("window", "docs")
 EXCLUSIVE = [{"tp2", "tp2+sp"}, {"ring", "ulysses", "hybrid", "fpdt", "fpdt+offload"},
              {"memo", "memo-auto", "ckpt-offload", "ckpt-chunks"}, {"chunks", "ckpt-offload", "ckpt-chunks"},
              {"chunks", "full", "selective"},  # chunks sets recompute full
@@ -67,10 +75,20 @@ TRIPLES = [("tp2+sp", "ring", "mst", "memo"), ("tp2", "ulysses", "mst", "memo-au
            ("tp2+sp", "ring", "mst", "ckpt-offload", "fsdp", "accum"), ("tp2+sp", "ring", "mst", "memo", "chunks")]
 
 
+TRIPLES += [("docs", "window", "ring"), ("docs", "hybrid", "memo"), ("docs", "window", "fpdt+offload", "full"),
+            ("docs", "tp2+sp", "ulysses", "mst"), ("docs", "ckpt-chunks", "ring")]
+
+
 def cases() -> list[tuple]:
-    """Every compatible pair of features, then the triples (as tuples of feature names)."""
-    pairs = [p for p in itertools.combinations(FEATURES, 2) if not any(set(p) <= g for g in EXCLUSIVE)]
+    """Every compatible pair of features (documents only in the triples), then the triples (tuples of names)."""
+    pairs = [p for p in itertools.combinations(FEATURES, 2)
+             if "docs" not in p and not any(set(p) <= g for g in EXCLUSIVE)]
     return pairs + TRIPLES
+
+
+def base_of(case: tuple) -> tuple:
+    """The features of ``case`` the plain reference model has too (``BASES``)."""
+    return tuple(sorted(set(case) & set(BASES)))
 
 
 def overrides(case: tuple) -> list[str]:
@@ -96,10 +114,11 @@ def _config(case_overrides: list[str], metrics_file: str):
     return load_config(None, MODEL + case_overrides + [f"logging.metrics_file={metrics_file}"])
 
 
-def reference_losses() -> list[float]:
-    """The plain single-process model on the same global batch."""
+def reference_losses(base: tuple = ()) -> list[float]:
+    """The plain single-process model (with the ``base`` features: ``BASES``) on the same global batch."""
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _config([f"train.micro_batch_size={GLOBAL_BATCH}"], os.path.join(tmp, "m.jsonl"))
+        over = [o for name in base for o in FEATURES[name][1]]
+        cfg = _config(over + [f"train.micro_batch_size={GLOBAL_BATCH}"], os.path.join(tmp, "m.jsonl"))
         return Trainer(cfg, Topology()).train().losses
 
 

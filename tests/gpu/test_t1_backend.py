@@ -1,7 +1,8 @@
 """T1: the attention kernels every (out, lse) path uses on this device -- out, lse, dq, dk, dv against an fp64
 reference, for MHA / GQA / MQA, head dim 64 / 128, causal or not, keys split into 1-4 blocks merged by lse (as the
 ring merges them), backward from the merged out and lse. bf16 within 1e-2 relative (to the largest reference
-entry), fp32 within 1e-4. Then fwd+bwd time against ``F.scaled_dot_product_attention`` at 32K tokens (<= 1.1x)."""
+entry), fp32 within 1e-4. Then fwd+bwd time against ``F.scaled_dot_product_attention`` at 32K tokens (<= 1.1x).
+Documents and a window as rectangles (the variable-length kernel in bf16) against the fp64 dense masked reference."""
 import time
 
 import pytest
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 
 from megatron_lc.attention.backends import get_backend
 from megatron_lc.attention.merge import merge
+from megatron_lc.attention.ranges import block_rects, spans
+from megatron_lc.config.documents import DocumentRanges
 from tests.gpu.conftest import DRYRUN
 
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
@@ -105,3 +108,42 @@ def test_time_against_sdpa_at_32k(device, record, heads):
     record("T1 fwd+bwd at 32K tokens, bf16, causal", f"{heads[0]}/{heads[1]} heads d=128",
            {"ours_s": round(t_ours, 4), "sdpa_s": round(t_sdpa, 4), "ratio": round(t_ours / t_sdpa, 3)})
     assert t_ours <= 1.1 * t_sdpa, (t_ours, t_sdpa)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("window", [None, 100])
+def test_rectangles_against_fp64(device, record, dtype, window):
+    """Documents (and a window) as rectangles (``attention/ranges.py``): bf16 through the variable-length kernel
+    (``torch_attn::_varlen_attn`` and its backward from the given out and lse), fp32 one rectangle at a time; GQA
+    8/2, d 128; queries of a later zigzag chunk against keys of two spans, as a ring block. Against the fp64 dense
+    masked reference, rows that see no key excluded from lse (out 0 there)."""
+    if DRYRUN and dtype == torch.bfloat16:
+        pytest.skip("the CPU kernel's bf16 path is not the CUDA one")
+    backend = get_backend("auto", device)
+    s = 256 if DRYRUN else 2048
+    cu = (0, s // 8, s // 8 + 1, s // 2 + 3, s - 40, s)
+    q_g, k_g = [(s // 2, s)], [(0, s // 4), (s // 2, s)]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    nq, nk = s // 2, s // 4 + s // 2
+    q, dout = (torch.randn(1, 8, nq, 128, generator=g).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(1, 2, nk, 128, generator=g).to(device, dtype) for _ in range(2))
+    rects = block_rects(DocumentRanges((cu,)), window, spans(q_g), spans(k_g))
+    out, lse = backend.forward_rects(q, k, v, rects)
+    grads = backend.backward_rects(dout, q, k, v, out.to(dtype), lse, rects)
+    qp = torch.cat([torch.arange(a, b) for a, b in q_g]).to(device)
+    kp = torch.cat([torch.arange(a, b) for a, b in k_g]).to(device)
+    ids = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff()).to(device)
+    vis = (ids[qp][:, None] == ids[kp][None, :]) & (kp[None, :] <= qp[:, None])
+    if window is not None:
+        vis &= qp[:, None] - kp[None, :] < window
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    sc = (q64 @ k64.repeat_interleave(4, 1).transpose(-1, -2) / 128 ** 0.5).masked_fill(~vis, float("-inf"))
+    ref_lse = torch.logsumexp(sc, -1)
+    ref_out = torch.nan_to_num(torch.softmax(sc, -1)) @ v64.repeat_interleave(4, 1)
+    ref_out.backward(dout.double())
+    seen = torch.isfinite(ref_lse)
+    errs = {"out": rel(out, ref_out), "lse": rel(lse[seen], ref_lse[seen]), "dq": rel(grads[0], q64.grad),
+            "dk": rel(grads[1], k64.grad), "dv": rel(grads[2], v64.grad)}
+    record("T1 rectangles vs fp64 (max relative error)", f"{str(dtype)[6:]} window={window} 8/2 heads d=128",
+           {k_: f"{e:.1e}" for k_, e in errs.items()})
+    assert max(errs.values()) <= TOL[dtype], errs

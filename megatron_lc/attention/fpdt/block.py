@@ -61,6 +61,7 @@ class FPDTSelfAttention(AttentionProjections):
         self.num_chunks, self.sp_tp = layout.fpdt_chunks, layout.sp_degree
         self.kv_repeat = layout.kv_replication
         self.offload = parts.cfg.memory.fpdt_offload
+        self.window = layout.window(layer_number)  # the layer's causal sliding window (None: full attention)
         self.kernels = parts.kernels()
         self.state = parts.ctx.fpdt  # shared by the layers: accounts, per-device buffers and streams, arena
 
@@ -81,7 +82,8 @@ class FPDTSelfAttention(AttentionProjections):
                       bufs=self.state.buffers(x.device), num_chunks=u, rope_chunks=rope_chunks,
                       kv_repeat=self.kv_repeat, offload=self.offload, build_graph=build_graph, keep_ptrs=keep,
                       head_dim=self.d, dtype=x.dtype, x_requires_grad=x.requires_grad,
-                      tag=f"layer{self.layer_number}.fpdt", params=tuple(params), documents=documents)
+                      tag=f"layer{self.layer_number}.fpdt", params=tuple(params), documents=documents,
+                      window=self.window)
         nq = self.groups_per_rank * self.q_per_group
         out = _FPDTBlock.apply(x, run, (s_local, x.shape[1], nq * self.d), *params)
         return torch.cat([self.linear_proj(o) for o in out.chunk(u, dim=0)], dim=0)

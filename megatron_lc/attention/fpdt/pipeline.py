@@ -16,6 +16,9 @@ Backward (kv outer, q inner, as the paper's Figure 7):
   for kv chunk j: fetch k^_j, v^_j; dk, dv accumulators; for q chunk m = j..u-1 (prefetching m+1, or kv j+1 at the
   last step): block backward with the final o^_m, lse_m; dq_m += (written back), dk += , dv +=.
   After the inner loop dq_j, dk_j, dv_j are complete: all-to-all back, projection backward of chunk j (autograd).
+Document masks and a sliding window (``ranges.py``): each (q chunk, kv chunk) pair is cut into rectangles on the
+host; a pair without any is neither computed nor fetched (with a window W of a chunk or less, q chunk i needs only
+kv chunks i-1 and i: O(s * W) work and host traffic).
 """
 from __future__ import annotations
 
@@ -25,8 +28,8 @@ from typing import Any, Optional
 import torch
 
 from ...device import storage_id
-from ..masks import overlap, visible
 from ..merge import merge
+from ..ranges import block_rects
 from .buffers import ChunkStore, FPDTBuffers
 from .project import ProjSavedHooks, project_chunk, storage_bytes
 
@@ -52,18 +55,20 @@ class FPDTRun:
     x_requires_grad: bool = False
     tag: str = "fpdt"
     params: tuple = ()
-    documents: Optional[torch.Tensor] = None  # full-sequence document ids [b, s] (masks.py), or None
+    documents: Any = None  # the micro-batch's config.DocumentRanges (packed documents), or None
+    window: Optional[int] = None  # the layer's causal sliding window in tokens, or None
     projections: Optional[list] = None
     store: Optional[ChunkStore] = None
 
-    def mask(self, i: int, j: int):
-        """(document mask of q chunk i x kv chunk j, whether any pair is visible); gathered chunk i is global range
-        i, so its ids are a slice of the full sequence's."""
-        if self.documents is None:
-            return None, True
-        c = self.documents.shape[1] // self.num_chunks
-        dq, dk = self.documents[:, i * c:(i + 1) * c], self.documents[:, j * c:(j + 1) * c]
-        return visible(dq, dk), i == j or overlap(dq, dk)
+    def rects(self, i: int, j: int, c: int):
+        """Rectangles of q chunk i x kv chunk j (``ranges.py``; None: no documents, no window): gathered chunk i of
+        ``c`` tokens is global range ``[i*c, (i+1)*c)``."""
+        return block_rects(self.documents, self.window, ((i * c, (i + 1) * c, 0),), ((j * c, (j + 1) * c, 0),))
+
+    def needed(self, i: int, j: int, c: int) -> bool:
+        """Whether q chunk i sees anything of kv chunk j (decided on the host)."""
+        rects = self.rects(i, j, c)
+        return rects is None or bool(rects)
 
 
 def _to_attn(bufs: FPDTBuffers, topo, t: torch.Tensor, tag: str) -> torch.Tensor:
@@ -103,22 +108,26 @@ def _retype(bufs: FPDTBuffers, t: torch.Tensor, dtype, old_tag: str, new_tag: st
 def _attend_chunk(run: FPDTRun, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Output (fp32) and lse of q chunk i against kv chunks 0..i; stores k^_i, v^_i. Frees k, v (device)."""
     bufs, store, be = run.bufs, run.store, run.backend
-    out, lse = be.forward(q, k, v, causal=True, visible=run.mask(i, i)[0])  # diagonal: gathered chunk i = range i
+    c = q.shape[2]
+    rects = run.rects(i, i, c)  # diagonal: gathered chunk i = range i
+    out, lse = be.forward(q, k, v, causal=True) if rects is None else be.forward_rects(q, k, v, rects)
     out = out.float()
     bufs.track("fpdt.acc", out, lse)
     _stash(run, ("k", i), k, "fpdt.chunk")
     _stash(run, ("v", i), v, "fpdt.chunk")
     del k, v
-    nxt = store.prefetch([("k", 0), ("v", 0)], KV) if i > 0 else None
-    for j in range(i):  # kv chunks before i: full attention (global range j < i)
-        cur, nxt = nxt, (store.prefetch([("k", j + 1), ("v", j + 1)], KV) if j + 1 < i else None)
+    js = [j for j in range(i) if run.needed(i, j, c)]  # kv chunks before i that chunk i sees (all without masks)
+    nxt = store.prefetch([("k", js[0]), ("v", js[0])], KV) if js else None
+    for n, j in enumerate(js):  # kv chunks before i: full attention (global range j < i), or their rectangles
+        cur, nxt = nxt, (store.prefetch([("k", js[n + 1]), ("v", js[n + 1])], KV) if n + 1 < len(js) else None)
         kj, vj = bufs.wait(cur)
-        mask, seen = run.mask(i, j)
-        if not seen:  # no query of chunk i shares a document with kv chunk j
+        rects = run.rects(i, j, c)
+        if rects is not None:  # merged in place into out, lse
+            be.forward_rects(q, kj, vj, rects, acc=(out, lse))
             bufs.release(cur)
             del kj, vj, cur
             continue
-        o, lse_j = be.forward(q, kj, vj, causal=False, visible=mask)
+        o, lse_j = be.forward(q, kj, vj, causal=False)
         bufs.track("fpdt.acc", o, lse_j)
         new_out, new_lse = merge(out, lse, o, lse_j)
         bufs.untrack("fpdt.acc", o, lse_j, out, lse)
@@ -196,16 +205,20 @@ def fpdt_backward(run: FPDTRun, dout: torch.Tensor, x_shape, x_dtype) -> Optiona
         qset = [("q", j), ("o", j), ("do", j), ("lse", j), ("dq", j)]
         q_next = store.prefetch(qset, QSET)
         kv_next, dq_done = None, None
-        for m in range(j, u):
+        c = kj.shape[2]
+        ms = [j] + [m for m in range(j + 1, u) if run.needed(m, j, c)]  # q chunks that see kv chunk j
+        for n, m in enumerate(ms):
             q_cur = q_next
-            if m + 1 < u:  # issued before this step's compute: double buffer of q chunks
-                q_next = store.prefetch([(n, m + 1) for n in ("q", "o", "do", "lse", "dq")], QSET)
+            if n + 1 < len(ms):  # issued before this step's compute: double buffer of q chunks
+                q_next = store.prefetch([(name, ms[n + 1]) for name in ("q", "o", "do", "lse", "dq")], QSET)
             elif j + 1 < u:  # last inner step: fetch the next outer step's kv chunk
                 kv_next = store.prefetch([("k", j + 1), ("v", j + 1)], KV)
             qm, om, dom, lsem, dqm = bufs.wait(q_cur)
-            mask, seen = run.mask(m, j)
-            if seen:
-                gq, gk, gv = be.backward(dom, qm, kj, vj, om, lsem, causal=(m == j), visible=mask)
+            rects = run.rects(m, j, c)
+            if rects is not None:  # added in place into the fp32 accumulators
+                be.backward_rects(dom, qm, kj, vj, om, lsem, rects, grads=(dqm, dk, dv))
+            else:
+                gq, gk, gv = be.backward(dom, qm, kj, vj, om, lsem, causal=(m == j))
                 bufs.track("fpdt.acc", gq, gk, gv)
                 dqm.add_(gq)
                 dk.add_(gk)

@@ -40,7 +40,8 @@ class FPDTBlock(Term):
 
     def time(self, run: Run, seconds: LayerSeconds, share: TimeShare) -> TimeShare:
         """With offload, the chunk traffic overlaps the layer's attention: forward, every chunk to the host and
-        u(u-1)/2 kv fetches; backward, u kv and u(u+1)/2 q-set fetches; one chunk's transfer exposed (fill)."""
+        u(u-1)/2 kv fetches; backward, u kv and u(u+1)/2 q-set fetches; one chunk's transfer exposed (fill). Under
+        a window or documents only the chunk pairs within reach are fetched (``Dims.earlier_chunks``)."""
         if not run.cfg.memory.fpdt_offload:
             return share
         dims = run.dims
@@ -49,8 +50,9 @@ class FPDTBlock(Term):
         kv_chunk = 2 * dims.tokens / n * kv * d * a
         q_chunk = dims.tokens / n * (3 * nq * d * a + nq * 4 + 2 * nq * d * 4)  # q, out, dout, lse, dq r/w
         save = dims.tokens * ((2 * nq + 2 * kv) * d * a + nq * 4)
-        fwd_bytes = save + n * (n - 1) / 2 * kv_chunk
-        bwd_bytes = n * kv_chunk + n * (n + 1) / 2 * q_chunk
+        pairs = dims.earlier_chunks(n)  # n(n-1)/2 without masks
+        fwd_bytes = save + pairs * kv_chunk
+        bwd_bytes = n * kv_chunk + (n + pairs) * q_chunk
         return replace(share,
                        host_fwd=share.host_fwd + (max(0.0, fwd_bytes / pcie - seconds.attention_fwd) + kv_chunk / pcie),
                        host_bwd=share.host_bwd + (max(0.0, bwd_bytes / pcie - seconds.attention_bwd)

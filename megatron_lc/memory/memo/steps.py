@@ -40,7 +40,7 @@ class LayerStep:
         # core: the layer's core attention (``attention/core.py`` protocol); None in block mode
         self.runtime, self.layer, self.core, self.slot, self.split = runtime, layer, core, slot, split
         self.rope_d = rope_d
-        self.documents = documents  # full-sequence document ids (packed documents) or None
+        self.documents = documents  # config.DocumentRanges of packed documents, or None
         self.pre_fn, self.post_fn = pre_fn, post_fn  # token-wise parts: (x, rope) -> tuple, (x, attn) -> y
         self.autocast = autocast_state()  # bf16 on GPU, re-entered for the recompute
         self.h_input = self.h_attn = self.h_lse = None

@@ -100,7 +100,7 @@ def capture_iteration(model: torch.nn.Module, batch: dict, arena=None, layers=No
     try:
         with tracer:
             with autocast():  # the forward as the training step runs it; backward outside, as there
-                loss = model(batch["tokens"], batch["position_ids"], batch["labels"], batch.get("document_ids"))
+                loss = model(batch["tokens"], batch["position_ids"], batch["labels"], batch.get("documents"))
             loss = (loss.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum().clamp(min=1)
             tracer.phase = "bwd"
             tracer.set_mark(None)
@@ -169,7 +169,7 @@ def record_cuda_iteration(model, batch, device: int = 0) -> Trace:  # pragma: no
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     handles = _mark_layers(tracer, getattr(model, "layers", []))
     try:
-        loss = model(batch["tokens"], batch["position_ids"], batch["labels"], batch.get("document_ids"))
+        loss = model(batch["tokens"], batch["position_ids"], batch["labels"], batch.get("documents"))
         loss = (loss * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
         tracer.phase = "bwd"
         tracer.set_mark(None)

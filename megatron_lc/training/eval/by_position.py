@@ -52,7 +52,7 @@ def token_losses_global(model, batch: dict, layout: Layout, topo: Topology) -> t
     on the model's device), computed under ``layout`` without autograd, in global position order on every rank."""
     local = shard_batch(batch, layout, topo)
     with torch.no_grad():
-        loss = model(local["tokens"], local["position_ids"], local["labels"], local.get("document_ids"))
+        loss = model(local["tokens"], local["position_ids"], local["labels"], local.get("documents"))
     return gather_sequence(loss.float(), layout, topo, batch["tokens"].shape[1])
 
 
@@ -89,7 +89,7 @@ def predict_tokens(model, batch: dict, positions: torch.Tensor, layout: Layout, 
     rows_b, rows_k = where.any(-1).nonzero(as_tuple=True)
     out = torch.full(positions.shape, -1, dtype=torch.long, device=positions.device)
     with torch.no_grad():
-        hidden = model.final_hidden_states(local["tokens"], local["position_ids"], local.get("document_ids"))
+        hidden = model.final_hidden_states(local["tokens"], local["position_ids"], local.get("documents"))
         hidden = model.head.gather_input(hidden)  # [s_local, b, h]: SP's all-gather over tp (identity without)
         if rows_b.numel():  # the same on every tp rank of this cp rank, so they agree on skipping the all-gather
             rows_s = where[rows_b, rows_k].int().argmax(-1)  # local row of each held position

@@ -40,7 +40,7 @@ def evaluate_loss(model, dataset, cfg: Config, layout: Layout, topo: Topology, e
         for i in range(iters):
             for b in microbatches(cfg, layout, topo, dataset, i * layout.global_batch_size, device):
                 with execution.autocast():
-                    token_loss = model(b["tokens"], b["position_ids"], b["labels"], b.get("document_ids"))
+                    token_loss = model(b["tokens"], b["position_ids"], b["labels"], b.get("documents"))
                 sums[0] += float((token_loss.float() * b["loss_mask"]).sum())
                 sums[1] += float(b["loss_mask"].sum())
     all_reduce(sums, topo, Axis.DP_CP)

@@ -59,7 +59,7 @@ def test_validation_at_the_interval_and_the_end(corpus, tmp_path, caplog):
     valid = trainer.setup.splits.valid
     batch = make_batch(valid, list(range(8)), cfg.data)
     with torch.no_grad():
-        loss = trainer.model(batch["tokens"], batch["position_ids"], batch["labels"], batch.get("document_ids"))
+        loss = trainer.model(batch["tokens"], batch["position_ids"], batch["labels"], batch.get("documents"))
     ref = float((loss * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
     assert abs(last["loss"] - ref) <= RTOL * ref and last["tokens"] == int(batch["loss_mask"].sum())
     test = [r for r in recs if r.get("eval") == "test"][0]
