@@ -88,15 +88,17 @@ def check_topology(layout: Layout, topo: Topology) -> None:
 def run_technique_runtimes(model, ctx: ModelContext, env: Calibration) -> None:
     """The technique runtimes (``compose/context.py``), each step over all of them in their order: bind to the
     device; calibrate on the built model (each reserves its host-pool share); the host pool's exact size against
-    this rank's host budget, once, before anything takes from it; allocate the device buffers (the memory plan
-    last, tracing a step with every other buffer in place). Every rank calls this: the calibrations run the
-    layer's collectives."""
+    this rank's host budget, once, and its allocation (pinned on CUDA), before anything takes from it; allocate
+    the device buffers (the memory plan last, tracing a step with every other buffer in place). Every rank calls
+    this: the calibrations run the layer's collectives."""
     for rt in ctx.runtimes:
         rt.bind(env.execution.device)
     for rt in ctx.runtimes:
         rt.calibrate(model, env)
     if ctx.host_pool.size:
         check_pool_budget(ctx.host_pool, env.cfg.memory.host_memory_gb, env.topo.rank, HOST_HINT)
+        ctx.host_pool.allocate()  # page-locked here: a failure is one line before training, not a rank stuck in
+        # its first forward while the others wait for it in p2p
     for rt in ctx.runtimes:
         rt.allocate()
 
