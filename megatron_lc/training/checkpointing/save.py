@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from ...config import Config
+from ...device import has_values
 from ...parallel.topology import Topology
 from . import sharded_state
 from ...parallel.collectives import all_gather_objects
@@ -52,15 +53,22 @@ class NonFiniteStateError(TrainingError):
 
 
 def first_non_finite(tensors: dict) -> Optional[str]:
-    """The first key of ``{key: tensor}`` whose (local) tensor holds inf or nan, or None. One sum per tensor, in
-    one batch; a sum can overflow where every element is finite, so those are checked element-wise."""
+    """The first key of ``{key: tensor}`` whose (local) tensor holds inf or nan, or None. One sum per tensor,
+    stacked per device (AdamW's ``step`` counts stay on the host beside the device's weights and moments, and a
+    stack of two devices raises on CUDA) and read once per device; a sum can overflow where every element is
+    finite, so those are checked element-wise. Example: weights and moments on ``cuda:0``, steps on the CPU: two
+    stacks, two reads. A rehearsal's fake tensors have no value to read: None."""
     local = {k: (t.to_local() if isinstance(t, DTensor) else t) for k, t in tensors.items()}
     local = {k: t for k, t in local.items() if t.numel()}
-    if not local:
-        return None
-    sums = torch.stack([t.sum(dtype=torch.float32) for t in local.values()])
-    suspects = [k for k, ok in zip(local, torch.isfinite(sums).tolist()) if not ok]
-    return next((k for k in suspects if not bool(torch.isfinite(local[k]).all())), None)
+    by_device: dict = {}
+    for k, t in local.items():
+        by_device.setdefault(t.device, []).append(k)
+    suspects = set()
+    for keys in by_device.values():
+        sums = torch.stack([local[k].sum(dtype=torch.float32) for k in keys])
+        if has_values(sums):
+            suspects.update(k for k, ok in zip(keys, torch.isfinite(sums).tolist()) if not ok)
+    return next((k for k in local if k in suspects and not bool(torch.isfinite(local[k]).all())), None)
 
 
 def _os_error(e: BaseException) -> Optional[OSError]:
