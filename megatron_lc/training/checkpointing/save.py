@@ -34,7 +34,7 @@ from ...device import has_values
 from ...parallel.topology import Topology
 from . import sharded_state
 from ...parallel.collectives import all_gather_objects
-from .common import FORMAT_VERSION, barrier, file_checksums, uses_zero
+from .common import FORMAT_VERSION, barrier, file_checksums, leads, uses_zero
 from .data_only import rng_state
 from .directory import (LATEST, atomic_torch_save, atomic_write_text, iter_dir, newest_good_checkpoint, prune,
                         remove_leftovers)
@@ -135,7 +135,7 @@ def together(topo: Topology, final: str, tmp: str, step: Callable[[], None]) -> 
         problem = (priority, f"rank {origin}: {text}" if topo.world_size > 1 else text)
     problems = [p for p in all_gather_objects(problem) if p is not None]
     if problems:
-        if topo.rank == 0:
+        if leads(topo):
             shutil.rmtree(tmp, ignore_errors=True)
         kept = newest_good_checkpoint(os.path.dirname(final)) or "none yet"
         raise CheckpointWriteError(f"could not write checkpoint {final} ({min(problems)[1]}); the previous "
@@ -180,7 +180,7 @@ def begin_save(cfg: Config, topo: Topology, model, opt, iteration: int) -> SaveJ
             f"{newest_good_checkpoint(save) or 'none yet'}. Resume from it with a lower train.lr or more warmup")
 
     def prepare():
-        if topo.rank == 0:
+        if leads(topo):
             os.makedirs(save, exist_ok=True)
             for left in remove_leftovers(save):
                 log.info("removed %s: a save that did not finish", left)
@@ -203,7 +203,7 @@ def finish_save(cfg: Config, topo: Topology, opt, job: SaveJob, consumed_samples
     has_optim = any(all_gather_objects(job.has_optim))  # no AdamW state before the first step (or every step skipped)
 
     def publish():
-        if topo.rank != 0:
+        if not leads(topo):
             return
         meta = {"format_version": FORMAT_VERSION, "iteration": job.iteration, "consumed_samples": consumed_samples,
                 "world_size": topo.world_size, "tp": topo.tp, "cp": topo.cp, "dp": topo.dp,
@@ -221,7 +221,7 @@ def finish_save(cfg: Config, topo: Topology, opt, job: SaveJob, consumed_samples
         atomic_write_text(os.path.join(save, LATEST), str(job.iteration))
 
     together(topo, final, tmp, publish)
-    if topo.rank == 0:
+    if leads(topo):
         prune(save, cfg.checkpoint.keep_last)
     barrier(topo)  # every rank returns once the checkpoint is complete and pruned
     return final
