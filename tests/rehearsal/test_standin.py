@@ -117,3 +117,18 @@ def test_the_save_finite_check_runs_with_adamw_step_counts_on_the_host():
     assert check.violations == []
     real = {"w": torch.ones(3), "step": torch.tensor(2.0), "bad": torch.tensor([1.0, float("inf")])}
     assert first_non_finite(real) == "bad"
+
+
+def test_a_re_run_in_backward_re_enters_the_stand_ins_autocast():
+    """Memo's and the host checkpoints' re-runs re-enter the forward's autocast (``memory/forward_state.py``); on the
+    stand-in it was left out, so the re-run computed in fp32 and ring attention sent fp32 k/v in backward (4/3 of
+    the backward's bytes at Llama3-8B x 1M)."""
+    from megatron_lc.memory.forward_state import as_in_forward, autocast_state
+
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        state = autocast_state()
+    assert state == [(DEVICE.type, torch.bfloat16)]
+    with FakeTensorMode():
+        x = torch.empty(4, 8, device=DEVICE)
+        with as_in_forward(state, grad=True):
+            assert (x @ x.t()).dtype == torch.bfloat16
