@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from megatron_lc.model import norm as norm_mod
 from megatron_lc.model.norm import RMSNorm
 
 
@@ -77,8 +78,6 @@ def test_the_cuda_branch_calls_the_fused_kernel_in_the_inputs_dtype(monkeypatch,
     gathered in bf16 beside an fp32 residual (else a composite with an fp32 copy of x), and CUDA autocast's fp32
     rule for rms_norm would copy a bf16 residual to fp32. The call gets the weight in x's dtype, outside autocast,
     and its output is the CPU twin's. (The branch is chosen by ``uses_fused_kernel``; the CPU plays CUDA here.)"""
-    from megatron_lc.model import norm as norm_mod
-
     calls, rms_norm = [], torch.nn.functional.rms_norm
 
     def spy(x, shape, weight, eps):

@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from megatron_lc.memory.forward_state import as_in_forward, autocast_state
+from megatron_lc.rehearsal import standin_autocast
 from megatron_lc.rehearsal.mix_check import DeviceMixCheck, DeviceMixError
 from megatron_lc.rehearsal.standin import install
 from megatron_lc.rehearsal.standin_autocast import policies
@@ -59,8 +61,6 @@ def test_autocast_on_the_stand_in_gives_the_dtypes_cuda_autocast_gives():
 
 
 def test_a_weights_cast_is_cached_until_autocast_exits():
-    from megatron_lc.rehearsal import standin_autocast
-
     with FakeTensorMode():
         w = torch.nn.Parameter(torch.empty(8, 8, device=DEVICE))
         x = torch.empty(4, 8, device=DEVICE)
@@ -123,8 +123,6 @@ def test_a_re_run_in_backward_re_enters_the_stand_ins_autocast():
     """Memo's and the host checkpoints' re-runs re-enter the forward's autocast (``memory/forward_state.py``); on the
     stand-in it was left out, so the re-run computed in fp32 and ring attention sent fp32 k/v in backward (4/3 of
     the backward's bytes at Llama3-8B x 1M)."""
-    from megatron_lc.memory.forward_state import as_in_forward, autocast_state
-
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         state = autocast_state()
     assert state == [(DEVICE.type, torch.bfloat16)]
