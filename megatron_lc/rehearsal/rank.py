@@ -1,16 +1,19 @@
-"""One simulated rank: ``setup_training`` and ``steps`` training steps of the config at its real size, under fake
-tensors and a fake process group, every storage traced; returns the rank's figures (``rehearse_rank``).
+"""One simulated rank: ``setup_training``, ``steps`` training steps of the config at its real size and the rest of
+a job (``job.py``: validation, save, async save, resume, the step after it), under fake tensors and a fake process
+group, every storage traced; returns the rank's figures (``rehearse_rank``).
 
-The accelerator is played by fake tensors on the CPU device, computing as a GPU run does: the dtypes are those
-``resolve_execution`` gives a CUDA run (bf16 autocast with ``train.bf16``, the residual stream's dtype), the
-autocast is the CPU's (its dtype rules are CUDA's). The host's share is told apart by identity: the host pool's one
-allocation (Memo's host copies, FPDT's parked chunks, host checkpoints) and, with ``fsdp_cpu_offload``, FSDP2's
-shards, gradients and optimizer states.
+The accelerator is the stand-in device ``standin:0`` (``standin.py``), a device of its own beside the host, computing
+as a GPU run does: the dtypes are those ``resolve_execution`` gives a CUDA run (bf16 autocast with ``train.bf16``,
+the residual stream's dtype), the autocast rules are CUDA's, and an op mixing host and device tensors raises where
+CUDA would (``mix_check.py``: the rank stops there). The host's share is told apart by device (every ``cpu``
+storage) and by identity (the host pool's one allocation; with ``fsdp_cpu_offload``, FSDP2's shards, gradients and
+optimizer states). Example: rank 7 of ``configs/llama3_8b_1m.yaml`` -> its peak 45.17 GiB at ``step 1 mb 0 layer 0
+backward``, each part of the job's peaks, its checkpoint's 11.22 GiB of pieces.
 
-Run it in a fresh process per rank (``tools/rehearse.py`` does): the fake process group and the tracker are
-process-wide. As a process (``main``) it prints each phase as it starts (setup's stages, each step's forward,
-backward and optimizer step), flushed, on a line that begins with ``PROGRESS``: ``tools/rehearse.py`` shows them as
-they come.
+Run it in a fresh process per rank (``tools/rehearse.py`` does): the fake process group, the tracker and the
+stand-in device are process-wide (the device is registered when this module is imported). As a process (``main``)
+it prints each phase as it starts (setup's stages, each step's forward, backward and optimizer step, the job's
+parts), flushed, on a line that begins with ``PROGRESS``: ``tools/rehearse.py`` shows them as they come.
 """
 from __future__ import annotations
 
