@@ -52,10 +52,10 @@ def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict
     the peak of the training steps alone (``step_peak_bytes``: what the estimator's peak is set beside) and each
     part of the job's (``phases``: ``setup``, ``steps``, ``validation``, ``save``... -- ``Moments.segments``).
 
-    The model is built on the host (setup's ``build`` stage) and its ``device`` stage moves it: what the build made
-    and the device stage freed (FSDP2's full weights, once sharded) was host memory only; what the build made and
-    is still alive after the device stage is where a GPU run's ``.to(device)`` put its copy -- on the CPU stand-in
-    the same storages, counted as host until then and as device from then on."""
+    A GPU run builds the model on the host (setup's ``build`` stage) and its ``device`` stage moves it: what the build
+    made and the device stage freed (FSDP2's full weights, once sharded) was host memory only; what the build made
+    and is still alive after the device stage is where a GPU run's ``.to(device)`` put its copy -- in a rehearsal,
+    built on the stand-in device, the same storages, counted as host until then and as device from then on."""
     events = trace.events
     start = {label: i for i, label in reversed(moments.log)}  # the first index of every label
     build = (start.get("setup build", 0), start.get("setup device", 0))
