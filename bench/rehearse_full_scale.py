@@ -1,5 +1,6 @@
 """The full-scale rehearsals of Llama3-8B (docs/rehearsal.md): each case through ``tools/rehearse.py`` (every rank
-a fresh process, 2 steps to the optimizer step), the summaries side by side with the estimator's, in one JSON.
+a fresh process, 2 steps to the optimizer step, then the job: validation, save, async save, resume, the step after),
+the summaries side by side with the estimator's, in one JSON.
 
     python bench/rehearse_full_scale.py --out bench/results/rehearsal_full_scale_2026-11-24.json [--only a,e-ring]
     python bench/rehearse_full_scale.py --out bench/results/rehearsal_full_scale_2026-11-24.json --table

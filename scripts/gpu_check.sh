@@ -14,6 +14,8 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import megatron_lc" 2>/dev/null; then
     "$PY" -m pip install --no-deps -q -e . || exit 1
 fi
+# every API the code calls, in one line, first; a missing one is said and the tests go on (they need a subset)
+"$PY" tools/preflight.py || echo "warning: $PY lacks APIs the code calls (above); tests needing them will fail"
 gpu=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_') if torch.cuda.is_available() else 'none')") || exit 1
 if [ "$gpu" = "none" ]; then
     echo "error: no CUDA device visible to $PY (MEGATRON_LC_GPU_DRYRUN=1 $PY -m pytest tests/gpu runs the logic on CPU)" >&2

@@ -11,14 +11,20 @@ forward, backward and optimizer step, seconds since the rank's process started),
 then, as its last line, exactly (one line, wrapped here)::
 
     rehearsal: R ranks, max peak device X.XX GiB (estimator Y.YY GiB allocated, +Z.Z%; F.FF GiB with its
-    fragmentation reserve), max host H.HH GiB, V violations
+    fragmentation reserve), max host H.HH GiB, V violations; ran: 2 steps, validation, save, async save, resume,
+    resumed step
 
-(the estimator's peak of live tensors, what the rehearsal counts, and beside it ``tools/estimate.py``'s peak, which
-adds the reserve; with ``--steps 1``, the estimator's first step instead: ``megatron_lc/rehearsal/report.py``).
+(the steps' peak beside the estimator's peak of live tensors, what the rehearsal counts, and beside it
+``tools/estimate.py``'s peak, which adds the reserve; with ``--steps 1``, the estimator's first step instead:
+``megatron_lc/rehearsal/report.py``). After the steps each rank runs the rest of a job (``rehearsal/job.py``): a
+validation pass, a checkpoint save, an async save, a resume from it and the step after it, its checkpoint in a
+temporary directory (the tensors' bytes counted, not written); a line per phase before the last gives its device
+and host peak; ``--steps-only`` skips them. The accelerator is a stand-in device of its own, not the host
+(``rehearsal/standin.py``): an op that mixes host and device tensors stops the rank there, named with its site.
 
-Exit status: 0 when every rank's peak fits the hardware profile's usable memory and nothing was violated, 1 when
-not, 2 for bad input. Figures are rehearsed: a trace of the framework's own tensors, not of the caching allocator
-or the kernels' speed.
+Exit status: 0 when every rank's peak (the job's phases included) fits the hardware profile's usable memory and
+nothing was violated, 1 when not, 2 for bad input. Figures are rehearsed: a trace of the framework's own tensors,
+not of the caching allocator or the kernels' speed.
 """
 from __future__ import annotations
 
@@ -54,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nnodes", type=int, default=1, help="nodes")
     p.add_argument("--ranks", default="all", help="ranks to rehearse: all, or a list like 0,7")
     p.add_argument("--steps", type=int, default=2, help="training steps per rank (each to its optimizer step)")
+    p.add_argument("--steps-only", action="store_true", help="the steps alone: no validation, save, async save, "
+                   "resume and step after it")
     p.add_argument("--hardware", default="h100", help="profile in configs/hardware/ (usable memory, host memory)")
     p.add_argument("--jobs", type=int, default=1, help="ranks rehearsed at once (each a process)")
     p.add_argument("--out", default=None, help="write the JSON (every rank's figures, the summary) here")
@@ -79,7 +87,8 @@ def rank_list(spec: str, world: int) -> list:
 def run_rank(args, rank: int, world: int, nproc: int, host_gb: float, out: str) -> tuple[int, dict, str]:
     cmd = [sys.executable, "-m", "megatron_lc.rehearsal.rank", "--config", args.config, "--rank", str(rank),
            "--world", str(world), "--nproc-per-node", str(nproc), "--steps", str(args.steps),
-           "--host-memory-gb", str(host_gb), "--out", out] + [x for o in args.overrides for x in ("--set", o)]
+           "--host-memory-gb", str(host_gb), "--out", out] + [x for o in args.overrides for x in ("--set", o)] + (
+        ["--steps-only"] if args.steps_only else [])
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as err:
@@ -113,7 +122,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_lc.config import ConfigError, load_config, resolve_layout
     from megatron_lc.estimate import load_hardware
-    from megatron_lc.rehearsal.report import one_step_note, plot, summarize, summary_line
+    from megatron_lc.rehearsal.report import one_step_note, phase_lines, plot, summarize, summary_line
     from megatron_lc.units import GIB
 
     try:
@@ -147,6 +156,10 @@ def main(argv=None) -> int:
             say(f"rank {rank}: peak device {dev['peak_bytes'] / GIB:.2f} GiB at {dev['peak_moment']}; setup "
                 f"{dev['setup_peak_bytes'] / GIB:.2f} GiB; host {figures['host']['peak_bytes'] / GIB:.2f} GiB; "
                 f"{figures['seconds']['process']:.0f} s")
+            for v in figures["violations"]:
+                say(f"rank {rank}: {v['text']}")
+            if figures.get("stopped"):
+                say(f"rank {rank}: stopped at {figures['stopped']['at']}, where the op above raises on CUDA")
     if failed:
         print(f"error: the rehearsal of rank(s) {', '.join(map(str, failed))} failed (above)", file=sys.stderr)
         return 1
@@ -165,6 +178,8 @@ def main(argv=None) -> int:
         print("layer 0 attention sent per step by a rank: " + ", ".join(
             f"{k} {sent['rehearsed'].get(k, 0) / GIB:.2f} GiB (formula {sent['formula'][k] / GIB:.2f})"
             for k in ("fwd", "bwd")))
+    for line in phase_lines(summary):
+        print(line)
     if args.steps < 2:
         print(one_step_note(summary))
     print(summary_line(summary))

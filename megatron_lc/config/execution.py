@@ -25,6 +25,10 @@ class Execution:
     # the device type whose attention kernels run: None, the tensors' own; a rehearsal's stand-in device names the
     # accelerator it stands in for ("cuda": PyTorch's fused CUDA kernels, through their shape functions)
     kernel_device: Optional[str] = None
+    # where the model is built: False, on the host (then FSDP2's shards or ``model.to`` move it); True, on ``device``
+    # itself -- a rehearsal's stand-in device, because PyTorch cannot move a fake tensor in place (``p.data = ...``,
+    # as FSDP2 does) between the host and a device of another backend
+    build_on_device: bool = False
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from ..units import fmt_bytes
 from .adapter import DeviceAdapter
 from .storage import storage_id
 
@@ -64,8 +65,10 @@ class HostPool:
 
     Life: the calibrations ``reserve(tag, nbytes)`` what each technique will hold at most (FPDT: one layer's parked
     chunks measured, times the layers, plus one backward's accumulators; Memo: its swapped layers times the rounding
-    buffer); ``size`` is their exact sum and is what the host budget is compared with. The first ``take`` allocates
-    ``size`` bytes once (a ``reserve`` after that is an error); a request that does not fit is a ``HostPoolError``
+    buffer); ``size`` is their exact sum and is what the host budget is compared with. ``allocate`` -- called by setup
+    once every calibration has reserved (a refused page-lock is one line there, not a rank failing in its first
+    forward while the others wait for it), else by the first ``take`` -- allocates ``size`` bytes once (a
+    ``reserve`` after that is an error); a request that does not fit is a ``HostPoolError``
     naming the numbers, never a fresh allocation beside the pool. Every view starts on a multiple of ``ALIGN``.
 
     Example (``ALIGN`` = 512)::
@@ -133,7 +136,12 @@ class HostPool:
                                 "runtimes' calibrate (training/setup.py) before the first step")
         if self.dev is None:  # never bound: the host of the CPU twin
             self.dev = DeviceAdapter(torch.device("cpu"))
-        self.data = self.dev.host_pinned(self.size)
+        try:
+            self.data = self.dev.host_pinned(self.size)
+        except (RuntimeError, OSError) as e:  # cudaHostRegister refused, or the host has not the memory
+            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise HostPoolError(f"host pool: could not allocate and page-lock {fmt_bytes(self.size)} of host memory "
+                                f"({self.reserved}) for {self.dev.device}: {why}") from None
         self.fit = _FirstFit(self.size)
 
     @contextlib.contextmanager

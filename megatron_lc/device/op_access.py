@@ -101,9 +101,19 @@ def extent(t: torch.Tensor) -> tuple:
     return t.storage_offset() * es, (last + 1) * es
 
 
+def blocking_copy(func, args, kwargs) -> bool:
+    """Whether ``func`` is a copy the host waits for (``x.to("cpu")``, ``host.copy_(x)``: no ``non_blocking``)."""
+    if func is torch.ops.aten._to_copy.default:
+        return not kwargs.get("non_blocking", False)
+    if func is torch.ops.aten.copy_.default:
+        return not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    return False
+
+
 class OpAccesses(TorchDispatchMode):
-    """Runs every op and hands ``on_op(func, used, made)`` what it touched: ``used`` the ``(tensor, written)``
-    arguments, ``made`` the tensors on new storages it returned."""
+    """Runs every op and hands ``on_op(func, used, made, blocking)`` what it touched: ``used`` the
+    ``(tensor, written)`` arguments, ``made`` the tensors on new storages it returned, ``blocking`` whether it is a
+    copy the host waits for (``blocking_copy``)."""
 
     def __init__(self, on_op):
         super().__init__()
@@ -122,5 +132,5 @@ class OpAccesses(TorchDispatchMode):
         out = func(*args, **kwargs)
         inputs = {storage_id(t) for t, _ in used}
         made = [t for t in tensors(out) if t.numel() > 0 and has_storage(t) and storage_id(t) not in inputs]
-        self.on_op(func, used, made)
+        self.on_op(func, used, made, blocking_copy(func, args, kwargs))
         return out

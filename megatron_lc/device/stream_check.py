@@ -224,11 +224,14 @@ class StreamCheck(DeviceAdapter):
             self._host_passes(s.vec)
 
     # ---- ops ------------------------------------------------------------------------------------------------------
-    def op(self, func, used: list, made: list) -> None:
-        """One op (``op_access.OpAccesses``): on the host when it touches host buffers only, else on the current
-        stream; its reads and writes checked, its new tensors allocations made there."""
+    def op(self, func, used: list, made: list, blocking: bool = False) -> None:
+        """One op (``op_access.OpAccesses``): on the host when it touches and makes host buffers only (a CPU
+        tensor beside another device: ``torch.arange`` on the host), else on the current stream, and a ``blocking``
+        copy between the two makes the host wait for that stream (``x.to("cpu")``); its reads and writes
+        checked, its new tensors allocations made there."""
         located = [(t, written, self.locate(t)) for t, written in used]
-        stream = self.host if located and all(loc[0].host for _, _, loc in located) else self.current
+        on_host = [loc[0].host for _, _, loc in located] + [self._on_host(t) for t in made]
+        stream = self.host if on_host and all(on_host) else self.current
         self.enqueue(stream)
         at = site() if located or made else None
         for t, written, loc in located:
@@ -237,8 +240,9 @@ class StreamCheck(DeviceAdapter):
             loc = self.locate(t, stream=stream, at=at, host=stream is self.host)
             if func not in ALLOCATE:
                 self.access(loc, t, True, stream, at)
-        if func is torch.ops.aten._local_scalar_dense.default and stream is not self.host:
-            self._host_passes(stream.vec)  # a value read (.item()) waits for the stream that made the value
+        read = func is torch.ops.aten._local_scalar_dense.default
+        if stream is not self.host and (read or blocking and any(on_host)):
+            self._host_passes(stream.vec)  # a value read (.item()) or a copy to or from the host waits for its stream
 
     # ---- clocks ------------------------------------------------------------------------------------------------
     def _host_passes(self, vec: dict) -> None:

@@ -17,8 +17,10 @@ import torch
 
 
 def autocast_state() -> list:
-    """``[(device type, dtype)]`` of the autocast contexts active now."""
-    return [(dev, torch.get_autocast_dtype(dev)) for dev in ("cuda", "cpu") if torch.is_autocast_enabled(dev)]
+    """``[(device type, dtype)]`` of the autocast contexts active now: CUDA's, the CPU's and that of the PrivateUse1
+    backend (an out-of-tree accelerator, or a rehearsal's stand-in device, whose re-runs otherwise ran in fp32)."""
+    devices = ("cuda", "cpu", torch._C._get_privateuse1_backend_name())
+    return [(dev, torch.get_autocast_dtype(dev)) for dev in devices if torch.is_autocast_enabled(dev)]
 
 
 def as_in_forward(state: list, grad: bool) -> contextlib.ExitStack:

@@ -1,7 +1,8 @@
 """Normalisation layers; their weights are replicated over tp (grads all-reduced over tp under SP).
 
 ``RMSNorm`` saves what a fused kernel saves -- the input and one ``rstd`` per token -- on every device. On CUDA it
-calls ``F.rms_norm`` (torch's fused kernel, which saves input + rstd; never executed here). On CPU ``F.rms_norm`` is a
+calls ``F.rms_norm`` (torch's fused kernel, which saves input + rstd; never executed here) in the input's dtype, the
+weight cast to it and outside autocast, as the CPU twin computes. On CPU ``F.rms_norm`` is a
 composite of pow/mean/rsqrt/mul whose autograd also keeps the normalised ``x * rstd`` (one more hidden-sized tensor
 per norm, 1 KiB a token for h = 256 in fp32), so the CPU twin is a small autograd function with the fused kernel's
 saved set and the composite's arithmetic (upcast, normalise, cast back, then scale by the weight).
@@ -60,6 +61,12 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx, dweight, None
 
 
+def uses_fused_kernel(x: torch.Tensor) -> bool:
+    """torch's fused ``F.rms_norm`` on CUDA; the CPU twin (``_RMSNormFunction``) elsewhere, a rehearsal's stand-in
+    device included (its memory is the fused kernel's)."""
+    return x.is_cuda
+
+
 def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
@@ -75,9 +82,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # torch's fused kernel (GPU only, never executed here)
-            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-        if torch.is_autocast_enabled(x.device.type):  # autocast runs norms in the input's dtype, as F.rms_norm does
+        if uses_fused_kernel(x):  # torch's fused kernel (GPU only, never executed here)
+            # in x's dtype, as the CPU twin: the weight cast to it (FSDP2 gathers it in bf16 beside an fp32
+            # residual, and torch's fused kernel takes one dtype: else a composite with an fp32 copy of x), and
+            # outside autocast (whose fp32 rule for rms_norm would copy a bf16 residual to fp32)
+            with torch.autocast(x.device.type, enabled=False):
+                return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+        if torch.is_autocast_enabled(x.device.type):  # the norm runs in the input's dtype
             with torch.autocast(x.device.type, enabled=False):
                 return _RMSNormFunction.apply(x, self.weight.to(x.dtype), self.eps)
         return _RMSNormFunction.apply(x, self.weight, self.eps)

@@ -14,12 +14,29 @@ import torch.distributed as dist
 from .topology import Axis, Topology
 
 
+def fake_world() -> bool:
+    """torch.distributed runs a fake process group (a rehearsal: ``fake``, or ``cpu:fake,standin:fake`` for the
+    host and the stand-in device): collectives return at once, no other rank answers."""
+    return (dist.is_available() and dist.is_initialized()
+            and all(b.rpartition(":")[2] == "fake" for b in dist.get_backend().split(",")))
+
+
+def host_backend() -> str:
+    """The default group's backend for host tensors: ``gloo`` for ``cpu:gloo,cuda:nccl``, ``fake`` in a rehearsal
+    (``gloo`` where the default group names none, e.g. ``nccl``)."""
+    for part in dist.get_backend_config().split(","):
+        device, _, name = part.rpartition(":")
+        if device in ("", "cpu") and name != "nccl":
+            return name
+    return "gloo"
+
+
 def all_gather_objects(obj) -> list:
     """``obj`` of every rank of the job, in rank order (``[obj]`` without torch.distributed or with one rank). Under a
     fake process group (a rehearsal: one simulated rank, no other rank to ask) every rank answers as this one."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
-    if dist.get_backend() == "fake":
+    if fake_world():
         return [obj] * dist.get_world_size()
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)

@@ -48,12 +48,14 @@ class ModelStates:
 
 
 def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict:
-    """Device / host live bytes after every event, the peaks and their moments, the breakdown at the device peak.
+    """Device / host live bytes after every event, the peaks and their moments, the breakdown at the device peak;
+    the peak of the training steps alone (``step_peak_bytes``: what the estimator's peak is set beside) and each
+    part of the job's (``phases``: ``setup``, ``steps``, ``validation``, ``save``... -- ``Moments.segments``).
 
-    The model is built on the host (setup's ``build`` stage) and its ``device`` stage moves it: what the build made
-    and the device stage freed (FSDP2's full weights, once sharded) was host memory only; what the build made and
-    is still alive after the device stage is where a GPU run's ``.to(device)`` put its copy -- on the CPU stand-in
-    the same storages, counted as host until then and as device from then on."""
+    A GPU run builds the model on the host (setup's ``build`` stage) and its ``device`` stage moves it: what the build
+    made and the device stage freed (FSDP2's full weights, once sharded) was host memory only; what the build made
+    and is still alive after the device stage is where a GPU run's ``.to(device)`` put its copy -- in a rehearsal,
+    built on the stand-in device, the same storages, counted as host until then and as device from then on."""
     events = trace.events
     start = {label: i for i, label in reversed(moments.log)}  # the first index of every label
     build = (start.get("setup build", 0), start.get("setup device", 0))
@@ -65,12 +67,19 @@ def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict
     best = {"device": (0, -1), "host": (0, -1), "total": (0, -1)}
     setup_end = next((i for i, label in moments.log if label.startswith("step 0")), len(events))
     setup_best = (0, -1)
+    parts_of_job, nxt = {}, 0  # segment name -> [device peak, its event, host peak]; the next segment's position
+    seg = parts_of_job.setdefault(moments.segments[0][1], [0, 0, 0])
     for i, e in enumerate(events):
-        if i == moved_at:  # the build's survivors reach the device
+        while nxt < len(moments.segments) and moments.segments[nxt][0] <= i:
+            nxt += 1
+        if i == moved_at:  # the build's survivors reach the device (in setup: its part of the job holds them)
             moved = {r for r in built if r in sizes and r not in host}
             n = sum(sizes[r] for r in moved)
             live["host"], live["device"] = live["host"] - n, live["device"] + n
             built -= moved
+            if seg[0] < live["device"]:
+                seg[0], seg[1] = live["device"], i
+        seg = parts_of_job.setdefault(moments.segments[nxt - 1][1], [0, i, 0])
         side = "host" if e.id in host or e.id in built else "device"
         if e.op == "malloc":
             sizes[e.id] = e.size
@@ -83,6 +92,9 @@ def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict
                 best[s] = (n, i)
         if i < setup_end and live["device"] > setup_best[0]:
             setup_best = (live["device"], i)
+        if live["device"] > seg[0]:
+            seg[0], seg[1] = live["device"], i
+        seg[2] = max(seg[2], live["host"])
     peak, at = best["device"]
     breakdown: dict = {}
     alive = {}
@@ -96,9 +108,13 @@ def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict
             continue
         name = parts.get(rid, "activations, working set, communication")
         breakdown[name] = breakdown.get(name, 0) + size
+    steps = parts_of_job.get("steps", [peak, at, 0])
     return {"device": {"peak_bytes": peak, "peak_moment": moments.at(at), "peak_event": at,
+                       "step_peak_bytes": steps[0], "step_peak_moment": moments.at(steps[1]),
                        "setup_peak_bytes": setup_best[0], "setup_peak_moment": moments.at(max(setup_best[1], 0)),
                        "end_bytes": live["device"], "breakdown_at_peak": breakdown},
+            "phases": {name: {"device_peak_bytes": d, "device_peak_moment": moments.at(j), "host_peak_bytes": h}
+                       for name, (d, j, h) in parts_of_job.items()},
             "host": {"peak_bytes": best["host"][0], "end_bytes": live["host"]},
             "total_peak_bytes": best["total"][0],  # device and host together: what a CPU run's tracker sees
             "series": _thin(series, moments)}

@@ -1,16 +1,16 @@
 """Host memory used as if it were the device's. On a GPU the offload techniques' host memory (the host pool: Memo's
 host copies, FPDT's parked chunks, host checkpoints) is only ever copied to or from the device; an op that computes
 with it -- a norm reading a host checkpoint that was never copied back, a matmul on a parked chunk -- fails there
-(a device mismatch), or with a CPU stand-in silently computes on the host. The rehearsal's stand-in device is the
-CPU, where host and device tensors look alike, so ``HostMathCheck`` tells them apart by identity: every op whose
-arguments include the host pool's allocation must be a copy or a view; anything else is a violation naming the op
-and its site (the first frame inside ``megatron_lc/``)::
+(a device mismatch), or with a CPU stand-in silently computes on the host. On the rehearsal's stand-in device such an
+op also mixes host and device tensors (``mix_check.py`` stops the rank there); ``HostMathCheck`` reports, before it,
+any op whose arguments include the host pool's allocation -- told apart by identity -- other than a copy or a view,
+also an op on the pool alone (host math where device math was meant), naming the op and its site (the first frame
+inside ``megatron_lc/``)::
 
     host pool used in device math: aten.rms_norm.default on a [64, 1, 256] float32 view of the host pool
     at megatron_lc/memory/checkpoint_offload.py:148
 
-Not covered: host tensors other than the pool (a CPU scalar made with ``torch.tensor`` and mixed into device math
-on a GPU run; FSDP2's CPU-offloaded shards, which torch moves itself).
+Host tensors other than the pool are ``mix_check.py``'s.
 """
 from __future__ import annotations
 

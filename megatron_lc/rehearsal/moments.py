@@ -1,17 +1,22 @@
-"""Where a step is, written beside the tracker's trace: ``Moments.log`` holds (event index, label) at every change,
-so the peak's event index names its moment. Labels, in a step's order (k the step, m the micro-batch, i a layer)::
+"""Where a rehearsal is, written beside the tracker's trace: ``Moments.log`` holds (event index, label) at every
+change, so the peak's event index names its moment. Labels, in a job's order (k the step, m the micro-batch, i a
+layer)::
 
     setup                              before setup's first stage (the tracker starts)
-    setup S                            setup's stages: data, build (the model on the host), device (FSDP2's
-                                       shards, the move), runtimes (calibrations), optimizer, checkpoint
+    setup S                            setup's stages: data, build (the model on the device), device (FSDP2's
+                                       shards), runtimes (calibrations), optimizer, checkpoint
     step k mb m forward                the embedding and the head (outside the layers)
     step k mb m layer i forward        layer i's forward
     step k mb m layer i backward       layer i's backward (a re-run in backward is part of it)
     step k mb m backward               between layers' backwards and after layer 0's (embedding, grad sync)
     step k optimizer                   clipping's end and the optimizer step
+    validation mb m layer i forward    the validation pass's forward (no backward), and so on
+    save, async save, resume           the checkpoint phases of the job (``job.py``)
 
-Each label belongs to a phase (``phase``): setup's stages as they are, then ``step k forward``, ``step k backward``
-and ``step k optimizer``; ``on_phase`` is told each phase as it starts, once (a rehearsal's progress lines).
+Each label belongs to a phase (``phase``): setup's stages as they are, ``step k forward``, ``step k backward`` and
+``step k optimizer``, ``validation``, ``save``...; ``on_phase`` is told each phase as it starts, once (a
+rehearsal's progress lines). Coarser, ``segments`` cut the trace into the job's parts (``begin``): ``setup``,
+``steps``, then ``validation``, ``save``, ``async save``, ``resume``, ``resumed step`` when the job runs them.
 """
 from __future__ import annotations
 
@@ -21,10 +26,13 @@ import torch
 
 
 def phase(label: str) -> str:
-    """The phase of a label: ``setup S`` as it is; ``step k mb m layer i backward`` -> ``step k backward``."""
+    """The phase of a label: ``setup S`` as it is; ``step k mb m layer i backward`` -> ``step k backward``;
+    ``validation mb 0 layer 3 forward`` -> ``validation``."""
     words = label.split()
     if words[0] == "setup":
         return label
+    if words[0] != "step":
+        return label.split(" mb ")[0]
     if "optimizer" in words:
         return f"step {words[1]} optimizer"
     return f"step {words[1]} {'backward' if 'backward' in words else 'forward'}"
@@ -36,9 +44,15 @@ class Moments:
         self.log: list = []  # (event index, label)
         self.on_phase, self.phases = on_phase, set()
         self.step = 0
+        self.prefix = "step 0"  # what the model's hooks put before "mb m ...": the step, or a pass (validation)
         self.micro = -1
         self.backward = False
+        self.segments: list = [(0, "setup")]  # (event index, part of the job)
         self.set("setup")
+
+    def begin(self, segment: str) -> None:
+        """The job's next part starts (``steps``, ``validation``, ``save``...)."""
+        self.segments.append((len(self.events), segment))
 
     def set(self, label: str) -> None:
         self.log.append((len(self.events), label))
@@ -48,7 +62,12 @@ class Moments:
             self.on_phase(p)
 
     def start_step(self, k: int) -> None:
-        self.step, self.micro, self.backward = k, -1, False
+        self.step, self.prefix, self.micro, self.backward = k, f"step {k}", -1, False
+
+    def start_pass(self, name: str) -> None:
+        """A forward pass of the model outside a step (``validation``): its hooks' labels begin with ``name``."""
+        self.prefix, self.micro, self.backward = name, -1, False
+        self.set(name)
 
     def at(self, index: int) -> str:
         """The label in force at event ``index``."""
@@ -66,14 +85,14 @@ class Moments:
         def model_pre(mod, args):
             self.micro += 1
             self.backward = False
-            self.set(f"step {self.step} mb {self.micro} forward")
+            self.set(f"{self.prefix} mb {self.micro} forward")
 
         handles.append(model.register_forward_pre_hook(model_pre))
         for i, layer in enumerate(model.layers):
             def pre(mod, args, i=i):
                 if self.backward:  # a layer re-run inside its own backward
                     return
-                self.set(f"step {self.step} mb {self.micro} layer {i} forward")
+                self.set(f"{self.prefix} mb {self.micro} layer {i} forward")
                 x = args[0] if args else None
                 if isinstance(x, torch.Tensor) and x.requires_grad:
                     x.register_hook(lambda g, i=i: self._after_backward(i))
@@ -81,7 +100,7 @@ class Moments:
             def post(mod, args, out, i=i):
                 if self.backward:
                     return
-                self.set(f"step {self.step} mb {self.micro} forward")
+                self.set(f"{self.prefix} mb {self.micro} forward")
                 if isinstance(out, torch.Tensor) and out.requires_grad:
                     out.register_hook(lambda g, i=i: self._backward(i))
 
@@ -93,10 +112,10 @@ class Moments:
 
     def _backward(self, i: int) -> None:
         self.backward = True
-        self.set(f"step {self.step} mb {self.micro} layer {i} backward")
+        self.set(f"{self.prefix} mb {self.micro} layer {i} backward")
 
     def _after_backward(self, i: int) -> None:
         """Layer i's input has its gradient: its backward is over (its input is also layer i-1's output, whose
         hook runs first and has already named layer i-1's backward)."""
-        if self.log[-1][1] == f"step {self.step} mb {self.micro} layer {i} backward":
-            self.set(f"step {self.step} mb {self.micro} backward")
+        if self.log[-1][1] == f"{self.prefix} mb {self.micro} layer {i} backward":
+            self.set(f"{self.prefix} mb {self.micro} backward")

@@ -1,16 +1,19 @@
-"""One simulated rank: ``setup_training`` and ``steps`` training steps of the config at its real size, under fake
-tensors and a fake process group, every storage traced; returns the rank's figures (``rehearse_rank``).
+"""One simulated rank: ``setup_training``, ``steps`` training steps of the config at its real size and the rest of
+a job (``job.py``: validation, save, async save, resume, the step after it), under fake tensors and a fake process
+group, every storage traced; returns the rank's figures (``rehearse_rank``).
 
-The accelerator is played by fake tensors on the CPU device, computing as a GPU run does: the dtypes are those
-``resolve_execution`` gives a CUDA run (bf16 autocast with ``train.bf16``, the residual stream's dtype), the
-autocast is the CPU's (its dtype rules are CUDA's). The host's share is told apart by identity: the host pool's one
-allocation (Memo's host copies, FPDT's parked chunks, host checkpoints) and, with ``fsdp_cpu_offload``, FSDP2's
-shards, gradients and optimizer states.
+The accelerator is the stand-in device ``standin:0`` (``standin.py``), a device of its own beside the host, computing
+as a GPU run does: the dtypes are those ``resolve_execution`` gives a CUDA run (bf16 autocast with ``train.bf16``,
+the residual stream's dtype), the autocast rules are CUDA's, and an op mixing host and device tensors raises where
+CUDA would (``mix_check.py``: the rank stops there). The host's share is told apart by device (every ``cpu``
+storage) and by identity (the host pool's one allocation; with ``fsdp_cpu_offload``, FSDP2's shards, gradients and
+optimizer states). Example: rank 7 of ``configs/llama3_8b_1m.yaml`` -> its peak 45.17 GiB at ``step 1 mb 0 layer 0
+backward``, each part of the job's peaks, its checkpoint's 11.22 GiB of pieces.
 
-Run it in a fresh process per rank (``tools/rehearse.py`` does): the fake process group and the tracker are
-process-wide. As a process (``main``) it prints each phase as it starts (setup's stages, each step's forward,
-backward and optimizer step), flushed, on a line that begins with ``PROGRESS``: ``tools/rehearse.py`` shows them as
-they come.
+Run it in a fresh process per rank (``tools/rehearse.py`` does): the fake process group, the tracker and the
+stand-in device are process-wide (the device is registered when this module is imported). As a process (``main``)
+it prints each phase as it starts (setup's stages, each step's forward, backward and optimizer step, the job's
+parts), flushed, on a line that begins with ``PROGRESS``: ``tools/rehearse.py`` shows them as they come.
 """
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import sys
+import tempfile
 import time
 from typing import Callable, Optional
 
@@ -32,25 +37,35 @@ from ..planning.capture.tracker import DispatchTracer
 from ..training.loop import Trainer
 from .figures import ModelStates, rank_figures
 from .host_check import HostMathCheck
+from .job import rehearse_job
+from .mix_check import DeviceMixCheck, DeviceMixError
 from .moments import Moments
+from .standin import install as install_standin
 from .world import fake_world
 
 PROGRESS = "rehearsal progress: "  # the start of a phase line on a rank process's stdout
+# the stand-in device, registered when this module is imported: PyTorch's autograd engine counts each device type's
+# devices once, at the first backward of the process, so the device must exist before any backward runs here
+STANDIN = install_standin()
 
 
 def stand_in_execution(cfg: Config) -> Execution:
-    """A CUDA run's execution with the CPU standing in for the GPU: its dtypes, its attention kernels."""
-    return dataclasses.replace(resolve_execution(cfg, torch.device("cuda")), device=torch.device("cpu"),
-                               kernel_device="cuda")
+    """A CUDA run's execution on the stand-in device (``standin.py``: a device of its own, not the host): its
+    dtypes, its autocast rules, its attention kernels; the model built on the device (``Execution.build_on_device``)."""
+    return dataclasses.replace(resolve_execution(cfg, torch.device("cuda")), device=STANDIN,
+                               kernel_device="cuda", build_on_device=True)
 
 
-def rehearsal_config(cfg: Config, steps: int, host_memory_gb: float) -> Config:
-    """``cfg`` as a rehearsal runs it: ``steps`` steps, no checkpoint written, mock tokens of the real length, the
-    node's host memory from the hardware profile (unless the config names it), the MFU peak given (no GEMM is
-    timed on fake tensors)."""
+def rehearsal_config(cfg: Config, steps: int, host_memory_gb: float, save_dir: Optional[str] = None) -> Config:
+    """``cfg`` as a rehearsal runs it: ``steps`` steps, mock tokens of the real length, the node's host memory from
+    the hardware profile (unless the config names it), the MFU peak given (no GEMM is timed on fake tensors); no
+    checkpoint, or with ``save_dir`` the job's phases (``job.py``): checkpoints into ``save_dir`` and a validation
+    after the last step, of one global batch of the valid split."""
     cfg = copy.deepcopy(cfg)
     cfg.train.train_iters = steps
-    cfg.checkpoint.save = cfg.checkpoint.load = None
+    cfg.checkpoint.save, cfg.checkpoint.load = save_dir, None
+    if save_dir is not None:
+        cfg.train.eval_interval, cfg.train.eval_iters = steps, 1
     cfg.data.mock_data = True
     cfg.logging.metrics_file = None
     if cfg.memory.host_memory_gb is None:
@@ -63,45 +78,61 @@ def rehearsal_config(cfg: Config, steps: int, host_memory_gb: float) -> Config:
 def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps: int = 2,
                   execution: Optional[Execution] = None,
                   on_phase: Callable[[str], None] = lambda name: None) -> dict:
-    """Setup and ``steps`` steps of rank ``rank`` of ``world`` (``cfg`` already a ``rehearsal_config``).
-    ``execution``: the stand-in's (default: a CUDA run's, ``stand_in_execution``); ``on_phase``: told each phase
-    as it starts (``moments.phase``)."""
-    with fake_world(rank, world, nproc_per_node):
+    """Setup and ``steps`` steps of rank ``rank`` of ``world`` (``cfg`` already a ``rehearsal_config``), then,
+    when ``cfg.checkpoint.save`` is set, the job's phases (``job.rehearse_job``). ``execution``: the stand-in's
+    (default: a CUDA run's, ``stand_in_execution``); ``on_phase``: told each phase as it starts
+    (``moments.phase``). An op CUDA would refuse (``mix_check.DeviceMixError``) stops the rank there: the figures
+    are those until then, ``stopped`` says where."""
+    execution = execution or stand_in_execution(cfg)
+    with fake_world(rank, world, nproc_per_node, execution.device):
         layout = resolve_layout(cfg, world)
         topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
         tracer = DispatchTracer()
         host_math = HostMathCheck([])
-        execution = execution or stand_in_execution(cfg)
-        seconds = {}
+        mixes = DeviceMixCheck(execution.device)
+        seconds, job, stopped = {"steps": []}, {}, None
         # the stream-order check is the device adapter every runtime binds to: entered inside the fake mode, before
-        # the build
-        with FakeTensorMode(), tracer, host_math, StreamCheck(execution.device) as streams:
+        # the build; the mix check first, so that the others see an op before it raises
+        with FakeTensorMode(), tracer, mixes, host_math, StreamCheck(execution.device) as streams:
             moments = Moments(tracer.events, on_phase)
-            t0 = time.perf_counter()
-            trainer = Trainer(cfg, topo, layout=layout, execution=execution,
-                              stage=lambda name: moments.set(f"setup {name}"))
-            trainer.reads_values = False  # fake tensors have no values (training/loop.py)
-            host_math.pools.append(trainer.ctx.host_pool)
-            seconds["setup"] = time.perf_counter() - t0
-            moments.install(trainer.model, trainer.optimizer)
-            states = ModelStates(tracer, trainer)
-            states.install()
-            seconds["steps"] = []
-            for k in range(steps):
-                topo.comm.reset()  # the bytes of one step (the last)
-                moments.start_step(k)
+            trainer = None
+            try:
                 t0 = time.perf_counter()
-                trainer.train_step(k)
-                trainer.state.iteration += 1
-                seconds["steps"].append(time.perf_counter() - t0)
+                trainer = Trainer(cfg, topo, layout=layout, execution=execution,
+                                  stage=lambda name: moments.set(f"setup {name}"))
+                trainer.reads_values = False  # fake tensors have no values (training/loop.py)
+                host_math.pools.append(trainer.ctx.host_pool)
+                seconds["setup"] = time.perf_counter() - t0
+                moments.install(trainer.model, trainer.optimizer)
+                states = ModelStates(tracer, trainer)
+                states.install()
+                moments.begin("steps")
+                for k in range(steps):
+                    topo.comm.reset()  # the bytes of one step (the last)
+                    moments.start_step(k)
+                    t0 = time.perf_counter()
+                    trainer.state.consumed_samples = trainer.train_step(k)["consumed_samples"]
+                    trainer.state.iteration += 1
+                    seconds["steps"].append(time.perf_counter() - t0)
+                if cfg.checkpoint.save:
+                    t0 = time.perf_counter()
+                    job = rehearse_job(trainer, moments, cfg.checkpoint.save)
+                    seconds["job"] = time.perf_counter() - t0
+            except DeviceMixError as e:
+                stopped = {"at": moments.log[-1][1], "error": str(e)}
+        if trainer is None:
+            raise DeviceMixError(stopped["error"])  # setup itself: nothing to report beside it
         trace = tracer.trace()
         states.take()  # (those alive at the end)
-        parts, host = states.parts, states.host(cfg.parallel.use_torch_fsdp2 and cfg.parallel.fsdp_cpu_offload)
-        out = {"rank": rank, "world": world, "seconds": seconds, "events": len(trace.events)}
-        out.update(rank_figures(trace, moments, parts, host))
+        host = states.host(cfg.parallel.use_torch_fsdp2 and cfg.parallel.fsdp_cpu_offload)
+        if execution.device.type != "cpu":  # the host's storages, by their device
+            host |= {e.id for e in tracer.select("cpu") if e.op == "malloc"}
+        out = {"rank": rank, "world": world, "seconds": seconds, "events": len(trace.events), "stopped": stopped,
+               "job": [name for _, name in moments.segments[2:]], **job}
+        out.update(rank_figures(trace, moments, states.parts, host))
         out["host"].update(host_figures(trainer))
         out["comm_bytes_per_step"] = {f"{tag}/{op}": n for (tag, op), n in sorted(topo.comm.bytes.items())}
-        out["violations"] = host_math.violations + [
+        out["violations"] = mixes.violations + host_math.violations + [
             {"kind": v.kind, "buffer": v.buffer, "site": str(v.second), "first_site": str(v.first), "text": str(v)}
             for v in streams.violations]
         return out
@@ -125,7 +156,8 @@ def host_figures(trainer) -> dict:
 
 def main(argv=None) -> int:
     """``python -m megatron_lc.rehearsal.rank --config C --rank R --world W --nproc-per-node N --steps S
-    --host-memory-gb H [--set k=v ...] --out FILE``: one rank's figures as JSON (tools/rehearse.py runs it)."""
+    --host-memory-gb H [--set k=v ...] [--steps-only] --out FILE``: one rank's figures as JSON (tools/rehearse.py
+    runs it); the job's phases after the steps unless ``--steps-only``, its checkpoint in a temporary directory."""
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[])
@@ -134,13 +166,16 @@ def main(argv=None) -> int:
     p.add_argument("--nproc-per-node", type=int, required=True)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--host-memory-gb", type=float, required=True)
+    p.add_argument("--steps-only", action="store_true")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = rehearsal_config(load_config(a.config, a.overrides), a.steps, a.host_memory_gb)
     t0 = time.perf_counter()
-    figures = rehearse_rank(cfg, a.rank, a.world, a.nproc_per_node, a.steps,
-                            on_phase=lambda name: print(PROGRESS + name, flush=True))
+    with tempfile.TemporaryDirectory(prefix="rehearsal-checkpoint-") as d:
+        cfg = rehearsal_config(load_config(a.config, a.overrides), a.steps, a.host_memory_gb,
+                               None if a.steps_only else os.path.join(d, "save"))
+        figures = rehearse_rank(cfg, a.rank, a.world, a.nproc_per_node, a.steps,
+                                on_phase=lambda name: print(PROGRESS + name, flush=True))
     figures["seconds"]["total"] = time.perf_counter() - t0
     with open(a.out, "w") as f:
         json.dump(figures, f)

@@ -1,15 +1,21 @@
 """The ranks' figures beside the estimator's for the same layout: the JSON a rehearsal writes, its summary line
 and its picture. The summary line (one line, wrapped here)::
 
-    rehearsal: 8 ranks, max peak device 45.91 GiB (estimator 45.71 GiB allocated, +0.4%; 48.58 GiB with its
-    fragmentation reserve), max host 131.73 GiB, 0 violations
+    rehearsal: 2 ranks, max peak device 45.91 GiB (estimator 45.71 GiB allocated, +0.4%; 48.58 GiB with its
+    fragmentation reserve), max host 142.96 GiB, 0 violations; ran: 2 steps, validation, save, async save, resume,
+    resumed step
+
+The device peak is the training steps' (what the estimator's peak models); the job's other parts have a line each
+before it (``phase_lines``), and the line's end names a job peak above the steps' and ranks that stopped at an op
+CUDA would refuse. ``--steps-only`` ends it with ``ran: 2 steps only``.
 
 One step (``--steps 1``) never reaches the estimator's peak, a steady-state step that holds AdamW's states (they
 are made by the first optimizer step, after the first step's backward): its peak is set beside the estimator's first
 step instead, and the steady-state figure after it::
 
     rehearsal: 1 ranks, max peak device 38.43 GiB (estimator 38.23 GiB allocated in step 1, before AdamW's states,
-    +0.5%; 45.71 GiB from step 2 on, 48.58 GiB with its fragmentation reserve), max host 131.73 GiB, 0 violations
+    +0.5%; 45.71 GiB from step 2 on, 48.58 GiB with its fragmentation reserve), max host 131.73 GiB, 0 violations;
+    ran: 1 steps only
 """
 from __future__ import annotations
 
@@ -31,11 +37,12 @@ def summarize(cfg: Config, hw, world: int, ranks: dict, steps: int = 2) -> dict:
     is ``estimator_first_step_peak_bytes``, what a rehearsal of one step compares with (``difference_first_step``)."""
     est = estimate(cfg, hw, world)
     allocated, first = est.memory.allocated_peak, est.memory.first_step_peak
-    peak = max(r["device"]["peak_bytes"] for r in ranks.values())
+    peak = max(r["device"]["step_peak_bytes"] for r in ranks.values())  # the steps' (what the estimator models)
+    whole = max(r["device"]["peak_bytes"] for r in ranks.values())  # the job's, the job's phases included
     host = max(r["host"]["peak_bytes"] for r in ranks.values())
-    at = max(ranks, key=lambda k: ranks[k]["device"]["peak_bytes"])
+    at = max(ranks, key=lambda k: ranks[k]["device"]["step_peak_bytes"])
     return {"ranks": len(ranks), "world": world, "max_peak_device_bytes": peak, "max_peak_rank": at,
-            "max_peak_moment": ranks[at]["device"]["peak_moment"],
+            "max_peak_moment": ranks[at]["device"]["step_peak_moment"], "max_job_peak_device_bytes": whole,
             "max_setup_peak_bytes": max(r["device"]["setup_peak_bytes"] for r in ranks.values()),
             "estimator_peak_bytes": allocated, "estimator_reserved_peak_bytes": est.memory.peak,
             "estimator_reserve_bytes": est.memory.fragmentation, "estimator_peak_phase": est.memory.peak_phase,
@@ -45,10 +52,52 @@ def summarize(cfg: Config, hw, world: int, ranks: dict, steps: int = 2) -> dict:
             "steps": steps, "estimator_optimizer_states_bytes": est.memory.optimizer_states,
             "estimator_first_step_peak_bytes": first,
             "difference_first_step": (peak - first) / first if first else None,
-            "max_host_bytes": host, "device_capacity_bytes": hw.device_bytes, "fits": peak <= hw.device_bytes,
-            "fits_with_reserve": peak + est.memory.fragmentation <= hw.device_bytes,
+            "max_host_bytes": host, "device_capacity_bytes": hw.device_bytes, "fits": whole <= hw.device_bytes,
+            "fits_with_reserve": whole + est.memory.fragmentation <= hw.device_bytes,
             "violations": sum(len(r.get("violations", [])) for r in ranks.values()),
+            "stopped": {k: r["stopped"] for k, r in ranks.items() if r.get("stopped")},
+            "phases": phase_figures(ranks, est.memory), "job": next(iter(ranks.values())).get("job", []),
             "layer0_attention_bytes": attention_bytes(cfg, world, ranks)}
+
+
+PERSISTENT = ("parameters", "gradients", "optimizer states (+ master weights)", "autocast bf16 weight copies",
+              "rounding buffers (Memo)")  # the estimator's parts that outlive a step's activations
+
+
+def phase_figures(ranks: dict, memory) -> dict:
+    """Each part of the job (``figures.rank_figures``' ``phases``): the largest device and host peak over the ranks,
+    with its rank and moment, and beside it the estimator's figure where one is like for like -- ``setup`` its
+    setup moment, ``steps`` and ``resumed step`` its steady-state peak (``resumed step`` holds the loaded AdamW
+    states) -- or, for the checkpoint phases (the estimator has no save moment), its persistent parts: parameters,
+    gradients, optimizer states and the techniques' buffers, what a step leaves on the device."""
+    beside = {"setup": ("setup moment", memory.phases.get("setup")),
+              "steps": ("peak", memory.allocated_peak), "resumed step": ("peak", memory.allocated_peak)}
+    persistent = ("persistent parts", sum(memory.parts.get(k, 0.0) for k in PERSISTENT))
+    out = {}
+    for name in next(iter(ranks.values())).get("phases", {}):
+        per = {k: r["phases"][name] for k, r in ranks.items() if name in r.get("phases", {})}
+        rank = max(per, key=lambda k: per[k]["device_peak_bytes"])
+        device = per[rank]["device_peak_bytes"]
+        what, est = beside.get(name, persistent if name in ("save", "async save", "resume") else (None, None))
+        out[name] = {"device_peak_bytes": device, "rank": rank, "moment": per[rank]["device_peak_moment"],
+                     "host_peak_bytes": max(p["host_peak_bytes"] for p in per.values()),
+                     "estimator": what, "estimator_bytes": est,
+                     "difference": (device - est) / est if est else None}
+    return out
+
+
+def phase_lines(s: dict) -> list:
+    """One line per part of the job, e.g. ``phase async save: device 20.31 GiB (rank 0, async save), host 142.07
+    GiB; estimator's persistent parts 24.55 GiB``."""
+    out = []
+    for name, p in s["phases"].items():
+        line = (f"phase {name}: device {p['device_peak_bytes'] / GIB:.2f} GiB (rank {p['rank']}, {p['moment']}), "
+                f"host {p['host_peak_bytes'] / GIB:.2f} GiB")
+        if p["estimator_bytes"]:
+            line += (f"; estimator's {p['estimator']} {p['estimator_bytes'] / GIB:.2f} GiB "
+                     f"({100 * p['difference']:+.1f}%)")
+        out.append(line)
+    return out
 
 
 def attention_bytes(cfg: Config, world: int, ranks: dict) -> dict:
@@ -84,8 +133,15 @@ def summary_line(s: dict) -> str:
         versus, sep = f"estimator {est:.2f} GiB allocated, {100 * s['difference']:+.1f}%", "; "
     if s["estimator_reserve_bytes"]:
         versus += f"{sep}{s['estimator_reserved_peak_bytes'] / GIB:.2f} GiB with its fragmentation reserve"
-    return (f"rehearsal: {s['ranks']} ranks, max peak device {s['max_peak_device_bytes'] / GIB:.2f} GiB ({versus}), "
+    line = (f"rehearsal: {s['ranks']} ranks, max peak device {s['max_peak_device_bytes'] / GIB:.2f} GiB ({versus}), "
             f"max host {s['max_host_bytes'] / GIB:.2f} GiB, {s['violations']} violations")
+    job = s.get("job") or []
+    line += f"; ran: {s['steps']} steps, " + ", ".join(job) if job else f"; ran: {s['steps']} steps only"
+    if s.get("max_job_peak_device_bytes", 0) > s["max_peak_device_bytes"]:
+        line += f"; job peak {s['max_job_peak_device_bytes'] / GIB:.2f} GiB"
+    if s.get("stopped"):
+        line += f"; stopped on rank(s) {', '.join(map(str, s['stopped']))}"
+    return line
 
 
 def one_step_note(s: dict) -> str:

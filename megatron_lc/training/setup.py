@@ -10,6 +10,7 @@ topology of their own. Nothing here changes the config.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -88,15 +89,17 @@ def check_topology(layout: Layout, topo: Topology) -> None:
 def run_technique_runtimes(model, ctx: ModelContext, env: Calibration) -> None:
     """The technique runtimes (``compose/context.py``), each step over all of them in their order: bind to the
     device; calibrate on the built model (each reserves its host-pool share); the host pool's exact size against
-    this rank's host budget, once, before anything takes from it; allocate the device buffers (the memory plan
-    last, tracing a step with every other buffer in place). Every rank calls this: the calibrations run the
-    layer's collectives."""
+    this rank's host budget, once, and its allocation (pinned on CUDA), before anything takes from it; allocate
+    the device buffers (the memory plan last, tracing a step with every other buffer in place). Every rank calls
+    this: the calibrations run the layer's collectives."""
     for rt in ctx.runtimes:
         rt.bind(env.execution.device)
     for rt in ctx.runtimes:
         rt.calibrate(model, env)
     if ctx.host_pool.size:
         check_pool_budget(ctx.host_pool, env.cfg.memory.host_memory_gb, env.topo.rank, HOST_HINT)
+        ctx.host_pool.allocate()  # page-locked here: a failure is one line before training, not a rank stuck in
+        # its first forward while the others wait for it in p2p
     for rt in ctx.runtimes:
         rt.allocate()
 
@@ -110,14 +113,17 @@ def build_and_calibrate(cfg: Config, layout: Layout, topo: Topology, execution: 
     step (the memory plan); ``stage``: told each stage's name as it starts (``setup_training``). Returns (model,
     context)."""
     stage("build")
-    model, ctx = build_model(cfg, layout, topo, adjust_spec, execution)  # pure: host memory, no communication
+    with torch.device(execution.device) if execution.build_on_device else contextlib.nullcontext():
+        model, ctx = build_model(cfg, layout, topo, adjust_spec, execution)  # pure: host memory, no communication
     stage("device")
     if cfg.parallel.use_torch_fsdp2:  # weights, gradients and (so) AdamW states sharded over dp x cp: the shards
         # move to the device one by one, so the whole model never lands there (the calibrations gather the layer
         # they probe, the step each layer it runs)
         apply_fsdp(model, topo, execution.device, param_dtype=execution.autocast_dtype,
                    cpu_offload=cfg.parallel.fsdp_cpu_offload)
-    if any(p.device != execution.device for p in model.parameters()):  # (a rehearsal builds on its device)
+    elif any(p.device != execution.device for p in model.parameters()):
+        # (not under FSDP2: it placed the shards, on the host with fsdp_cpu_offload -- a move here would put the
+        # offloaded shards on the device and FSDP2 refuses them at the first forward)
         model.to(execution.device)
     env = Calibration(cfg, layout, topo, execution, batch or _no_batch)
     stage("runtimes")

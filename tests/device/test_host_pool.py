@@ -269,3 +269,20 @@ def test_cuda_pool_page_locks_exactly_its_bytes(monkeypatch):
     del pool, t
     gc.collect()
     assert calls[-1] == ("unregister", ptr)
+
+
+def test_setup_allocates_the_pool_and_a_refused_page_lock_is_one_line(monkeypatch):
+    """The pool is allocated (page-locked on CUDA) when setup has every reservation, not lazily in the first
+    forward: there a refused ``cudaHostRegister`` leaves one rank failing while the others wait for it in p2p. Setup
+    says it in one line naming the bytes."""
+    _, ctx = build(small_config(FPDT))
+    assert ctx.host_pool.data is not None and ctx.host_pool.data.numel() == ctx.host_pool.size
+
+    def refused(self, nbytes):
+        raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported")
+
+    monkeypatch.setattr(DeviceAdapter, "host_pinned", refused)
+    with pytest.raises(HostPoolError) as e:
+        build(small_config(FPDT))
+    assert "\n" not in str(e.value) and "could not allocate and page-lock" in str(e.value), str(e.value)
+    assert str(e.value).endswith("CUDA error: out of memory"), str(e.value)

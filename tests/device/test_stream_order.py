@@ -276,14 +276,16 @@ def test_memo_offload_under_fake_tensors(fault):
 @pytest.mark.parametrize("fault", [False, True])
 def test_memo_step_as_the_rehearsal_runs_it(monkeypatch, fault):
     """The tiny Llama's step with Memo offload (alpha 0.25) as a rehearsal runs it -- fake tensors, a fake process
-    group, a GPU run's execution played by the CPU -- under the check: clean, and a dropped prefetch wait reported."""
+    group, a GPU run's execution on the stand-in device -- under the check: clean, and a dropped prefetch wait
+    reported."""
     if fault:
         drop_wait(monkeypatch, "ensure_resident")
     cfg = rehearsal_config(load_config(None, TINY + TECHNIQUES["memo-alpha-0.25"]), steps=1, host_memory_gb=64.0)
-    with fake_world(0, 1, 1):
+    execution = stand_in_execution(cfg)
+    with fake_world(0, 1, 1, execution.device):
         layout = resolve_layout(cfg, 1)
-        with FakeTensorMode(), StreamCheck() as check:
-            trainer = Trainer(cfg, Topology.build(), layout=layout, execution=stand_in_execution(cfg))
+        with FakeTensorMode(), StreamCheck(execution.device) as check:
+            trainer = Trainer(cfg, Topology.build(), layout=layout, execution=execution)
             trainer.reads_values = False
             trainer.train_step(0)
     assert check.copy_streams()[1].clock > 0

@@ -1,14 +1,17 @@
-"""Processes of tests/rehearsal/test_rehearsal.py: rehearsals run in a fresh process each (the fake process group and
-the
-fake-tensor mode are process-wide)."""
+"""Processes of tests/rehearsal/test_rehearsal.py: rehearsals run in a fresh process each (the fake process group, the
+fake-tensor mode and the stand-in device are process-wide)."""
 from __future__ import annotations
+
+import os
 
 import torch
 
 from megatron_lc.config import load_config
+from megatron_lc.device import has_values
 from megatron_lc.memory import checkpoint_offload
 from megatron_lc.parallel.topology import Topology
 from megatron_lc.rehearsal.rank import rehearsal_config, rehearse_rank
+from megatron_lc.training.checkpointing import save
 from megatron_lc.training.loop import Trainer
 
 TINY = "configs/tiny_cpu.yaml"
@@ -90,3 +93,40 @@ def rehearsal_vs_real(rank, world, names) -> dict:
         fake = rehearse_rank(cfg, 0, 1, 1, 2, execution=resolve_execution(cfg, torch.device("cpu")))
         out[name] = {"real": real, "rehearsed": fake["total_peak_bytes"], "violations": fake["violations"]}
     return out
+
+
+def rehearse_job(rank, world, names) -> dict:
+    """Every family of ``names`` on 8 simulated ranks, rank 7, with the job after 2 steps: validation, a save, an
+    async save, a resume and the step after it (the checkpoint in a temporary directory)."""
+    import tempfile
+
+    out = {}
+    for name in names:
+        with tempfile.TemporaryDirectory() as d:
+            cfg = rehearsal_config(load_config(TINY, EIGHT + FAMILIES[name]), 2, 100.0, save_dir=f"{d}/save")
+            out[name] = rehearse_rank(cfg, 7, 8, 8, 2)
+            out[name]["files"] = sorted(os.listdir(out[name]["checkpoint"]))
+    return out
+
+
+FINITE_CHECK = save.first_non_finite
+
+
+def _stack_every_device(tensors: dict):
+    """The save's finite check as it was: every tensor's sum in one stack, AdamW's host ``step`` counts with the
+    device's sums (``torch.stack`` of two devices raises on CUDA)."""
+    sums = torch.stack([t.to_local().sum() if hasattr(t, "to_local") else t.sum() for t in tensors.values()])
+    return FINITE_CHECK(tensors) if has_values(sums) else None
+
+
+def planted_save_bug(rank, world, planted: bool) -> dict:
+    """The fsdp2 family's job on rank 0 with the old finite check put back (``planted``): where the rehearsal stops
+    and what it reports."""
+    import tempfile
+
+    if planted:
+        save.first_non_finite = _stack_every_device
+    with tempfile.TemporaryDirectory() as d:
+        cfg = rehearsal_config(load_config(TINY, EIGHT + FAMILIES["fsdp2"]), 2, 100.0, save_dir=f"{d}/save")
+        r = rehearse_rank(cfg, 0, 8, 8, 2)
+    return {k: r[k] for k in ("stopped", "violations", "job")}

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from megatron_lc.model import norm as norm_mod
 from megatron_lc.model.norm import RMSNorm
 
 
@@ -69,3 +70,27 @@ def test_backward_runs_in_slices_with_bounded_temporaries(monkeypatch):
     assert torch.equal(grads[64][0], grads[4][0])
     # fp32; the 16 partial sums of dweight add in another order than one sum over 128 rows: ~1e-7 relative
     assert torch.allclose(grads[64][1], grads[4][1], rtol=1e-6, atol=1e-6 * grads[64][1].abs().max().item())
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_the_cuda_branch_calls_the_fused_kernel_in_the_inputs_dtype(monkeypatch, x_dtype):
+    """On CUDA the norm is torch's ``F.rms_norm``, whose fused kernel takes one dtype: under FSDP2 the weight comes
+    gathered in bf16 beside an fp32 residual (else a composite with an fp32 copy of x), and CUDA autocast's fp32
+    rule for rms_norm would copy a bf16 residual to fp32. The call gets the weight in x's dtype, outside autocast,
+    and its output is the CPU twin's. (The branch is chosen by ``uses_fused_kernel``; the CPU plays CUDA here.)"""
+    calls, rms_norm = [], torch.nn.functional.rms_norm
+
+    def spy(x, shape, weight, eps):
+        calls.append((x.dtype, weight.dtype, torch.is_autocast_enabled("cpu")))
+        return rms_norm(x, shape, weight, eps)
+
+    norm = RMSNorm(64, eps=1e-5).to(torch.bfloat16)  # FSDP2's gathered weight
+    x = torch.randn(8, 64).to(x_dtype)
+    twin = norm(x)
+    monkeypatch.setattr(norm_mod, "uses_fused_kernel", lambda t: True)
+    monkeypatch.setattr(norm_mod.F, "rms_norm", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = norm(x)
+    assert calls == [(x_dtype, x_dtype, False)]
+    assert fused.dtype == twin.dtype == x_dtype
+    torch.testing.assert_close(fused, twin, rtol=1e-2 if x_dtype == torch.bfloat16 else 1e-6, atol=1e-2)

@@ -20,6 +20,45 @@ def test_a_host_tensor_in_device_math_is_reported_by_the_rehearsal_only():
     assert got["faulty"] == got["clean"]  # on the CPU the same memory: the ordinary run cannot see it
 
 
+def test_a_host_tensor_in_device_math_stops_the_rehearsal_where_cuda_would():
+    """The same planted fault on the stand-in device: the op that mixes the host copy into device math is reported
+    with its site and the rank stops there (a GPU run raises at that op)."""
+    got = run_dist(1, cases.host_math_fault)[0]
+    mixed = [v for v in got["violations"] if v["kind"] == "host and device tensors in one op"]
+    assert mixed and mixed[0]["site"].startswith("megatron_lc/model/norm.py"), got["violations"]
+
+
+def test_the_old_save_check_is_reported_at_its_site_and_stops_the_save():
+    """The save's finite check as it was (every sum in one stack, AdamW's host step counts among them), put back:
+    the rehearsal stops at the save, naming the stack and the save's site; as it is, the whole job runs."""
+    planted = run_dist(1, cases.planted_save_bug, True)[0]
+    assert planted["stopped"]["at"] == "save", planted
+    [v] = planted["violations"]
+    assert v["op"] == "aten.stack.default" and "host tensor" in v["buffer"], v
+    assert v["site"].startswith("megatron_lc/training/checkpointing/save.py"), v
+    fixed = run_dist(1, cases.planted_save_bug, False)[0]
+    assert fixed["stopped"] is None and fixed["violations"] == [], fixed
+    assert fixed["job"] == ["validation", "save", "async save", "resume", "resumed step"]
+
+
+def test_validation_save_async_save_and_resume_run_in_the_rehearsal():
+    """The job after the steps on rank 7 of 8, for FSDP2 in bf16 (a GPU run's usual layout), Memo and ring: every
+    part runs with no violation; the checkpoint is complete (meta.json, DCP's metadata, the RNG file; its tensors'
+    bytes counted, not written) and the step after the resume holds what a steady-state step holds; the async save
+    stages the checkpoint's bytes on the host."""
+    got = run_dist(1, cases.rehearse_job, ["fsdp2", "memo", "ring"])[0]
+    for name, r in got.items():
+        assert r["stopped"] is None and r["violations"] == [], (name, r["stopped"], r["violations"])
+        assert r["job"] == ["validation", "save", "async save", "resume", "resumed step"], (name, r["job"])
+        assert {"meta.json", ".metadata", "rng_rank00007.pt"} <= set(r["files"]), (name, r["files"])
+        assert not any(f.endswith(".distcp") for f in r["files"]), (name, r["files"])
+        p = r["phases"]
+        assert r["checkpoint_bytes"] > 0 and p["async save"]["host_peak_bytes"] >= r["checkpoint_bytes"], (name, p)
+        assert p["resumed step"]["device_peak_bytes"] == p["steps"]["device_peak_bytes"], (name, p)
+        for phase in ("validation", "save", "async save", "resume"):
+            assert 0 < p[phase]["device_peak_bytes"] <= p["steps"]["device_peak_bytes"], (name, phase, p)
+
+
 CALIBRATION = ["plain", "small-vocab", "gpt-layernorm-gelu", "recompute-full", "mst", "memo-alpha0",
                "memo-alpha1-mst", "ckpt-offload", "ckpt-offload-chunks", "recompute-full-chunks",
                "memo-alpha0-chunks"]
@@ -64,15 +103,20 @@ def test_the_command_line_prints_the_summary_line_last_and_writes_its_json(tmp_p
                          text=True)
     last = out.stdout.strip().splitlines()[-1]
     assert out.returncode == 0, out.stderr[-2000:]
-    assert re.fullmatch(r"rehearsal: 1 ranks, max peak device \d+\.\d\d GiB \(estimator \d+\.\d\d GiB allocated, "
-                        r"[+-]\d+\.\d%(; \d+\.\d\d GiB with its fragmentation reserve)?\), "
-                        r"max host \d+\.\d\d GiB, 0 violations", last), last
+    assert re.match(r"rehearsal: 1 ranks, max peak device \d+\.\d\d GiB \(estimator \d+\.\d\d GiB allocated, "
+                    r"[+-]\d+\.\d%(; \d+\.\d\d GiB with its fragmentation reserve)?\), "
+                    r"max host \d+\.\d\d GiB, 0 violations", last), last
+    assert last.endswith("; ran: 2 steps, validation, save, async save, resume, resumed step"), last
     report = json.load(open(tmp_path / "r.json"))
     assert list(report["ranks"]) == ["1"] and report["summary"]["world"] == 2
     said = [m.group(1) for m in (re.fullmatch(r"rank 1: (.+) \(at \d+ s\)", ln) for ln in out.stdout.splitlines()) if m]
     assert said == ["setup"] + [f"setup {s}" for s in ("data", "build", "device", "runtimes", "optimizer",
                                                        "checkpoint")] + [
-        f"step {k} {p}" for k in (0, 1) for p in ("forward", "backward", "optimizer")], out.stdout
+        f"step {k} {p}" for k in (0, 1) for p in ("forward", "backward", "optimizer")] + [
+        "validation", "save", "async save", "resume"] + [f"step 2 {p}" for p in ("forward", "backward", "optimizer")
+                                                         ], out.stdout
+    assert [ln.split(":")[0] for ln in out.stdout.splitlines() if ln.startswith("phase ")] == [
+        f"phase {p}" for p in ("setup", "steps", "validation", "save", "async save", "resume", "resumed step")]
     bad = subprocess.run(base + ["--ranks", "5"], cwd=root, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: --ranks ('5'): ranks must be in [0, 2) for 2 ranks"], bad.stderr
@@ -80,7 +124,9 @@ def test_the_command_line_prints_the_summary_line_last_and_writes_its_json(tmp_p
 
 def test_one_step_is_set_beside_the_estimators_first_step_and_says_why(tmp_path):
     """``--steps 1`` ends before AdamW's states exist: a note says so, the last line sets the peak beside the
-    estimator's first step (equal here) and names the steady-state peak and the one with the reserve."""
+    estimator's first step (equal here) and names the steady-state peak and the one with the reserve. In bf16, as a
+    GPU run: the tiny model's GQA in fp32 takes CUDA's math attention kernel at cp 1 (the memory-efficient one has no
+    GQA), which the estimator does not count (docs/rehearsal.md)."""
     import json
     import subprocess
     import sys
@@ -88,14 +134,15 @@ def test_one_step_is_set_beside_the_estimators_first_step_and_says_why(tmp_path)
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     out = subprocess.run([sys.executable, os.path.join(root, "tools", "rehearse.py"), "--config",
                           "configs/tiny_cpu.yaml", "--nproc-per-node", "2", "--set", "train.global_batch_size=8",
-                          "--ranks", "1", "--steps", "1", "--out", str(tmp_path / "r.json")], cwd=root,
-                         capture_output=True, text=True)
+                          "--set", "train.bf16=true", "--ranks", "1", "--steps", "1", "--steps-only", "--out",
+                          str(tmp_path / "r.json")], cwd=root, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     *_, note, last = out.stdout.strip().splitlines()
     assert note.startswith("note: one step ends before AdamW's states exist"), note
     assert re.fullmatch(r"rehearsal: 1 ranks, max peak device \d+\.\d\d GiB \(estimator \d+\.\d\d GiB allocated in "
                         r"step 1, before AdamW's states, [+-]\d+\.\d%; \d+\.\d\d GiB from step 2 on, \d+\.\d\d GiB "
-                        r"with its fragmentation reserve\), max host \d+\.\d\d GiB, 0 violations", last), last
+                        r"with its fragmentation reserve\), max host \d+\.\d\d GiB, 0 violations; ran: 1 steps only",
+                        last), last
     s = json.load(open(tmp_path / "r.json"))["summary"]
     assert s["steps"] == 1 and s["estimator_optimizer_states_bytes"] > 0
     assert abs(s["difference_first_step"]) <= 0.03 and s["difference"] < -0.1, s

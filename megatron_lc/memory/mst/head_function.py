@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 from ...device import has_values
 from ...parallel.collectives import all_reduce
 from ...parallel.topology import Axis, Topology
-from .mlp_function import accumulate_mm, cast_to, chunk_bounds, compute_dtype
+from .mlp_function import accumulate_mm, as_grad, cast_to, chunk_bounds, compute_dtype, grad_accumulator
 
 
 def _target(labels: torch.Tensor, per: int, start: int, ignore_index: int):
@@ -59,7 +59,7 @@ class _MiniSequenceLinearCE(torch.autograd.Function):
         want_u = grad_in_forward and ctx.needs_input_grad[0]
         want_dw = grad_in_forward and ctx.needs_input_grad[1]
         u = torch.empty(n, x.shape[1], dtype=dtype, device=x.device) if want_u else None
-        dw = torch.zeros_like(weight) if want_dw else None
+        dw = grad_accumulator(weight) if want_dw else None  # fp32 for a bf16 (FSDP2-gathered) weight
         with torch.autocast(x.device.type, enabled=False):
             xc_, wc = cast_to(x, dtype), cast_to(weight, dtype)
             for i0, i1 in chunk_bounds(n, chunk):
@@ -107,7 +107,7 @@ class _MiniSequenceLinearCE(torch.autograd.Function):
         if u is not None and ctx.needs_input_grad[0]:
             dx = u.mul_(g.to(u.dtype).unsqueeze(-1)).to(ctx.x_dtype)  # exact for any g
         if d is not None and ctx.needs_input_grad[1] and uniform:
-            dw = d.mul_(scale.to(d.dtype)) if scale is not None else d
+            dw = as_grad(d.mul_(scale.to(d.dtype)) if scale is not None else d, weight)
         del u, d
         need_x = ctx.needs_input_grad[0] and dx is None
         need_w = ctx.needs_input_grad[1] and dw is None
@@ -122,7 +122,7 @@ def _recompute_backward(ctx, x, weight, labels, lse, scale, need_x: bool, need_w
     """Algorithm 4: per chunk, recompute logits, turn them into ``g * (softmax - onehot)``, then dx and dW."""
     dtype, per = ctx.dtype, weight.shape[0]
     dx = torch.empty(x.shape, dtype=ctx.x_dtype, device=x.device) if need_x else None
-    dw = torch.zeros_like(weight) if need_w else None
+    dw = grad_accumulator(weight) if need_w else None
     with torch.autocast(x.device.type, enabled=False):
         xc_, wc = cast_to(x, dtype), cast_to(weight, dtype)
         for i0, i1 in chunk_bounds(x.shape[0], ctx.chunk):
@@ -135,7 +135,7 @@ def _recompute_backward(ctx, x, weight, labels, lse, scale, need_x: bool, need_w
                 accumulate_mm(dw, grad.t(), xi)
             if dx is not None:
                 dx[i0:i1] = grad.mm(wc)
-    return dx, dw
+    return dx, as_grad(dw, weight)
 
 
 def mini_sequence_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, topo: Topology,

@@ -14,8 +14,9 @@ all-reduce) are applied by the modules in ``modules.py`` on whole tensors, so th
 gradients under tp, exactly like ``F.linear`` in the unchunked column/row linears.
 
 Mixed precision: under autocast the matmuls run in the autocast dtype, the saved input is kept in it (what the
-unchunked linears keep), weight gradients are accumulated in the weight's dtype (fp32 master weights); tested with
-CPU bf16 autocast, never run on a GPU.
+unchunked linears keep), weight gradients are accumulated in fp32 -- also when FSDP2 hands the functions bf16
+weights -- and returned in the weight's dtype (``grad_accumulator``); tested with CPU bf16 autocast and bf16
+weights, never run on a GPU.
 """
 from __future__ import annotations
 
@@ -45,8 +46,22 @@ def cast_to(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Ten
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
+def grad_accumulator(w: torch.Tensor) -> torch.Tensor:
+    """Zeros for the sum of ``w``'s per-chunk gradients, in float32 when ``w`` is bf16 / fp16 (FSDP2 gathers the
+    weights in the autocast dtype): 32 chunk partials summed in bf16 lose about 3 of its 8 bits; summed in fp32 and
+    cast once (``as_grad``) the result is as exact as the unchunked linear's one bf16 rounding."""
+    dtype = torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
+    return torch.zeros(w.shape, dtype=dtype, device=w.device)
+
+
+def as_grad(acc: Optional[torch.Tensor], w: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The accumulated gradient in ``w``'s dtype, as autograd expects it (one cast; none when already)."""
+    return None if acc is None else cast_to(acc, w.dtype)
+
+
 def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` in acc's dtype (fp32 master grads even when a, b are bf16)."""
+    """``acc += a @ b`` in acc's dtype (fp32 even when a, b are bf16: the chunk's product is rounded once, as the
+    unchunked linear's, and summed in fp32)."""
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
     else:  # GPU mixed precision only
@@ -105,9 +120,9 @@ class _MiniSequenceMLP(torch.autograd.Function):
         dtype, swiglu = ctx.dtype, ctx.swiglu
         need_x = ctx.needs_input_grad[0]
         dx = torch.empty(x.shape, dtype=ctx.x_dtype, device=x.device) if need_x else None
-        dw1 = torch.zeros_like(w1) if ctx.needs_input_grad[1] else None
-        db1 = torch.zeros_like(b1) if b1 is not None and ctx.needs_input_grad[2] else None
-        dw2 = torch.zeros_like(w2) if ctx.needs_input_grad[3] else None
+        dw1 = grad_accumulator(w1) if ctx.needs_input_grad[1] else None
+        db1 = grad_accumulator(b1) if b1 is not None and ctx.needs_input_grad[2] else None
+        dw2 = grad_accumulator(w2) if ctx.needs_input_grad[3] else None
         with torch.autocast(x.device.type, enabled=False):
             xc_, w1c, b1c, w2c = cast_to(x, dtype), cast_to(w1, dtype), cast_to(b1, dtype), cast_to(w2, dtype)
             g = cast_to(g, dtype)
@@ -126,7 +141,7 @@ class _MiniSequenceMLP(torch.autograd.Function):
                     db1.add_(dh.sum(dim=0).to(db1.dtype))
                 if need_x:
                     dx[i0:i1] = dh.mm(w1c)
-        return dx, dw1, db1, dw2, None, None
+        return dx, as_grad(dw1, w1), as_grad(db1, b1), as_grad(dw2, w2), None, None
 
 
 def mini_sequence_mlp(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,

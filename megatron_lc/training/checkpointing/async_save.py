@@ -23,6 +23,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ...config import Config
+from ...parallel.collectives import host_backend
 from ...parallel.topology import Topology
 from .save import SaveJob, begin_save, finish_save, together
 from .sharded_state import wait_written, write_async
@@ -50,8 +51,9 @@ class AsyncCheckpointer:
         self.pending: Optional[_InFlight] = None
         self.stall_seconds: list[float] = []
         distributed = dist.is_available() and dist.is_initialized()
-        # the background writes' own group: their collectives never meet the step's (made once, by every rank)
-        self.group = dist.new_group(backend="gloo") if distributed and topo.world_size > 1 else None
+        # the background writes' own group: their collectives never meet the step's (made once, by every rank), on
+        # the default group's host backend (gloo; a rehearsal's fake one)
+        self.group = dist.new_group(backend=host_backend()) if distributed and topo.world_size > 1 else None
 
     def save(self, model, opt, iteration: int, consumed_samples: int, extra: Optional[dict] = None) -> str:
         """Start the checkpoint of ``iteration`` (after finishing the one in flight); returns its final directory.

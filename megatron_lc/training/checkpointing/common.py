@@ -2,7 +2,8 @@
 the optimizer kind a checkpoint records.
 
 The ranks share the hashing of a directory's files round-robin over the sorted names (4 files on 2 ranks: rank 0
-hashes ``a, c``, rank 1 ``b, d``); ``topo`` None hashes them all in this process (an import, a tool)."""
+hashes ``a, c``, rank 1 ``b, d``); ``topo`` None hashes them all in this process (an import, a tool), and so does a
+rehearsal's simulated rank, which also does rank 0's part (``leads``)."""
 from __future__ import annotations
 
 import hashlib
@@ -11,6 +12,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from ...parallel.collectives import fake_world
 from ...parallel.topology import Topology
 
 FORMAT_VERSION = 3  # 3: torch.distributed.checkpoint; 2: torch files per tp rank, checksums; 1: no checksums
@@ -25,10 +27,18 @@ def file_digest(path: str) -> dict:
     return {"bytes": os.path.getsize(path), "sha256": h.hexdigest()}
 
 
+def leads(topo: Topology) -> bool:
+    """Whether this rank does a checkpoint's shared work (the directories, ``meta.json``, the rename, pruning):
+    rank 0 -- and every simulated rank of a rehearsal, alone in its process under a fake process group, with no
+    rank 0 beside it to do that part (``parallel.collectives.fake_world``)."""
+    return topo.rank == 0 or fake_world()
+
+
 def file_share(names: list, topo: Optional[Topology]) -> list:
-    """This rank's share of ``names`` (sorted; round-robin over the ranks), for hashing and checking files."""
+    """This rank's share of ``names`` (sorted; round-robin over the ranks), for hashing and checking files; all of
+    them for one process alone (``topo`` None, or a rehearsal's simulated rank: ``leads``)."""
     names = sorted(names)
-    return names if topo is None else names[topo.rank::topo.world_size]
+    return names if topo is None or fake_world() else names[topo.rank::topo.world_size]
 
 
 def file_checksums(directory: str, topo: Optional[Topology]) -> dict:

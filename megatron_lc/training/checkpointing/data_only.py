@@ -34,6 +34,7 @@ from typing import IO
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
@@ -148,7 +149,7 @@ def load_torch_file(path: str, trust_pickle: bool, mmap: bool = False):
     """``torch.load(path, weights_only=True)``: tensors and plain values. A file that needs more is an
     ``UntrustedCheckpointError`` naming it, or with ``trust_pickle`` loaded in full (said in the log)."""
     try:
-        with torch_types_only():
+        with torch_types_only(), unset_fake_temporarily():  # (values: real tensors, also in a rehearsal)
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         found = [ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln][:1]
@@ -158,12 +159,19 @@ def load_torch_file(path: str, trust_pickle: bool, mmap: bool = False):
                 f"refused, since unpickling it could run code (an older checkpoint format, or a planted file); "
                 f"{TRUST_HINT}") from None
         log.warning("%s: unpickled without restrictions (checkpoint.trust_pickle: true)", path)
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        with unset_fake_temporarily():
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
 
 
 # ---- RNG states as tensors and numbers ----------------------------------------------------------------------------
 def rng_state() -> dict:
-    """This process' RNG states as tensors and numbers (``torch.load(weights_only=True)`` reads them back)."""
+    """This process' RNG states as tensors and numbers (``torch.load(weights_only=True)`` reads them back): real
+    host tensors, also in a rehearsal (outside its fake mode: the states are values)."""
+    with unset_fake_temporarily():
+        return _rng_state()
+
+
+def _rng_state() -> dict:
     version, mt, gauss = random.getstate()
     _, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": torch.tensor(mt, dtype=torch.int64), "python_version": version, "python_gauss": gauss,
@@ -176,6 +184,11 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     """Restore ``rng_state()``'s states (or an older checkpoint's pickled ones, loaded with trust_pickle)."""
+    with unset_fake_temporarily():
+        _set_rng_state(state)
+
+
+def _set_rng_state(state: dict) -> None:
     if torch.is_tensor(state["python"]):
         random.setstate((state["python_version"], tuple(state["python"].tolist()), state["python_gauss"]))
         has_gauss, cached = state["numpy_gauss"]

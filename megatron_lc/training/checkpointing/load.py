@@ -41,7 +41,7 @@ from ...config import Config, ConfigError
 from ...parallel.collectives import all_gather_objects
 from ...parallel.topology import Axis, Topology
 from . import sharded_state
-from .common import FORMAT_VERSION, file_checksums, file_digest, file_share, uses_zero
+from .common import FORMAT_VERSION, file_checksums, file_digest, file_share, leads, uses_zero
 from .data_only import DataOnlyReader, UntrustedCheckpointError, load_torch_file, set_rng_state
 from .directory import (LATEST, atomic_write_text, checkpoints_newest_first, is_hf_model_dir, iter_dir, read_meta,
                         same_dir, set_aside, unfinished_saves)
@@ -108,7 +108,7 @@ def check_compatible(meta: dict, cfg: Config, topo: Topology, path: str, zero: b
     if diffs:
         raise ConfigError(f"checkpoint {path} was saved for another model: " + "; ".join(diffs))
     changed = [f"model.{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if k not in shape and saved.get(k) != now[k]]
-    if changed and topo.rank == 0:
+    if changed and leads(topo):
         log.info("checkpoint %s: continuing with %s", path, ", ".join(changed))
     c = cfg.checkpoint
     if meta.get("format_version", 1) >= 3:  # DCP: any layout
@@ -200,7 +200,7 @@ def _wants(meta: dict, cfg: Config, topo: Topology, opt) -> tuple[bool, Optional
 def _check_dcp_files(path: str, meta: dict, cfg: Config, topo: Topology) -> tuple[Optional[str], Optional[str]]:
     """(refusal, problem) of this rank's share of the files and, on rank 0, of DCP's metadata read as data."""
     problem = _check_files(path, meta, file_share(list(meta["files"]), topo))
-    if problem is None and topo.rank == 0:
+    if problem is None and leads(topo):
         try:
             DataOnlyReader(path, cfg.checkpoint.trust_pickle).read_metadata()
         except UntrustedCheckpointError as e:
@@ -266,7 +266,7 @@ def _stage_notices(meta: dict, cfg: Config, topo: Topology) -> None:
         said.append(f"checkpoint.finetune: iteration {meta['iteration']} -> 0, the data position and the schedule "
                     f"start again")
         meta["iteration"] = meta["consumed_samples"] = meta["skipped_in_a_row"] = meta["skipped_steps"] = 0
-    if said and topo.rank == 0:
+    if said and leads(topo):
         log.info("checkpoint %s: %s", meta["path"], "; ".join(said))
 
 
@@ -289,7 +289,7 @@ def load_checkpoint(cfg: Config, topo: Topology, model, opt) -> Optional[dict]:
             log.info("no checkpoint in %s yet: starting from scratch", load)
             return None
         raise ConfigError(f"checkpoint.load ({load}) holds no megatron_lc checkpoint (no iter_*/meta.json)")
-    if topo.rank == 0:
+    if leads(topo):
         for left in unfinished_saves(load):
             log.info("%s: a save that did not finish, ignored (the next save removes it)", left)
     failed = []
@@ -329,7 +329,7 @@ def _read_meta(path: str) -> tuple[Optional[dict], Optional[str]]:
 def _set_aside(failed: list, cfg: Config, topo: Topology) -> None:
     """Rename the newer checkpoints that did not load (rank 0, when this run saves into their directory: a later
     save of the same iteration would replace them), said in the log."""
-    if topo.rank == 0 and same_dir(cfg.checkpoint.load, cfg.checkpoint.save):
+    if leads(topo) and same_dir(cfg.checkpoint.load, cfg.checkpoint.save):
         for path, _ in failed:
             log.warning("set aside %s as %s: it does not load (kept for inspection; delete it when done)", path,
                         set_aside(path))

@@ -30,10 +30,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from ...config import Config
+from ...device import has_values
 from ...parallel.topology import Topology
 from . import sharded_state
 from ...parallel.collectives import all_gather_objects
-from .common import FORMAT_VERSION, barrier, file_checksums, uses_zero
+from .common import FORMAT_VERSION, barrier, file_checksums, leads, uses_zero
 from .data_only import rng_state
 from .directory import (LATEST, atomic_torch_save, atomic_write_text, iter_dir, newest_good_checkpoint, prune,
                         remove_leftovers)
@@ -52,15 +53,22 @@ class NonFiniteStateError(TrainingError):
 
 
 def first_non_finite(tensors: dict) -> Optional[str]:
-    """The first key of ``{key: tensor}`` whose (local) tensor holds inf or nan, or None. One sum per tensor, in
-    one batch; a sum can overflow where every element is finite, so those are checked element-wise."""
+    """The first key of ``{key: tensor}`` whose (local) tensor holds inf or nan, or None. One sum per tensor,
+    stacked per device (AdamW's ``step`` counts stay on the host beside the device's weights and moments, and a
+    stack of two devices raises on CUDA) and read once per device; a sum can overflow where every element is
+    finite, so those are checked element-wise. Example: weights and moments on ``cuda:0``, steps on the CPU: two
+    stacks, two reads. A rehearsal's fake tensors have no value to read: None."""
     local = {k: (t.to_local() if isinstance(t, DTensor) else t) for k, t in tensors.items()}
     local = {k: t for k, t in local.items() if t.numel()}
-    if not local:
-        return None
-    sums = torch.stack([t.sum(dtype=torch.float32) for t in local.values()])
-    suspects = [k for k, ok in zip(local, torch.isfinite(sums).tolist()) if not ok]
-    return next((k for k in suspects if not bool(torch.isfinite(local[k]).all())), None)
+    by_device: dict = {}
+    for k, t in local.items():
+        by_device.setdefault(t.device, []).append(k)
+    suspects = set()
+    for keys in by_device.values():
+        sums = torch.stack([local[k].sum(dtype=torch.float32) for k in keys])
+        if has_values(sums):
+            suspects.update(k for k, ok in zip(keys, torch.isfinite(sums).tolist()) if not ok)
+    return next((k for k in local if k in suspects and not bool(torch.isfinite(local[k]).all())), None)
 
 
 def _os_error(e: BaseException) -> Optional[OSError]:
@@ -127,7 +135,7 @@ def together(topo: Topology, final: str, tmp: str, step: Callable[[], None]) -> 
         problem = (priority, f"rank {origin}: {text}" if topo.world_size > 1 else text)
     problems = [p for p in all_gather_objects(problem) if p is not None]
     if problems:
-        if topo.rank == 0:
+        if leads(topo):
             shutil.rmtree(tmp, ignore_errors=True)
         kept = newest_good_checkpoint(os.path.dirname(final)) or "none yet"
         raise CheckpointWriteError(f"could not write checkpoint {final} ({min(problems)[1]}); the previous "
@@ -172,7 +180,7 @@ def begin_save(cfg: Config, topo: Topology, model, opt, iteration: int) -> SaveJ
             f"{newest_good_checkpoint(save) or 'none yet'}. Resume from it with a lower train.lr or more warmup")
 
     def prepare():
-        if topo.rank == 0:
+        if leads(topo):
             os.makedirs(save, exist_ok=True)
             for left in remove_leftovers(save):
                 log.info("removed %s: a save that did not finish", left)
@@ -195,7 +203,7 @@ def finish_save(cfg: Config, topo: Topology, opt, job: SaveJob, consumed_samples
     has_optim = any(all_gather_objects(job.has_optim))  # no AdamW state before the first step (or every step skipped)
 
     def publish():
-        if topo.rank != 0:
+        if not leads(topo):
             return
         meta = {"format_version": FORMAT_VERSION, "iteration": job.iteration, "consumed_samples": consumed_samples,
                 "world_size": topo.world_size, "tp": topo.tp, "cp": topo.cp, "dp": topo.dp,
@@ -213,7 +221,7 @@ def finish_save(cfg: Config, topo: Topology, opt, job: SaveJob, consumed_samples
         atomic_write_text(os.path.join(save, LATEST), str(job.iteration))
 
     together(topo, final, tmp, publish)
-    if topo.rank == 0:
+    if leads(topo):
         prune(save, cfg.checkpoint.keep_last)
     barrier(topo)  # every rank returns once the checkpoint is complete and pruned
     return final

@@ -23,6 +23,11 @@ the same full tensors and loads at any layout, with or without FSDP. Example, ``
 The optimizer part comes from the optimizer that steps this rank's parameters: AdamW's state, or under ZeRO-1 the
 local optimizer of the parameters this rank owns -- after a load each rank asks for the states of the parameters it
 owns in the new layout, so ZeRO-1 states move to another dp x cp, and between ZeRO-1 and plain AdamW.
+
+In a rehearsal (fake tensors: no values) the same calls run with ``size_only.py``'s storage, each simulated rank
+alone (the fake process group answers no collective), and DCP's planning outside the fake mode: it computes a
+DTensor's offsets with index tensors it reads (``torch.arange``), which must be real; the state's fake tensors
+stay fake.
 """
 from __future__ import annotations
 
@@ -34,15 +39,19 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ...config import Config
+from ...device import has_values
+from ...parallel.collectives import fake_world
 from ...parallel.tensor_parallel import tp_partition
 from ...parallel.topology import Axis, Topology
 from .data_only import DataOnlyReader, torch_types_only
 from .reshard import parameter_shapes
+from .size_only import SizeOnlyReader, SizeOnlyWriter
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -158,24 +167,39 @@ SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitia
 
 
 def _no_dist() -> bool:
-    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    """One process, or a rehearsal's fake process group (no rank answers DCP's collectives: each simulated rank
+    writes and reads its own pieces alone)."""
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1) or fake_world()
+
+
+def _without_values(state: dict) -> bool:
+    """A rehearsal's state: fake tensors, nothing to write (``size_only.py``)."""
+    t = next((v for v in state.values() if isinstance(v, torch.Tensor)), None)
+    return t is not None and not has_values(t.to_local() if isinstance(t, DTensor) else t)
+
+
+def _writer(path: str, state: dict):
+    return SizeOnlyWriter(path) if _without_values(state) else None
 
 
 def write(path: str, state: dict, collective: bool = True) -> None:
     """DCP save of ``state`` into directory ``path`` (every rank calls it with its own pieces; ``collective``
     False: this process alone, e.g. an import). A failure on any rank raises its root cause on every rank."""
-    with _single_process_quiet(), root_cause_of_failures():
-        dcp.save(state, checkpoint_id=path, no_dist=not collective or _no_dist())
+    with _single_process_quiet(), root_cause_of_failures(), unset_fake_temporarily():
+        dcp.save(state, checkpoint_id=path, storage_writer=_writer(path, state),
+                 no_dist=not collective or _no_dist())
 
 
 def write_async(path: str, state: dict, group) -> Future:
     """``write`` in the background (``checkpoint.async_save``): DCP's ``async_save`` copies ``state`` to host memory
     and returns once staged; the write goes on in a thread. ``group``: the process group of the write's own
     collectives (None: one process). Wait for it with ``wait_written``."""
-    if group is None:  # the background thread's own single-process save warns too, outside any catch_warnings
+    alone = group is None and _no_dist() or fake_world()
+    if alone:  # the background thread's own single-process save warns too, outside any catch_warnings
         warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
-    with _single_process_quiet():
-        return dcp.async_save(state, checkpoint_id=path, process_group=group, no_dist=group is None and _no_dist())
+    with _single_process_quiet(), unset_fake_temporarily():
+        return dcp.async_save(state, checkpoint_id=path, storage_writer=_writer(path, state),
+                              process_group=None if alone else group, no_dist=alone)
 
 
 def wait_written(future: Future) -> None:
@@ -188,9 +212,9 @@ def read(path: str, state: dict, collective: bool = True, trust_pickle: bool = F
     """DCP load into the tensors of ``state``, in place (views included: a parameter is loaded where it lives).
     The metadata is read as data (``checkpoint_data.DataOnlyReader``); a failure on any rank raises its root cause
     on every rank."""
-    reader = DataOnlyReader(path, trust_pickle)
+    reader = (SizeOnlyReader if _without_values(state) else DataOnlyReader)(path, trust_pickle)
     reader.read_metadata()  # a refusal or an unreadable file raised as is, before DCP
-    with _single_process_quiet(), root_cause_of_failures(), torch_types_only():
+    with _single_process_quiet(), root_cause_of_failures(), torch_types_only(), unset_fake_temporarily():
         dcp.load(state, storage_reader=reader, no_dist=not collective or _no_dist())
 
 

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from ...config import Config, Layout
+from ...device import has_values
 from ...parallel.collectives import all_reduce
 from ...parallel.topology import Axis, Topology
 from ..batches import microbatches
@@ -31,20 +32,20 @@ from ..batches import microbatches
 log = logging.getLogger("megatron_lc")
 
 
-def evaluate_loss(model, dataset, cfg: Config, layout: Layout, topo: Topology, execution, iters: int) -> tuple:
-    """(loss sum, valid tokens) over the first ``iters`` global batches of ``dataset``, summed over every rank's
-    share (the same on every rank); no autograd."""
-    device = execution.device
-    sums = torch.zeros(2, dtype=torch.float64)
+def evaluate_loss(model, dataset, cfg: Config, layout: Layout, topo: Topology, execution, iters: int) -> torch.Tensor:
+    """[loss sum, valid tokens] over the first ``iters`` global batches of ``dataset``, summed over every rank's
+    share (the same on every rank): a float64 tensor on the device, accumulated there and all-reduced once; no
+    autograd, no value read."""
+    sums = torch.zeros(2, dtype=torch.float64, device=execution.device)
     with torch.no_grad():
         for i in range(iters):
-            for b in microbatches(cfg, layout, topo, dataset, i * layout.global_batch_size, device):
+            for b in microbatches(cfg, layout, topo, dataset, i * layout.global_batch_size, execution.device):
                 with execution.autocast():
                     token_loss = model(b["tokens"], b["position_ids"], b["labels"], b.get("documents"))
-                sums[0] += float((token_loss.float() * b["loss_mask"]).sum())
-                sums[1] += float(b["loss_mask"].sum())
+                sums[0] += (token_loss.float() * b["loss_mask"]).sum()
+                sums[1] += b["loss_mask"].sum(dtype=torch.float64)
     all_reduce(sums, topo, Axis.DP_CP)
-    return float(sums[0]), float(sums[1])
+    return sums
 
 
 class Validator:
@@ -71,17 +72,19 @@ class Validator:
         was_training = s.model.training
         s.model.eval()
         try:
-            loss_sum, tokens = evaluate_loss(s.model, dataset, self.cfg, s.layout, s.topo, s.execution,
-                                             self.cfg.train.eval_iters)
+            sums = evaluate_loss(s.model, dataset, self.cfg, s.layout, s.topo, s.execution, self.cfg.train.eval_iters)
         finally:
             s.model.train(was_training)
-        loss = loss_sum / tokens if tokens else math.nan
         if split == "valid":
             self.last_step = step
-        return {"eval": split, "step": step, "loss": loss,
-                "perplexity": math.exp(loss) if loss < 700 else math.inf,
-                "tokens": int(tokens), "samples": self.cfg.train.eval_iters * s.layout.global_batch_size,
-                "seconds": time.perf_counter() - t0}
+        record = {"eval": split, "step": step, "loss": None, "perplexity": None, "tokens": None,
+                  "samples": self.cfg.train.eval_iters * s.layout.global_batch_size}
+        if has_values(sums):  # (a rehearsal's fake tensors have none: its record has no loss)
+            loss_sum, tokens = sums.tolist()  # the evaluation's one device-to-host read
+            loss = loss_sum / tokens if tokens else math.nan
+            record.update(loss=loss, perplexity=math.exp(loss) if loss < 700 else math.inf, tokens=int(tokens))
+        record["seconds"] = time.perf_counter() - t0
+        return record
 
     def at_end(self, step: int) -> list[dict]:
         """The end of training: the valid split unless it was just evaluated, the test split on request."""
