@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+import yaml
+
 from ..config.base import ConfigError, read_yaml_mapping
 
 HARDWARE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -119,3 +121,19 @@ def table_for_gpu(name: str, capability: str, hardware_dir: str = HARDWARE_DIR) 
     generation = [t for t in found if t.capability.split(".")[0] == capability.split(".")[0]]
     pick = same or generation
     return max(pick, key=lambda t: t.date) if pick else None
+
+
+def write_table(path: str, table: dict) -> None:
+    """Put ``table`` (the ``attention_measured`` mapping) into the profile at ``path`` in place of the one there: it
+    is always the file's last key, so the lines from ``attention_measured:`` to the end are replaced and the rest
+    of the file -- its comments included -- is kept. Checked by reading it back (``parse_table``)."""
+    parse_table(table, path)
+    with open(path) as f:
+        lines = f.read().splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith(f"{KEY}:")), len(lines))
+    body = yaml.safe_dump({KEY: table}, sort_keys=False, default_flow_style=None, width=118)
+    head = [f"# {KEY}: written by bench/attention_kernels.py on {table['gpu']} on {table['date']}; efficiency = "
+            f"TFLOP/s / peak_tflops_bf16"]
+    keep = [ln for ln in lines[:start] if not ln.startswith(f"# {KEY}: written by")]
+    with open(path, "w") as f:
+        f.write("\n".join(keep + head) + "\n" + body)

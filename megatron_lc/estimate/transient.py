@@ -14,6 +14,8 @@ On CUDA with PyTorch's fused attention kernels (``attention/fused_cuda.py``; ``t
 also holds k and v repeated to the query heads (GQA), and in backward dk, dv at the query heads before the group sum
 and dout made contiguous when the caller passes a permuted view (``kernel_extra``). These are per call: ring
 attention's blocks (half blocks in the zigzag), Ulysses' inner attention after the all-to-all, FPDT's chunks.
+cuDNN's and FlashAttention-3 / 4's kernels (``attention/hopper.py``) take the kv heads and the views as they are:
+none of that in bf16 / fp16 (``repeats_kv``); in fp32 they fall back to the memory-efficient kernel, which repeats.
 """
 from __future__ import annotations
 
@@ -36,11 +38,17 @@ def fpdt_chunk_bytes(cfg: Config, dims: Dims) -> dict:
 
 
 def torch_kernels(cfg: Config, dims: Dims) -> bool:
-    """The attention kernels are PyTorch's fused CUDA ones (``fused_cuda.TorchCUDABackend``): on CUDA with
-    ``parallel.attention_backend`` torch, or auto -- which takes flash-attn when it is installed; the estimate
-    assumes a stock PyTorch install (flash-attn and TransformerEngine take fewer kv heads than query heads and need
-    none of ``kernel_extra``)."""
-    return dims.device == "cuda" and cfg.parallel.attention_backend in ("auto", "torch")
+    """The attention kernels are called through PyTorch's ops (``fused_cuda.TorchCUDABackend`` and its subclasses
+    of ``attention/hopper.py``): on CUDA with ``parallel.attention_backend`` torch, cudnn, fa3, fa4, or auto (which
+    ``estimate()`` has resolved to the backend the run picks on the profile's GPU); flash-attn and TransformerEngine
+    take fewer kv heads than query heads and need none of ``kernel_extra``."""
+    return dims.device == "cuda" and cfg.parallel.attention_backend in ("auto", "torch", "cudnn", "fa3", "fa4")
+
+
+def repeats_kv(cfg: Config, dims: Dims) -> bool:
+    """The dense kernel is handed k, v repeated to the query heads: PyTorch's own (flash, memory-efficient), and
+    every backend's fp32 fallback (the memory-efficient kernel); cuDNN's and FlashAttention-3 / 4's take GQA."""
+    return cfg.parallel.attention_backend in ("auto", "torch") or dims.compute_bytes == 4
 
 
 def varlen_extra(dims: Dims, Q: float, KV: float, fq: float, fk: float, backward: bool = True) -> float:
@@ -77,6 +85,8 @@ def kernel_extra(cfg: Config, dims: Dims, Q: float, KV: float, fq: float, fk: fl
     ranges = varlen_extra(dims, Q, KV, fq, fk, backward) if dims.ranges else 0.0
     if dims.doc_length or (dims.ranges and all(w is not None for w in dims.windows)):
         return ranges  # every block runs the variable-length kernel
+    if not repeats_kv(cfg, dims):
+        return ranges  # cuDNN / FlashAttention-3 / 4 in bf16: k, v and dout as they are
     return max(ranges, _dense_extra(Q, KV, fq, fk, dout_view, backward))  # full-attention layers: the dense kernels
 
 
