@@ -191,8 +191,8 @@ def _ring_backward(cfg: Config, dims: Dims, Q: float, KV: float, R: int, dout_vi
     next ones being received, (i >= 2) the previous block's fp32 dk/dv in flight (sent and being received), and the
     block's kernel (``kernel_extra``): back queries x all keys of a later rank (dq over half the tokens, dk, dv over
     all), or all queries x the front keys of an earlier rank (their contiguous copies; dout a view when
-    ``dout_view``, as ``backward_with_lse`` passes it); or the diagonal block alone first, or the four fp32 dk/dv
-    of the accumulation."""
+    ``dout_view``, as ``backward_with_lse`` passes it); or the diagonal block first, its k, v already in flight to
+    the next rank (stacked and being received), or the four fp32 dk/dv of the accumulation."""
     a = dims.compute_bytes
     f = 4 / a
     if not torch_kernels(cfg, dims):
@@ -204,7 +204,7 @@ def _ring_backward(cfg: Config, dims: Dims, Q: float, KV: float, R: int, dout_vi
     earlier = KV / 2 + Q + KV / 2 + kernel_extra(cfg, dims, Q, KV, 1.0, 0.5, dout_view)
     steps = [f * Q + f * KV + 1.5 * Q + KV * (2 if i + 1 < R else 1) + (2 * f * KV if i >= 2 else 0.0)
              + max(later, earlier) for i in range(1, R)]
-    diagonal = Q + KV + kernel_extra(cfg, dims, Q, KV, 1.0, 1.0, dout_view)
+    diagonal = Q + KV + 2 * KV + kernel_extra(cfg, dims, Q, KV, 1.0, 1.0, dout_view)
     accumulate = f * Q + 4 * f * KV + 1.5 * Q + 2 * KV
     return max(diagonal, accumulate, *steps)
 
@@ -214,12 +214,12 @@ def _ring_backward_rects(dims: Dims, Q: float, KV: float, R: int) -> float:
     fp32 dq accumulator and this rank's fp32 dk/dv, the k, v in use and (i < R-1) the next ones, the block's fp32
     dk/dv accumulator and (i >= 2) the previous one in flight (sent and being received), and the block's variable-
     length calls (an earlier rank's block: all queries x half the keys; a later one's: half the queries x all);
-    first the diagonal block's calls beside its fresh fp32 dq, dk, dv."""
+    first the diagonal block's calls beside its fresh fp32 dq, dk, dv and the k, v in flight to the next rank."""
     f = 4 / dims.compute_bytes
     block = max(varlen_extra(dims, Q, KV, 1.0, 0.5), varlen_extra(dims, Q, KV, 0.5, 1.0))
     steps = [f * Q + f * KV + KV * (2 if i + 1 < R else 1) + f * KV + (2 * f * KV if i >= 2 else 0.0) + block
              for i in range(1, R)]
-    diagonal = f * Q + f * KV + varlen_extra(dims, Q, KV, 1.0, 1.0)
+    diagonal = f * Q + f * KV + 2 * KV + varlen_extra(dims, Q, KV, 1.0, 1.0)
     return max(diagonal, *steps)
 
 
