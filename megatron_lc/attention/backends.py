@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from ..config import ConfigError
+from ..config.combinations import CUDA_ONLY
 from .fused_cuda import TorchCUDABackend
 from .hopper import CudnnBackend, RegisteredFlashBackend, unavailable
 from .kernel_table import table_for_gpu
@@ -226,6 +227,9 @@ class Kernels:
         """The kernel for ``device`` (``auto``: the fastest measured on this GPU, ``kernel_table.py``; the CPU's
         fused kernel on CPU)."""
         kind = self.device_type or device.type
+        if kind == "cpu" and self.name in CUDA_ONLY:  # train.device auto on a machine without a GPU
+            raise ConfigError(f"parallel.attention_backend {self.name} runs on CUDA only, and this run's device is "
+                              f"the CPU; use auto, torch or math")
         if kind not in self._by_device:
             real = device if self.device_type is None else None
             self._by_device[kind] = get_backend(self.name, torch.device(kind), real_device=real)

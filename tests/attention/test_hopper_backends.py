@@ -16,7 +16,7 @@ from megatron_lc.attention.fused_cuda import TorchCUDABackend
 from megatron_lc.attention.hopper import CudnnBackend, RegisteredFlashBackend
 from megatron_lc.attention.kernel_table import parse_table
 from megatron_lc.attention.ranges import block_rects
-from megatron_lc.config import ConfigError
+from megatron_lc.config import ConfigError, load_config, resolve_layout
 from megatron_lc.config.documents import DocumentRanges
 from tests.attention import test_attention_backends as same_as_sdpa, test_ranges as same_as_masked
 from tests.attention.test_attention_backends import StandInKernels
@@ -214,3 +214,13 @@ def test_table_fastest_weighs_the_layouts_call_kinds():
     assert t.efficiency("cudnn", {"ulysses": 1.0}) is None  # not measured for that call
     with pytest.raises(ConfigError, match="unknown call kind 'ring'"):
         parse_table({**TABLE, "backends": {"torch": {"ring": {"fwd": 0.3, "bwd": 0.3}}}}, "x.yaml")
+
+
+@pytest.mark.parametrize("name", ["cudnn", "fa3", "fa4"])
+def test_a_cuda_only_backend_on_a_cpu_run_is_refused_in_one_line(name):
+    with pytest.raises(ConfigError) as e:
+        resolve_layout(load_config(None, ["data.mock_data=true", "train.device=cpu",
+                                          f"parallel.attention_backend={name}"]), 1)
+    assert str(e.value).startswith(f"parallel.attention_backend={name} with train.device=cpu")
+    with pytest.raises(ConfigError, match="runs on CUDA only"):  # train.device auto on a machine without a GPU
+        Kernels("cudnn")(torch.device("cpu"))
