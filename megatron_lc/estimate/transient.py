@@ -14,6 +14,8 @@ On CUDA with PyTorch's fused attention kernels (``attention/fused_cuda.py``; ``t
 also holds k and v repeated to the query heads (GQA), and in backward dk, dv at the query heads before the group sum
 and dout made contiguous when the caller passes a permuted view (``kernel_extra``). These are per call: ring
 attention's blocks (half blocks in the zigzag), Ulysses' inner attention after the all-to-all, FPDT's chunks.
+cuDNN's and FlashAttention-3 / 4's kernels (``attention/hopper.py``) take the kv heads and the views as they are:
+none of that in bf16 / fp16 (``repeats_kv``); in fp32 they fall back to the memory-efficient kernel, which repeats.
 """
 from __future__ import annotations
 
@@ -36,11 +38,17 @@ def fpdt_chunk_bytes(cfg: Config, dims: Dims) -> dict:
 
 
 def torch_kernels(cfg: Config, dims: Dims) -> bool:
-    """The attention kernels are PyTorch's fused CUDA ones (``fused_cuda.TorchCUDABackend``): on CUDA with
-    ``parallel.attention_backend`` torch, or auto -- which takes flash-attn when it is installed; the estimate
-    assumes a stock PyTorch install (flash-attn and TransformerEngine take fewer kv heads than query heads and need
-    none of ``kernel_extra``)."""
-    return dims.device == "cuda" and cfg.parallel.attention_backend in ("auto", "torch")
+    """The attention kernels are called through PyTorch's ops (``fused_cuda.TorchCUDABackend`` and its subclasses
+    of ``attention/hopper.py``): on CUDA with ``parallel.attention_backend`` torch, cudnn, fa3, fa4, or auto (which
+    ``estimate()`` has resolved to the backend the run picks on the profile's GPU); flash-attn and TransformerEngine
+    take fewer kv heads than query heads and need none of ``kernel_extra``."""
+    return dims.device == "cuda" and cfg.parallel.attention_backend in ("auto", "torch", "cudnn", "fa3", "fa4")
+
+
+def repeats_kv(cfg: Config, dims: Dims) -> bool:
+    """The dense kernel is handed k, v repeated to the query heads: PyTorch's own (flash, memory-efficient), and
+    every backend's fp32 fallback (the memory-efficient kernel); cuDNN's and FlashAttention-3 / 4's take GQA."""
+    return cfg.parallel.attention_backend in ("auto", "torch") or dims.compute_bytes == 4
 
 
 def varlen_extra(dims: Dims, Q: float, KV: float, fq: float, fk: float, backward: bool = True) -> float:
@@ -77,6 +85,8 @@ def kernel_extra(cfg: Config, dims: Dims, Q: float, KV: float, fq: float, fk: fl
     ranges = varlen_extra(dims, Q, KV, fq, fk, backward) if dims.ranges else 0.0
     if dims.doc_length or (dims.ranges and all(w is not None for w in dims.windows)):
         return ranges  # every block runs the variable-length kernel
+    if not repeats_kv(cfg, dims):
+        return ranges  # cuDNN / FlashAttention-3 / 4 in bf16: k, v and dout as they are
     return max(ranges, _dense_extra(Q, KV, fq, fk, dout_view, backward))  # full-attention layers: the dense kernels
 
 
@@ -181,8 +191,8 @@ def _ring_backward(cfg: Config, dims: Dims, Q: float, KV: float, R: int, dout_vi
     next ones being received, (i >= 2) the previous block's fp32 dk/dv in flight (sent and being received), and the
     block's kernel (``kernel_extra``): back queries x all keys of a later rank (dq over half the tokens, dk, dv over
     all), or all queries x the front keys of an earlier rank (their contiguous copies; dout a view when
-    ``dout_view``, as ``backward_with_lse`` passes it); or the diagonal block alone first, or the four fp32 dk/dv
-    of the accumulation."""
+    ``dout_view``, as ``backward_with_lse`` passes it); or the diagonal block first, its k, v already in flight to
+    the next rank (stacked and being received), or the four fp32 dk/dv of the accumulation."""
     a = dims.compute_bytes
     f = 4 / a
     if not torch_kernels(cfg, dims):
@@ -194,7 +204,7 @@ def _ring_backward(cfg: Config, dims: Dims, Q: float, KV: float, R: int, dout_vi
     earlier = KV / 2 + Q + KV / 2 + kernel_extra(cfg, dims, Q, KV, 1.0, 0.5, dout_view)
     steps = [f * Q + f * KV + 1.5 * Q + KV * (2 if i + 1 < R else 1) + (2 * f * KV if i >= 2 else 0.0)
              + max(later, earlier) for i in range(1, R)]
-    diagonal = Q + KV + kernel_extra(cfg, dims, Q, KV, 1.0, 1.0, dout_view)
+    diagonal = Q + KV + 2 * KV + kernel_extra(cfg, dims, Q, KV, 1.0, 1.0, dout_view)
     accumulate = f * Q + 4 * f * KV + 1.5 * Q + 2 * KV
     return max(diagonal, accumulate, *steps)
 
@@ -204,12 +214,12 @@ def _ring_backward_rects(dims: Dims, Q: float, KV: float, R: int) -> float:
     fp32 dq accumulator and this rank's fp32 dk/dv, the k, v in use and (i < R-1) the next ones, the block's fp32
     dk/dv accumulator and (i >= 2) the previous one in flight (sent and being received), and the block's variable-
     length calls (an earlier rank's block: all queries x half the keys; a later one's: half the queries x all);
-    first the diagonal block's calls beside its fresh fp32 dq, dk, dv."""
+    first the diagonal block's calls beside its fresh fp32 dq, dk, dv and the k, v in flight to the next rank."""
     f = 4 / dims.compute_bytes
     block = max(varlen_extra(dims, Q, KV, 1.0, 0.5), varlen_extra(dims, Q, KV, 0.5, 1.0))
     steps = [f * Q + f * KV + KV * (2 if i + 1 < R else 1) + f * KV + (2 * f * KV if i >= 2 else 0.0) + block
              for i in range(1, R)]
-    diagonal = f * Q + f * KV + varlen_extra(dims, Q, KV, 1.0, 1.0)
+    diagonal = f * Q + f * KV + 2 * KV + varlen_extra(dims, Q, KV, 1.0, 1.0)
     return max(diagonal, *steps)
 
 
