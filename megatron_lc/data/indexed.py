@@ -38,7 +38,7 @@ def write_pairs(prefixes: list[str], dtypes: list, documents) -> None:
             if len(doc[0]) == 0:
                 continue
             for b, part, d in zip(builders, doc, dtypes):
-                b.add_item(torch.as_tensor(np.asarray(part, dtype=d)))
+                b.add_item(torch.as_tensor(np.require(part, dtype=d, requirements="W")))  # a read-only view: copied
                 b.end_document()
         for b, t in zip(builders, tmps):
             b.finalize(t + ".idx")
