@@ -3,18 +3,23 @@
 
 A record is a JSON object with ``messages: [{role, content}, ...]`` (Hugging Face / OpenAI shape: ``system``,
 ``user``, ``assistant`` and tool turns, ``tool_calls`` inside an assistant turn, an optional top-level ``tools``
-list), all passed to transformers' ``apply_chat_template`` as they are. The ids are exactly what
-``apply_chat_template(messages, tokenize=True)`` gives. The mask marks the tokens of the assistant turns (every one,
-or only the last: ``train_on``), their end-of-turn token included, found without knowing the template:
+list), all passed to transformers' ``apply_chat_template`` as they are. The mask marks the tokens of the assistant
+turns (every one, or only the last: ``train_on``), their end-of-turn token included, found without knowing the
+template:
 
-    before  = render(messages[:i], add_generation_prompt=True)    # ... <|start_header_id|>assistant<|end_header_id|>\\n\\n
-    through = render(messages[:i + 1])                            # ... the answer<|eot_id|>
+    before  = render(messages[:i], add_generation_prompt=True)  # ... <|start_header_id|>assistant<|end_header_id|>
+    through = render(messages[:i + 1])                          # ... the answer<|eot_id|>
     turn i  = characters [len(before), len(through)) of the whole conversation's rendering
 
-less whitespace after a closing special token (Qwen's ``<|im_end|>\\n``: the newline is never generated), and a
-token is trained when its characters (the tokenizer's offsets) overlap a turn. A template that renders an earlier
-turn differently once later turns follow (one that drops earlier reasoning) has no such turn: the record is
-refused as a template error, and ``train_on="last-turn"`` trains it.
+less whitespace after a closing special token (Qwen's ``<|im_end|>\\n``: the newline is never generated). The whole
+rendering is tokenized in pieces cut where each trained turn starts and ends, so an answer follows exactly the
+tokens of its generation prompt, as ``generate`` sees them after ``apply_chat_template(...,
+add_generation_prompt=True)``. Where the tokenizer splits at those places anyway (special tokens; Llama-3's and
+Qwen's pre-tokenizers keep a run of newlines whole) the ids are exactly ``apply_chat_template(messages,
+tokenize=True)``'s; a GPT-2-style byte-level split tokenizes a prompt's trailing two newlines as one token but as
+two before a word, and the pieces keep the generation prompt's. A template that renders an earlier turn differently
+once later turns follow (one that drops earlier reasoning) has no such turn: the record is refused as a template
+error, and ``train_on="last-turn"`` trains it.
 
 Example, a hand-written template ``{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}``
 (``add_generation_prompt`` adds ``<|assistant|>``) on ``[user "hi", assistant "yo"]``: the rendering
@@ -75,7 +80,7 @@ def load_hf_tokenizer(path: str):
     except (OSError, ValueError) as e:
         raise DataError(f"{path}: not a loadable Hugging Face tokenizer ({str(e).splitlines()[0]})") from None
     if not tok.is_fast:
-        raise DataError(f"{path}: --chat needs a fast tokenizer (tokenizer.json: its offsets find the assistant turns)")
+        raise DataError(f"{path}: --chat needs a fast tokenizer (a tokenizer.json)")
     return tok
 
 
@@ -137,14 +142,15 @@ class ChatRenderer:
             raise BadRecord("no_assistant", f"no assistant turn (roles: {', '.join(m['role'] for m in messages)})")
         spans = [self.turn_span(messages, tools, i, whole)
                  for i in (turns if self.train_on == "all-turns" else turns[-1:])]
-        enc = self.tok(whole, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(enc["input_ids"], dtype=np.int32)
+        cuts = sorted({0, len(whole), *(c for span in spans for c in span)})
+        ids, mask = [], []
+        for a, b in zip(cuts[:-1], cuts[1:]):  # a piece is all prompt or one whole trained turn
+            piece = self.tok(whole[a:b], add_special_tokens=False)["input_ids"]
+            ids += piece
+            mask += [int((a, b) in spans)] * len(piece)
+        ids, mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
         if self.max_tokens is not None and ids.size > self.max_tokens:
             raise BadRecord("too_long", f"{ids.size} tokens, more than --max-tokens {self.max_tokens}")
-        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-        mask = np.zeros(ids.size, dtype=np.uint8)
-        for a, b in spans:
-            mask |= ((offsets[:, 0] < b) & (offsets[:, 1] > a)).astype(np.uint8)
         if not mask.any():
             raise BadRecord("no_assistant", "its assistant turns render to no token")
         return ids, mask

@@ -74,11 +74,20 @@ def test_hand_written_template_mask_is_the_assistant_spans(tokenizers):
 def test_model_templates_train_each_answer_and_its_end_of_turn_token(tokenizers, name):
     r = ChatRenderer(tokenizers[name])
     ids, mask = r.render({"messages": CONVERSATION})
-    assert ids.tolist() == template_ids(r.tok, CONVERSATION)  # exactly what transformers renders
     assert r.tok.decode(ids.tolist()) == r.tok.apply_chat_template(CONVERSATION, tokenize=False)
+    # the first answer follows exactly the tokens generate is given (the generation prompt, tokenized whole)
+    prompt = template_ids(r.tok, CONVERSATION[:2], add_generation_prompt=True)
+    assert ids[:len(prompt)].tolist() == prompt and mask[:len(prompt)].sum() == 0 and mask[len(prompt)] == 1
+    if name == "qwen":  # its newline comes before the answer's first word: tokenized whole, the same ids
+        assert ids.tolist() == template_ids(r.tok, CONVERSATION)
+    else:  # the stand-in's GPT-2 split makes the prompt's "\n\n" one token, but two before a word when whole
+        whole = template_ids(r.tok, CONVERSATION)
+        assert len(whole) == len(ids) + 2 and r.tok.decode(whole) == r.tok.decode(ids.tolist())
     assert trained_text(r.tok, ids, mask) == [a + END[name] for a in ANSWERS]
     last = ChatRenderer(tokenizers[name], train_on="last-turn").render({"messages": CONVERSATION})
-    assert np.array_equal(last[0], ids) and trained_text(r.tok, *last) == [ANSWERS[-1] + END[name]]
+    assert trained_text(r.tok, *last) == [ANSWERS[-1] + END[name]]
+    prompt = template_ids(r.tok, CONVERSATION[:4], add_generation_prompt=True)  # the history, tokenized whole
+    assert last[0][:len(prompt)].tolist() == prompt and last[1][:len(prompt)].sum() == 0
 
 
 def test_tool_calls_and_tool_turns_pass_through_the_template(tokenizers):

@@ -5,6 +5,7 @@ BPE tokenizers carrying them; conversations whose answer is one fixed sentence a
 from __future__ import annotations
 
 import json
+import os
 import random
 
 from tests.support.data_util import llama3_tokenizer, stdlib_texts
@@ -68,13 +69,16 @@ PLAIN_TEMPLATE = ("{% for m in messages %}{{ '<|' + m.role + '|>' + m.content + 
 PLAIN_SPECIALS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 
-def llama3_chat_tokenizer(path, template: str = LLAMA3_TEMPLATE, vocab_size: int = 600) -> str:
-    """``data_util.llama3_tokenizer`` with Llama-3's chat tokens (header tokens, ``<|eot_id|>``) and ``template``."""
+def llama3_chat_tokenizer(path, template: str = LLAMA3_TEMPLATE, vocab_size: int = 600, eos: str = None) -> str:
+    """``data_util.llama3_tokenizer`` with Llama-3's chat tokens (header tokens, ``<|eot_id|>``) and ``template``
+    (``eos``: another eos token, e.g. an Instruct model's ``<|eot_id|>``)."""
     import transformers
 
     llama3_tokenizer(path, vocab_size)
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
     tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    if eos is not None:
+        tok.eos_token = eos
     if template is not None:
         tok.chat_template = template
     tok.save_pretrained(str(path))
@@ -131,6 +135,7 @@ def fixed_answer_records(n: int, seed: int = 0, words: tuple = (6, 20)) -> list[
 
 
 def write_records(path, records: list) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(str(path))), exist_ok=True)
     with open(str(path), "w", encoding="utf-8") as f:
         for r in records:
             f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
