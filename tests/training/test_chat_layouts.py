@@ -113,3 +113,19 @@ def test_a_global_batch_without_trained_token_is_skipped_and_counted(tmp_path, c
     assert all(p.grad is None or not p.grad.any() for p in t.model.parameters())
     said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(said) == 2 and "no token of the global batch is trained" in said[0], said
+
+
+def test_validation_reports_the_masked_loss_of_training(corpora):
+    """The valid split's loss is the training loss's definition on its samples: the plain model's token losses summed
+    over the trained tokens (the answers) and divided by their count, computed here directly."""
+    data, cache = corpora
+    cfg = load_config(None, chat.MODEL + [f"data.data_path={data['mixed']}", f"data.data_cache_path={cache}",
+                                          "train.micro_batch_size=4", "train.eval_interval=1", "train.eval_iters=2"])
+    t = Trainer(cfg, Topology())
+    record = t.validator.evaluate("valid", 0)
+    batch = make_batch(t.setup.splits.valid, list(range(8)), cfg.data)
+    trained = batch["loss_mask"].sum()
+    assert 0 < trained < batch["labels"].numel() and record["tokens"] == int(trained)  # the answers only
+    with torch.no_grad():
+        tok = t.model(batch["tokens"], batch["position_ids"], batch["labels"], batch["documents"])
+    assert_close_loss(record["loss"], float((tok * batch["loss_mask"]).sum() / trained))
