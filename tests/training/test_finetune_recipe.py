@@ -2,7 +2,10 @@
 preprocess conversations with ``--chat``, fine-tune at cp 2 with ring attention, export, ``generate`` through the
 template) in a fresh directory that links the repository's tools, configs and stand-ins; only the interpreter and the
 stand-in model's directory are this test's. The exported model answers the fixed sentence it was fine-tuned on, ends
-it with ``<|eot_id|>``, and the page's printed figures are what the run prints."""
+it with ``<|eot_id|>``, and the page's printed figures are what the run prints. The README's section shows the same
+block.
+
+Cost: seven commands, each a fresh interpreter (about 1 min on an idle 2-core machine, most of it imports)."""
 from __future__ import annotations
 
 import os
@@ -39,3 +42,12 @@ def test_the_recipe_runs_as_written_and_the_export_answers(tmp_path):
     valid = [float(v) for v in re.findall(r"valid loss ([0-9.]+)", printed)]
     assert len(valid) == 2 and valid[-1] < 0.2, valid  # the answers' loss, masked as in training
     assert (tmp_path / "runs" / "chat_ft_hf" / "chat_template.jinja").exists()
+
+
+def test_the_readme_section_is_the_page_s_block():
+    """README's "Fine-tune on long conversations", where it is, shows the commands this test runs, word for word."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    if "## Fine-tune on long conversations" not in readme:
+        return  # the section links here; nothing to compare
+    section = readme[readme.index("## Fine-tune on long conversations"):]
+    assert re.search(r"```bash\n(.*?)```", section, re.S).group(1) == recipe()
