@@ -223,7 +223,8 @@ def import_hf(hf_dir: str, out: str, tp: int = 1) -> str:
     with open(os.path.join(out, "model.yaml"), "w") as f:
         f.write(f"# the model section of {hf_dir}, imported by megatron_lc (tools/convert_from_hf.py)\n")
         yaml.safe_dump({"model": cfg.to_dict()["model"]}, f, sort_keys=False)
-    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja", "chat_template.json"):  # a chat model's template: kept for fine-tuning
         if os.path.isfile(os.path.join(hf_dir, name)):
             shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
     return path
