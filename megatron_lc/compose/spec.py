@@ -15,6 +15,7 @@ here, not in the model code), the spec and the model's context.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional
@@ -92,11 +93,19 @@ def model_spec(cfg: Config, layout: Layout, ctx: ModelContext) -> ModelSpec:
     """The spec of ``cfg``: each slot's class looked up by its technique (``config.resolve_techniques``;
     combinations were refused by ``resolve_layout`` before this point)."""
     t = resolve_techniques(cfg, layout)
+    return dataclasses.replace(
+        architecture_spec(cfg), attention_block=ATTENTION_BLOCKS[t.attention_block], mlp=MLPS[t.mlp_and_head],
+        head=HEADS[t.mlp_and_head], executor=EXECUTORS[t.executor](ctx, layout, t.attention_block))
+
+
+def architecture_spec(cfg: Config) -> ModelSpec:
+    """The plain model's spec with the norms of ``cfg.model``'s architecture: the norm class (``RMSNorm``,
+    Gemma's ``ZeroCenteredRMSNorm`` with ``apply_layernorm_1p``, ``LayerNorm``) for every norm, and for the q/k
+    norms and the post norms where the model has them. Example, Gemma 3: ``norm = qk_norm = post_self_attn_norm =
+    post_mlp_norm = build_norm("RMSNorm1p", ...)``; Llama: ``norm`` RMSNorm, no q/k norm, no post norms."""
     m = cfg.model
     norm = partial(build_norm, norm_kind(m.normalization, m.apply_layernorm_1p))
-    return ModelSpec(attention_block=ATTENTION_BLOCKS[t.attention_block], mlp=MLPS[t.mlp_and_head],
-                     head=HEADS[t.mlp_and_head], executor=EXECUTORS[t.executor](ctx, layout, t.attention_block),
-                     norm=norm, qk_norm=norm if m.qk_layernorm else None,
+    return ModelSpec(norm=norm, qk_norm=norm if m.qk_layernorm else None,
                      post_self_attn_norm=norm if m.post_self_attn_layernorm else no_norm,
                      post_mlp_norm=norm if m.post_mlp_layernorm else no_norm)
 
@@ -108,9 +117,13 @@ class ModelParts:
     cfg: Config
     layout: Layout
     topo: Topology
-    spec: ModelSpec = field(default_factory=ModelSpec)
+    spec: Optional[ModelSpec] = None  # None: the plain model of the config's architecture (``architecture_spec``)
     ctx: ModelContext = field(default_factory=ModelContext)
     execution: Optional[Execution] = None  # the run's; None: attention kernels chosen by the tensors' device
+
+    def __post_init__(self) -> None:
+        if self.spec is None:
+            self.spec = architecture_spec(self.cfg)
 
     @property
     def sequence_parallel(self) -> bool:
