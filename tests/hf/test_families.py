@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -88,3 +87,48 @@ def test_every_family_trains_under_every_layout_as_one_process():
         for r, ranks in enumerate(got):
             for step, (a, b) in enumerate(zip(ranks[name]["losses"], ref["losses"]), 1):
                 assert abs(a - b) <= 1e-5 * abs(b), f"{name} rank {r} step {step}: {a!r} vs one process {b!r}"
+
+
+@pytest.mark.parametrize("name,change,message", [
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 (not implemented)"),
+    ("gemma3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 (not implemented)"),
+    ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 (not implemented)"),
+    ("qwen2", {"num_experts": 8}, "num_experts=8 (not implemented)"),
+    ("qwen3", {"attention_bias": True}, "attention_bias=True (a bias on o_proj without one on the MLP)"),
+    ("mistral", {"hidden_act": "gelu"}, "hidden_act='gelu' (only silu)"),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "rope_parameters.sliding_attention of type linear (the local layers take a plain RoPE theta only)"),
+])
+def test_what_a_family_does_not_implement_is_one_line(tmp_path, name, change, message, capsys):
+    """Exit 2, one line on stderr, nothing written (the script's own process: tests/hf/test_hf_import.py)."""
+    save_hf_model(name, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, **change}))
+    capsys.readouterr()  # transformers' progress bars of the save
+    assert convert_from_hf.main([str(tmp_path / "hf"), str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == f"error: cannot import this Hugging Face model: {message}\n"
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_tokenizer_files_and_chat_template_round_trip_byte_for_byte(tmp_path):
+    """The import copies the tokenizer files as they are (the chat template in tokenizer_config.json and in
+    chat_template.jinja); the export of a run whose tokenizer is that directory writes the same bytes."""
+    from tests.support.data_util import llama3_tokenizer
+
+    hf = tmp_path / "hf"
+    llama3_tokenizer(hf, 300)
+    tok_cfg = json.loads((hf / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    (hf / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "chat_template": template}, indent=3))
+    (hf / "chat_template.jinja").write_text(template + "\n")
+    save_hf_model("qwen3", hf, vocab_size=300)
+    import_hf(str(hf), str(tmp_path / "ours"))
+    convert_to_hf.convert(str(tmp_path / "ours"), str(tmp_path / "back"), tokenizer=str(tmp_path / "ours"))
+    names = [n for n in os.listdir(hf) if n.startswith(("tokenizer", "special_tokens", "chat_template"))]
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(names)
+    for n in names:
+        assert (tmp_path / "ours" / n).read_bytes() == (hf / n).read_bytes(), n
+        assert (tmp_path / "back" / n).read_bytes() == (hf / n).read_bytes(), n
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<|user|>hi"
