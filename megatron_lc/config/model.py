@@ -152,15 +152,15 @@ class ModelConfig:
         return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
 
     def layer_ropes(self) -> tuple:
-        """Each layer's RoPE as (theta, rope_scaling applies); None without RoPE. Example, Gemma 3 with
+        """Each layer's RoPE as (theta, rope_scaling applies); None without RoPE. ``rope_local_base_freq`` is the
+        theta of the layers with a window (none without ``sliding_window``). Example, Gemma 3 with
         ``rotary_base: 1e6, rope_local_base_freq: 10000``, ``layer_types`` five sliding then one full:
         ``((10000.0, False),) * 5 + ((1e6, True),)``."""
         if self.position_embedding_type != "rope":
             return (None,) * self.num_layers
-        types = self.layer_types or ["sliding_attention"] * self.num_layers
         local = self.rope_local_base_freq
-        return tuple((float(local), False) if local is not None and t == "sliding_attention"
-                     else (float(self.rotary_base), True) for t in types)
+        return tuple((float(local), False) if local is not None and w is not None else (float(self.rotary_base), True)
+                     for w in self.attention_windows())
 
     @property
     def query_scale(self) -> float:
