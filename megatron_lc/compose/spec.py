@@ -157,4 +157,5 @@ class ModelParts:
         rope = self.layout.rope(layer_number)
         if rope is None:
             return ""
-        return f"theta_{rope[0]:.12g}".replace(".", "_") + ("_scaled" if rope[1] and self.cfg.model.rope_scaling else "")
+        scaled = "_scaled" if rope[1] and self.cfg.model.rope_scaling else ""
+        return f"theta_{rope[0]:.12g}".replace(".", "_") + scaled

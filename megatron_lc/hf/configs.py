@@ -123,7 +123,8 @@ def model_section_from_hf(hf: dict) -> dict:
     model = {ours: hf[theirs] for theirs, ours in HF_TO_MODEL.items() if theirs in hf}
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     scalar = hf.get("query_pre_attn_scalar") if family is GEMMA3 else None
-    model.update(kv_channels=head_dim, **ropes, normalization="RMSNorm", position_embedding_type="rope", **bias, **family.model_switches(), **windows,
+    model.update(kv_channels=head_dim, **ropes, normalization="RMSNorm", position_embedding_type="rope", **bias,
+                 **family.model_switches(), **windows,
                  softmax_scale=None if scalar is None or scalar == head_dim else float(scalar) ** -0.5,
                  untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", family is GEMMA3),
                  make_vocab_size_divisible_by=math.gcd(hf["vocab_size"], 128), hf_architecture=family.architecture)
