@@ -192,6 +192,21 @@ def test_auto_on_llama3_8b_1m_fits_on_8_h100():
                    == "none" and c.overrides["memory.layer_chunk_size"] for c in cands)
 
 
+@pytest.mark.parametrize("name", ["qwen3_8b_1m.yaml", "qwen3_32b_1536k.yaml"])
+def test_the_qwen3_configs_carry_the_layout_auto_picks(name):
+    """configs/qwen3_8b_1m.yaml and qwen3_32b_1536k.yaml hold what ``tools/estimate.py --auto --write`` wrote for 8
+    H100s: the search from that config picks the same layout again, and it fits (Qwen3-32B at 1.5M: tp 4 + SP, ring
+    cp 2, host checkpoints in chunks, MsT, FSDP2 with CPU offload; the residual stream in bf16)."""
+    cfg = load_config(os.path.join(CONFIGS, name))
+    best = pick_best(search_layouts(cfg, load_hardware("h100"), 8))
+    assert best.est.status == "fits"
+    with open(os.path.join(CONFIGS, name)) as f:
+        shipped = yaml.safe_load(f)
+    for key, value in config_overrides(best).items():
+        section, field = key.split(".")
+        assert shipped[section].get(field) == value, (key, value, best.label())
+
+
 def test_layer_chunks_share_and_working_set():
     """c local rows of S = s/cp/tp (SP) per mini-sequence; a chunk holding every re-run row is no chunking; the
     chunked re-run holds less than the whole one when the MLP (not the attention backward) sets the peak."""
