@@ -31,6 +31,14 @@ LAYOUTS = {
                "train.micro_batch_size=2"],
     "fsdp2": ["parallel.use_torch_fsdp2=true", "train.micro_batch_size=1"],
 }
+# name -> a memory technique's overrides (world 2 each), with a layout under it: Memo's token-wise re-run and swap with
+# MsT's mini-sequences (dp 2), host checkpoints under ring cp 2
+TECHNIQUES = {
+    "memo+mst": ["memory.activation_offload=memo", "memory.offload_fraction=0.25", "memory.mst=true",
+                 "memory.mst_mlp_chunk_size=8", "memory.mst_head_chunks=4", "train.micro_batch_size=1"],
+    "ring+host-checkpoints": ["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p",
+                              "memory.activation_offload=checkpoints", "train.micro_batch_size=2"],
+}
 # what a layout changes in the model itself: the single-process reference has it too
 MODEL_CHANGES = ("model.", "data.reset", "data.eod", "data.mean_document_length")
 

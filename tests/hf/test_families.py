@@ -8,7 +8,8 @@ random tiny transformers model built here from its config class (tests/support/h
   scores): ~1e-7 relative each, measured 2e-7 to 8e-7; a dropped norm, window or scale is 1e-2 or more.
 * HF -> ours (at tp 2) -> HF: every tensor bit for bit, the same architecture, and transformers loads the export.
 * Training under ring cp 2, Ulysses cp 2 with one kv head (fewer than its ranks), FPDT cp 2 with offload, tp 2
-  with sequence parallelism, and FSDP2 gives the single-process model's first-step gradients, every one within
+  with sequence parallelism, FSDP2, Memo (α 0.25) with MsT, and host checkpoints under ring cp 2 gives the
+  single-process model's first-step gradients, every one within
   1e-4 (tests/support/parity.py; the norm and bias gradients are ~1e-3, so a q/k norm weight not summed over tp or
   a bias shard misplaced is seen), and its loss at both of 2 steps within 1e-5 relative (the layouts only
   re-associate fp32 sums, ~1e-7 per op). Mistral's window of 4 is
@@ -66,9 +67,11 @@ def _section(name: str, **changes) -> dict:
 
 def _cases() -> list:
     """(case name, model section, overrides) for every family but Llama (the framework's own, tested everywhere
-    else) and every layout, and the window and document cases."""
+    else) and every layout and memory technique, and the window and document cases."""
     out = [(f"{name}/{layout}", _section(name), over) for name in FAMILIES if name != "llama"
            for layout, over in df.LAYOUTS.items()]
+    out += [(f"{name}/{t}", _section(name), over) for name in FAMILIES if name != "llama"
+            for t, over in df.TECHNIQUES.items()]
     out.append(("mistral/ring/window-12", _section("mistral"), df.LAYOUTS["ring"] + ["model.sliding_window=12"]))
     out += [(f"{name}/ring/documents", _section(name), df.LAYOUTS["ring"] + DOCS) for name in ("qwen3", "gemma3")]
     return out
