@@ -24,7 +24,7 @@ from typing import Optional
 from ..config import Config
 from ..model.norm import RMS_NORM_SLICE_ELEMS as NORM_SLICE
 from .dims import Dims
-from .inventory import mst_head_chunk, mst_mlp_chunk, qkv_rerun_bytes
+from .inventory import mst_head_chunk, mst_mlp_chunk, post_norm_saved, qk_norm_saved, qkv_rerun_bytes
 
 
 def fpdt_chunk_bytes(cfg: Config, dims: Dims) -> dict:
@@ -125,11 +125,14 @@ def pre_no_graph(dims: Dims, n: float, graph: bool = False) -> float:
     with ``graph`` its cast to the compute dtype that the QKV projection saves (all-gathered with SP; without autograd
     it is freed with the projection), the projection's output, q copied out of it (when a rank has several kv
     groups), and RoPE's fp32 temporaries of q (``model/rope.apply_rotary``: x·cos and one half's product, 1.5 q-sized
-    fp32 tensors)."""
+    fp32 tensors). With per-head q/k norms (``model.qk_layernorm``): q and k copied contiguous (what the norms
+    save), their normalised outputs (RoPE's inputs) and an fp32 rstd a token and head: 2 (nq + nkv) d, where q's
+    copy out of the projection is the first of them."""
     q_copy = dims.heads_local if dims.kv_heads_local > 1 else 0
-    h, d, a, nq = dims.hidden, dims.head_dim, dims.compute_bytes, dims.heads_local
+    h, d, a, nq, nkv = dims.hidden, dims.head_dim, dims.compute_bytes, dims.heads_local, dims.kv_heads_local
+    qk_norm = ((2 * (nq + nkv) - q_copy) * d * a + (nq + nkv) * 4) if dims.qk_norm else 0.0
     return n * (h * dims.residual_bytes * dims.tokens_residual / dims.tokens + (h * a if graph else 0)
-                + (nq + 2 * dims.kv_heads_local + q_copy) * d * a + 1.5 * nq * d * 4)
+                + (nq + 2 * nkv + q_copy) * d * a + 1.5 * nq * d * 4 + qk_norm)
 
 
 def layer_forward(cfg: Config, dims: Dims, chunk: Optional[float] = None, no_graph: float = 0.0,
@@ -270,7 +273,8 @@ def tokenwise_backward(cfg: Config, dims: Dims, rerun: float, merged: float = 0.
     moments = []
     if dropped:
         rows, mst = _mlp_rows(cfg, dims, dropped * t)
-        held = dropped * (U + tr * 4 + t * h * a + (0.0 if mst else t * (4 if dims.swiglu else 2) * dims.ffn_local * a))
+        held = dropped * (U + tr * 4 + t * h * a + (0.0 if mst else t * (4 if dims.swiglu else 2) * dims.ffn_local * a)
+                          + (dims.post_attn_norm + dims.post_mlp_norm) * post_norm_saved(dims))
         base = U + dropped * (U + Q)  # dy; the dropped rows' dx and dout
         # the re-run's forward at its MLP: the residual, norm 2's output, the out projection's output (the frames
         # hold them), the MLP's input all-gathered with SP, its output (+ the reduce copy under tp), MsT's chunk
@@ -282,7 +286,7 @@ def tokenwise_backward(cfg: Config, dims: Dims, rerun: float, merged: float = 0.
                     base + dropped * (U + Q) + (dropped * t * h * r if dims.sequence_parallel else 0.0)]
     if kept:
         moments.append(U + dropped * (U + Q) + _mlp_backward(cfg, dims, kept * t, held=True))
-    pre_saved = dropped * (t * h * a + qkv_rerun_bytes(dims))
+    pre_saved = dropped * (t * h * a + qkv_rerun_bytes(dims) + qk_norm_saved(dims))
     moments += [U + Q + pre_no_graph(dims, dropped * t, graph=True),
                 U + Q + pre_saved + merged + attention_backward_lse(cfg, dims)]
     return max(moments)
