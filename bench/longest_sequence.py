@@ -15,8 +15,9 @@ allows. Option sets:
   checkpoints;
 * ``fsdp2``: + FSDP2 (with and without CPU offload);
 * ``ckpt``: + ``activation_offload: checkpoints`` with every layer's input on the host (with or without
-  ``memory.layer_chunk_size`` around a core attention) -- what the framework had before segments;
-* ``all``: + segments (``memory.checkpoint_every`` k) and FPDT's block as the chunked layer's attention;
+  ``memory.layer_chunk_size``) around a core attention -- what the search tried before segments;
+* ``all``: + segments (``memory.checkpoint_every`` k) and FPDT with the host checkpoints, its block as the chunked
+  layer's attention or not;
 
 each with the framework's default fp32 residual stream and with ``model.fp32_residual_connection: false`` (``+bf16``:
 the residual stream, so every layer input and host checkpoint, in bf16, as Megatron-LM's default, ALST and FPDT keep
@@ -46,9 +47,10 @@ ALST = {1: 500_000, 8: 3_800_000, 16: 8_000_000, 32: 15_500_000}
 
 
 def _ckpt_every_layer(o: dict) -> bool:
-    """The host checkpoints as they were: every layer's input, no FPDT block inside the chunked layer."""
-    fpdt_chunked = o["parallel.cp_comm_type"] == "fpdt" and o.get("memory.layer_chunk_size")
-    return o.get("memory.checkpoint_every", 1) == 1 and not fpdt_chunked
+    """What the search tried before segments: the host checkpoints with every layer's input, around a core attention
+    (FPDT's block was searched without them)."""
+    ckpt = o["memory.activation_offload"] == "checkpoints"
+    return not (ckpt and (o.get("memory.checkpoint_every", 1) > 1 or o["parallel.cp_comm_type"] == "fpdt"))
 
 
 OPTIONS = {  # name -> filter on a searched layout's overrides
