@@ -4,6 +4,7 @@ the step time the chosen layout predicts there (what a user pays for the length)
 
     python bench/longest_sequence.py            # JSON on stdout (~30-60 minutes on 2 shared cores)
     python bench/longest_sequence.py --quick    # 1 and 8 GPUs, coarse
+    python bench/longest_sequence.py --gpus 8,16,32 --residual bf16   # some GPU counts, one residual stream
 
 For each GPU count, residual dtype and option set: doubling from 128K tokens while
 ``estimate.layout_search.search_layouts`` finds a layout that fits device and host memory, then bisection to 128K
@@ -100,13 +101,20 @@ def longest(searches: Searches, keep, coarse: bool) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--gpus", default="1,8,16,32", help="GPU counts, comma-separated (default: 1,8,16,32)")
+    p.add_argument("--residual", choices=("both", "fp32", "bf16"), default="both",
+                   help="residual streams searched (default: both)")
     args = p.parse_args(argv)
+    gpu_counts = [int(g) for g in args.gpus.split(",")]
+    if any(g not in ALST for g in gpu_counts):
+        p.error(f"--gpus: each of {args.gpus} must be one of {', '.join(map(str, ALST))}")
+    residuals = {k: v for k, v in RESIDUALS.items() if args.residual in ("both", "bf16" if k else "fp32")}
     cfg = load_config(os.path.join(ROOT, "configs", "llama3_8b_1m.yaml"), [])
     hw = load_hardware("h100")
     out = {"model": "Llama3-8B (configs/llama3_8b_1m.yaml)", "hardware": "h100 profile", "step_tokens": STEP,
            "alst_published": {str(g): n for g, n in ALST.items()}, "rows": []}
-    for gpus in ((1, 8) if args.quick else (1, 8, 16, 32)):
-        for suffix, sets in RESIDUALS.items():
+    for gpus in ((1, 8) if args.quick else gpu_counts):
+        for suffix, sets in residuals.items():
             searches = Searches(apply_overrides(cfg, sets), hw, gpus)
             for name, keep in OPTIONS.items():
                 row = {"gpus": gpus, "options": name + suffix, **longest(searches, keep, args.quick),
