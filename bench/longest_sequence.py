@@ -105,9 +105,11 @@ def main(argv=None) -> int:
     p.add_argument("--residual", choices=("both", "fp32", "bf16"), default="both",
                    help="residual streams searched (default: both)")
     args = p.parse_args(argv)
-    gpu_counts = [int(g) for g in args.gpus.split(",")]
-    if any(g not in ALST for g in gpu_counts):
-        p.error(f"--gpus: each of {args.gpus} must be one of {', '.join(map(str, ALST))}")
+    gpu_counts = [g.strip() for g in args.gpus.split(",")]
+    if any(g not in map(str, ALST) for g in gpu_counts):  # one line, no usage block
+        print(f"error: --gpus {args.gpus}: each must be one of {', '.join(map(str, ALST))}", file=sys.stderr)
+        return 2
+    gpu_counts = [int(g) for g in gpu_counts]
     residuals = {k: v for k, v in RESIDUALS.items() if args.residual in ("both", "bf16" if k else "fp32")}
     cfg = load_config(os.path.join(ROOT, "configs", "llama3_8b_1m.yaml"), [])
     hw = load_hardware("h100")
