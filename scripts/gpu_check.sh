@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check: on a machine with one CUDA GPU, runs tests/gpu within 25 minutes, cheap tests first (T1 kernels vs
+# The GPU check: on a machine with one CUDA GPU, first times the attention kernels at the shipped layouts' calls
+# (bench/attention_kernels.py, at most 7 minutes: the step time at 1M tokens is their speed) and writes the measured
+# table into the GPU's hardware profile (configs/hardware/<gpu>.yaml, attention_measured: what attention_backend auto
+# and the estimator read), then runs tests/gpu within 25 minutes, cheap tests first (T1 kernels vs
 # fp64 and against SDPA at 32K, T2 parity on the device, async vs synchronised copies, byte accounting, T3 copies,
 # several ranks on one GPU over gloo, T6 memory plan auto vs off, T4 a profiled 64K step, T5 the longest trainable
 # sequence and MFU vs Hugging Face, which takes what is left of the time) and writes
+#   bench/results/gpu_<gpu>_<date>_attention.json   the attention kernels' timings (+ _attention.log)
 #   bench/results/gpu_<gpu>_<date>.json   every figure the tests recorded
 #   bench/results/gpu_<gpu>_<date>.md     a short summary
 #   bench/results/gpu_<gpu>_<date>.log    pytest's output
@@ -23,8 +27,12 @@ if [ "$gpu" = "none" ]; then
 fi
 stem="bench/results/gpu_${gpu}_$(date +%F)"
 mkdir -p bench/results
+# the biggest unknown first: which attention kernel this GPU runs fastest, and how fast (commit the profile after)
+"$PY" bench/attention_kernels.py --write-profile --budget-s 420 --out "${stem}_attention.json" 2>&1 >/dev/null \
+    | tee "${stem}_attention.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || echo "warning: bench/attention_kernels.py failed (${stem}_attention.log); the tests go on"
 limit=1500  # 25 minutes; the tests pace themselves by GPU_CHECK_DEADLINE, a minute before it (T5 stops there)
 GPU_CHECK_DEADLINE=$(($(date +%s) + limit - 60)) GPU_CHECK_OUT="$stem.json" timeout "$limit" "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee "$stem.log"
 status=${PIPESTATUS[0]}
-echo "wrote $stem.json, $stem.md, $stem.log (pytest exit $status)"
+echo "wrote ${stem}_attention.json, $stem.json, $stem.md, $stem.log (pytest exit $status); commit them with the profile"
 exit "$status"

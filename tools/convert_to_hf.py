@@ -1,8 +1,10 @@
-"""Export a megatron_lc checkpoint to a Hugging Face Llama directory (``config.json`` + safetensors).
+"""Export a megatron_lc checkpoint to a Hugging Face directory (``config.json`` + safetensors) of its family:
+Llama, Mistral, Qwen2, Qwen3 or Gemma 3 (``model.hf_architecture``, set by the importer; else the first family whose
+switches the model has: ``megatron_lc/hf/families.py``).
 
     python tools/convert_to_hf.py runs/tiny_cpu OUT/                 # newest complete checkpoint of a save dir
     python tools/convert_to_hf.py runs/tiny_cpu/iter_0000100 OUT/ --dtype bfloat16
-    # then: transformers.LlamaForCausalLM.from_pretrained("OUT/")
+    # then: transformers.AutoModelForCausalLM.from_pretrained("OUT/")
 
 What it does:
 - reads the full weights whatever the layout they were saved at (torch.distributed.checkpoint; format-2
@@ -12,13 +14,15 @@ What it does:
 - splits the SwiGLU ``fc1`` weight ``[gate; up]`` into ``gate_proj`` and ``up_proj``;
 - drops the vocabulary padding rows (``model.make_vocab_size_divisible_by``) unless ``--keep-padded-vocab``;
 - tied embeddings -> ``tie_word_embeddings: true`` and no ``lm_head.weight``;
-- RoPE needs no permutation: the model rotates halves (``rotate_half``), as HF Llama does;
-- writes the run's tokenizer (``data.tokenizer_model`` of the checkpoint, or ``--tokenizer``): a Hugging Face one
-  (directory or tokenizer.json) as transformers saves it, a SentencePiece model as ``tokenizer.model`` with a
-  LlamaTokenizer config; ``bos_token_id`` / ``eos_token_id`` in config.json are the tokenizer's (``AutoTokenizer``
-  loads the export). A run's tokenizer whose files are gone is said and left out; a ``--tokenizer`` that does not
-  load is an error before anything is written.
-Only Llama-style models export (RMSNorm, SwiGLU, RoPE); anything else is refused with a one-line error (exit 2).
+- RoPE needs no permutation: the model rotates halves (``rotate_half``), as Hugging Face does;
+- the family's norms (Gemma's four a layer, q/k norms) under its names; windows, per-layer RoPE and the query scale
+  as the family's config fields;
+- writes the run's tokenizer (``data.tokenizer_model`` of the checkpoint, or ``--tokenizer``): a Hugging Face
+  directory's tokenizer files byte for byte (an import's, with its chat template), a tokenizer.json as transformers
+  saves it, a SentencePiece model as ``tokenizer.model`` with a LlamaTokenizer config; ``bos_token_id`` /
+  ``eos_token_id`` in config.json are the tokenizer's (``AutoTokenizer`` loads the export). A run's tokenizer whose
+  files are gone is said and left out; a ``--tokenizer`` that does not load is an error before anything is written.
+A model no family fits (LayerNorm, learned positions, ...) is refused with a one-line error (exit 2).
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import torch  # noqa: E402
 from megatron_lc.config import Config, ConfigError, DataConfig  # noqa: E402
 from megatron_lc.data import DataError, build_tokenizer  # noqa: E402
 from megatron_lc.data.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, tokenizer_type_of  # noqa: E402
-from megatron_lc.hf import check_exportable, hf_config, to_hf  # noqa: E402
+from megatron_lc.hf import copy_tokenizer_files, export_family, hf_config, to_hf  # noqa: E402
 from megatron_lc.training.checkpointing.load import full_weights  # noqa: E402
 
 log = logging.getLogger("megatron_lc")
@@ -105,27 +109,31 @@ def copy_tokenizer(path: str, out: str) -> tuple[int, int]:
 
 
 def run_tokenizer(cfg: Config, path: str | None):
-    """The tokenizer to export: ``path`` (its type from the name: ``tokenizer_type_of``), else the run's
-    (``data.tokenizer_type`` / ``tokenizer_model``; None for mock data, or when its files are gone -- said)."""
+    """(the tokenizer to export, the file or directory it was read from): ``path`` (its type from the name:
+    ``tokenizer_type_of``), else the run's (``data.tokenizer_type`` / ``tokenizer_model``; (None, None) for mock
+    data, or when its files are gone -- said)."""
     if path is not None:
-        return build_tokenizer(DataConfig(tokenizer_type=tokenizer_type_of(path), tokenizer_model=path), None)
+        return build_tokenizer(DataConfig(tokenizer_type=tokenizer_type_of(path), tokenizer_model=path), None), path
     d = cfg.data
     if d.tokenizer_type == "NullTokenizer":
-        return build_tokenizer(d, cfg.model.vocab_size) if d.vocab_size is not None else None
+        return (build_tokenizer(d, cfg.model.vocab_size) if d.vocab_size is not None else None), None
     model = d.files(cfg.model.vocab_size)[1]
     if model is None:
-        return None
+        return None, None
     if not os.path.exists(model):
         log.warning("the run's tokenizer %s is not there any more: exported without a tokenizer (pass --tokenizer)",
                     model)
-        return None
-    return build_tokenizer(d, cfg.model.vocab_size)
+        return None, None
+    return build_tokenizer(d, cfg.model.vocab_size), model
 
 
-def write_tokenizer(tok, out: str) -> tuple[int | None, int]:
-    """Write ``tok`` into ``out`` for ``AutoTokenizer``; returns its (bos, eos) ids for config.json. NullTokenizer:
-    nothing to write, its end-of-document id is the eos."""
-    if isinstance(tok, HuggingFaceTokenizer):
+def write_tokenizer(tok, out: str, path: str | None = None) -> tuple[int | None, int]:
+    """Write ``tok`` (read from ``path``) into ``out`` for ``AutoTokenizer``; returns its (bos, eos) ids for
+    config.json. A Hugging Face tokenizer directory's files are copied byte for byte (its chat template kept);
+    NullTokenizer: nothing to write, its end-of-document id is the eos."""
+    if isinstance(tok, HuggingFaceTokenizer) and path is not None and os.path.isdir(path):
+        copy_tokenizer_files(path, out)
+    elif isinstance(tok, HuggingFaceTokenizer):
         tok.tok.save_pretrained(out)  # megatron-core's: transformers' tokenizer.json + tokenizer_config.json
     elif isinstance(tok, SentencePieceTokenizer):
         copy_tokenizer(tok.path, out)
@@ -156,11 +164,11 @@ def convert(checkpoint: str, out: str, dtype: str = "float32", keep_padded_vocab
         # checkpoints from before the demo files were keyed by vocabulary name both: those paths are the files
         saved = dict(saved, data=dict(data, prepare_demo_data=False))
     cfg = Config.from_dict(dict(saved, checkpoint=dict(saved.get("checkpoint", {}), trust_pickle=trust_pickle)))
-    check_exportable(cfg.model)
-    tok = run_tokenizer(cfg, tokenizer)  # before anything is written
-    state = to_hf(load_full_state(path, cfg, meta), cfg.model, keep_padded_vocab)
+    family = export_family(cfg.model)
+    tok, tok_path = run_tokenizer(cfg, tokenizer)  # before anything is written
+    state = to_hf(load_full_state(path, cfg, meta), cfg.model, family, keep_padded_vocab)
     os.makedirs(out, exist_ok=True)
-    bos, eos = write_tokenizer(tok, out) if tok is not None else (None, None)
+    bos, eos = write_tokenizer(tok, out, tok_path) if tok is not None else (None, None)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config(cfg.model, dtype, keep_padded_vocab, bos, eos, cfg.data.seq_length), f, indent=1)
     write_safetensors({k: v.to(DTYPES[dtype]) for k, v in state.items()}, out, _size(max_shard_size))

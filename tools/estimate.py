@@ -4,9 +4,12 @@
     python tools/estimate.py --config configs/gpt_7b.yaml --hardware a800 --gpus 8 --set memory.mst=true
     python tools/estimate.py --config configs/llama3_8b_1m.yaml --hardware h100 --auto --top 5 --write
     python tools/estimate.py --config X.yaml --hardware h100 --measured memo_profile.json    # profiler inputs
+    python tools/estimate.py --config configs/llama3_8b_1m.yaml --auto \
+        --hw-set efficiency.attention_fwd=0.35 --hw-set efficiency.attention_bwd=0.30       # FA2-class kernels
 
 Prints memory by part and at each peak moment (fit / OOM / out of host memory), time by part, step time, tokens per
-GPU per second and MFU. ``--auto`` searches tp x cp x ulysses x memory features x chunk sizes and prints the best
+GPU per second and MFU, with each kernel efficiency's source (assumed, or measured: GPU and date) and whether MFU
+reaches ``--target-mfu`` (else the attention efficiency it needs and the backends that reach it). ``--auto`` searches tp x cp x ulysses x memory features x chunk sizes and prints the best
 layouts that fit; ``--write`` puts the best one into the config's parallel/memory sections (in place, or
 ``--write OUT.yaml``). Exit status: 0 fits, 1 does not fit (or nothing fits with --auto), 2 bad input.
 Model and formulas: docs/estimator.md.
@@ -17,6 +20,8 @@ import argparse
 import json
 import os
 import sys
+
+import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -45,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "activation arena")
     p.add_argument("--states", default="framework", help="model-state accounting: framework (this trainer) or a "
                    "what-if for comparing with other systems: megatron, zero3, bf16_optim_in_backward")
+    p.add_argument("--hw-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a hardware profile value (repeatable), e.g. efficiency.attention_fwd=0.35")
+    p.add_argument("--target-mfu", type=float, default=0.5, help="the MFU the attention kernels are judged against")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p.parse_args(argv)
 
@@ -55,7 +63,25 @@ def summary(est) -> dict:
             "phases": m.phases, "parts": m.parts, "host_bytes_per_node": m.host_per_node,
             "host_capacity_bytes": m.host_capacity, "alpha": m.alpha, "time_parts": t.parts,
             "step_seconds": t.step_seconds, "tokens_per_gpu_per_s": t.tokens_per_gpu_per_s, "mfu": t.mfu,
+            "attention_backend": t.attention_backend,
+            "efficiencies": {k: {"value": v, "source": src} for k, (v, src) in t.efficiencies.items()},
             "notes": m.notes}
+
+
+def hardware_overrides(pairs: list) -> dict:
+    """``["efficiency.attention_fwd=0.35"]`` -> ``{"efficiency": {"attention_fwd": 0.35}}`` (values read as YAML)."""
+    from megatron_lc.config import ConfigError
+    out: dict = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"--hw-set {pair!r}: expected KEY=VALUE (e.g. efficiency.attention_fwd=0.35)")
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    return out
 
 
 def main(argv=None) -> int:
@@ -63,7 +89,7 @@ def main(argv=None) -> int:
     from megatron_lc.config import ConfigError, load_config
     from megatron_lc.estimate import estimate, load_hardware
     from megatron_lc.estimate.tables import activation_peak_from, estimate_table, load_measured, search_table, \
-        write_layout
+        target_line, write_layout
     from megatron_lc.estimate.layout_search import pick_best, search_layouts
 
     try:
@@ -73,7 +99,7 @@ def main(argv=None) -> int:
                          ("host_memory_gib", args.host_memory_gib)):
             if val is not None:
                 measured[key] = val
-        hw = load_hardware(args.hardware)
+        hw = load_hardware(args.hardware, hardware_overrides(args.hw_set))
         if measured:
             hw = hw.with_measured(measured)
         world = args.gpus or hw.gpus_per_node
@@ -82,7 +108,8 @@ def main(argv=None) -> int:
             raise ConfigError("--write needs --auto (it writes the layout the search chose)")
         if not args.auto:
             est = estimate(cfg, hw, world, activation_peak_override=act_peak, states=args.states)
-            print(json.dumps(summary(est), indent=1) if args.json else estimate_table(est))
+            print(json.dumps(summary(est), indent=1) if args.json else
+                  estimate_table(est) + "\n" + target_line(est, world, args.target_mfu))
             return 0 if est.status == "fits" else 1
         cands = search_layouts(cfg, hw, world, states=args.states)
         if not cands:
@@ -99,6 +126,7 @@ def main(argv=None) -> int:
                   f"(* = chosen: most headroom within 0.5% of the fastest step):")
             print(search_table(cands, args.top, best))
             print("\nchosen layout:\n" + estimate_table(best.est))
+            print(target_line(best.est, world, args.target_mfu))
         if args.write is not None:
             out = args.write or args.config
             write_layout(args.config, out, best, hw.name, world)

@@ -5,8 +5,9 @@ first document-masked block) or, worse, on one rank.
     python tools/preflight.py                          # torch (its CUDA part when it is a CUDA build)
     python tools/preflight.py --require flash-attn,te  # the image: both must be installed, with their APIs
 
-flash-attn and TransformerEngine are optional (``parallel.attention_backend: auto`` uses PyTorch's own kernels
-without them): checked when installed, required only with ``--require``. The CUDA part of torch (its fused attention
+flash-attn, TransformerEngine and FlashAttention-3 / 4 are optional (``parallel.attention_backend: auto`` uses what
+is installed and measured, PyTorch's own kernels without them): checked when installed, required only with
+``--require``. The CUDA part of torch (its fused attention
 kernels registered for CUDA, ``cudaHostRegister``, the pluggable allocator) is checked when torch is a CUDA build,
 with or without a GPU (an image builds without one). The last line is one line either way (wrapped here)::
 
@@ -65,6 +66,11 @@ TORCH = [
     Api("aten::_scaled_dot_product_flash_attention_backward", "core attention backward from a merged lse"),
     Api("aten::_scaled_dot_product_efficient_attention", "core attention (fp32, masks), attention/fused_cuda.py"),
     Api("aten::_scaled_dot_product_efficient_attention_backward", "core attention backward (fp32, masks)"),
+    Api("aten::_scaled_dot_product_cudnn_attention", "attention_backend cudnn, attention/hopper.py"),
+    Api("aten::_scaled_dot_product_cudnn_attention_backward", "attention_backend cudnn backward from a merged lse"),
+    Api("torch.nn.attention.activate_flash_attention_impl", "attention_backend fa3 / fa4, attention/hopper.py"),
+    Api("torch.nn.attention.list_flash_attention_impls", "attention_backend fa3 / fa4 (auto skips them without)"),
+    Api("torch.nn.attention.current_flash_attention_impl", "attention_backend fa3 / fa4"),
     Api("torch.get_autocast_dtype", "MsT and Memo under autocast"),
     Api("torch.utils.backend_registration._setup_privateuseone_for_python_backend",
         "the rehearsal's stand-in device, rehearsal/standin.py"),
@@ -73,6 +79,7 @@ TORCH = [
 TORCH_CUDA = [
     Api("aten::_scaled_dot_product_flash_attention@CUDA", "core attention (bf16) on the GPU"),
     Api("aten::_scaled_dot_product_efficient_attention@CUDA", "core attention (fp32, masks) on the GPU"),
+    Api("aten::_scaled_dot_product_cudnn_attention@CUDA", "attention_backend cudnn on the GPU"),
     Api("torch.cuda.cudart", "the host pool's cudaHostRegister, device/adapter.py"),
     Api("torch.cuda.memory.CUDAPluggableAllocator", "planning/replay_cuda.py"),
     Api("torch.cuda.memory._record_memory_history", "the memory plan's CUDA trace, planning/capture/"),
@@ -89,7 +96,12 @@ TE = [
     Api("transformer_engine.pytorch.cpp_extensions.fused_attn.FusedAttnBackend", "attention_backend te"),
     Api("transformer_engine.pytorch.constants.TE_DType", "attention_backend te"),
 ]
-PACKAGES = {"flash-attn": ("flash_attn", FLASH_ATTN), "te": ("transformer_engine", TE)}
+FA3 = [Api("torch.ops.flash_attn_3.fwd", "attention_backend fa3 (what torch's FA3 registry calls)"),
+       Api("torch.ops.flash_attn_3.bwd", "attention_backend fa3 backward")]
+FA4 = [Api("flash_attn.cute.interface._flash_attn_fwd", "attention_backend fa4 (what torch's FA4 registry calls)"),
+       Api("flash_attn.cute.interface._flash_attn_bwd", "attention_backend fa4 backward")]
+PACKAGES = {"flash-attn": ("flash_attn", FLASH_ATTN), "te": ("transformer_engine", TE),
+            "fa3": ("flash_attn_interface", FA3), "fa4": ("flash_attn.cute.interface", FA4)}
 
 
 def resolve(path: str):
@@ -157,7 +169,7 @@ def check(require: set) -> tuple[list, list]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--require", default="", help="comma-separated: flash-attn, te (default: neither required)")
+    p.add_argument("--require", default="", help="comma-separated: flash-attn, te, fa3, fa4 (default: none required)")
     args = p.parse_args(argv)
     require = {r.strip() for r in args.require.split(",") if r.strip()}
     unknown = require - set(PACKAGES)

@@ -16,21 +16,32 @@ CUDA, PyTorch's variable-length kernel takes them in a few calls (``fused_cuda.p
 Backends:
   * ``torch``: PyTorch's own fused kernels -- on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
     backward (what the tests run); on CUDA ``fused_cuda.TorchCUDABackend`` (flash for bf16/fp16, memory-efficient
-    for fp32 and masks; never executed here). ``auto`` on CUDA without flash-attn.
+    for fp32 and masks; never executed here). ``auto`` on a GPU without a measured table (``kernel_table.py``).
+  * ``cudnn``, ``fa3``, ``fa4``: cuDNN's fused attention (stock PyTorch) and FlashAttention-3 / 4 through PyTorch's
+    registry (``hopper.py``; GQA native, never executed here).
+  * ``auto``: on a GPU the fastest backend of the table ``bench/attention_kernels.py`` measured on it (or its
+    generation) that this process can run (``auto_choice``); on CPU ``torch``.
   * ``math``: plain matmul/softmax on any device (the reference; O(s^2) memory: only when named).
   * ``flash``: flash-attn 2's ``_flash_attn_forward/_flash_attn_backward`` (GPU; never executed here).
   * ``te``: TransformerEngine's ``fused_attn_fwd/fused_attn_bwd`` (GPU; never executed here).
 """
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from typing import Optional
 
 import torch
 
 from ..config import ConfigError
+from ..config.combinations import CUDA_ONLY
 from .fused_cuda import TorchCUDABackend
+from .hopper import CudnnBackend, RegisteredFlashBackend, unavailable
+from .kernel_table import table_for_gpu
 from .piecewise import ByRectangles
+
+log = logging.getLogger(__name__)
 
 
 def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
@@ -197,24 +208,31 @@ class TEBackend(_NoRectangles):
 
 class Kernels:
     """The local kernel named by ``parallel.attention_backend``, one instance per device type, for every module that
-    calls kernels (local, ring, Ulysses' inner attention, FPDT's chunks). A named GPU library that is not installed
-    is a ``ConfigError`` when the model is built, not an ImportError at the first forward."""
+    calls kernels (local, ring, Ulysses' inner attention, FPDT's chunks). A named backend this process cannot run (a
+    package not installed, a GPU of another generation) is one ``ConfigError`` line when the model is built, not an
+    ImportError at the first forward; ``auto`` skips such backends silently. ``device_type`` (a rehearsal: kernels
+    chosen for a device the process does not run on) builds cuDNN's and FlashAttention-3 / 4's adapters for their
+    aten ops' shape functions, without their packages."""
 
     def __init__(self, name: str = "auto", device_type: Optional[str] = None):
         self.name, self.device_type = name, device_type  # device_type: chooses for every device (a rehearsal)
-        if name in ("flash", "te"):
-            try:
-                get_backend(name)
-            except ImportError as e:
-                raise ConfigError(f"parallel.attention_backend {name} needs a package that is not installed "
-                                  f"({e}); use auto or torch") from None
+        if name not in NAMES:
+            raise ConfigError(f"unknown parallel.attention_backend {name!r}; valid: {', '.join(NAMES)}")
+        why = None if device_type is not None and name in REGISTRY_OPS else missing(name)
+        if why is not None:
+            raise ConfigError(f"parallel.attention_backend {name} {why}; use auto or torch")
         self._by_device: dict = {}
 
     def __call__(self, device: torch.device):
-        """The kernel for ``device`` (``auto``: flash-attn on CUDA when installed, torch's CPU op on CPU)."""
+        """The kernel for ``device`` (``auto``: the fastest measured on this GPU, ``kernel_table.py``; the CPU's
+        fused kernel on CPU)."""
         kind = self.device_type or device.type
+        if kind == "cpu" and self.name in CUDA_ONLY:  # train.device auto on a machine without a GPU
+            raise ConfigError(f"parallel.attention_backend {self.name} runs on CUDA only, and this run's device is "
+                              f"the CPU; use auto, torch or math")
         if kind not in self._by_device:
-            self._by_device[kind] = get_backend(self.name, torch.device(kind))
+            real = device if self.device_type is None else None
+            self._by_device[kind] = get_backend(self.name, torch.device(kind), real_device=real)
         return self._by_device[kind]
 
     @staticmethod
@@ -223,24 +241,66 @@ class Kernels:
         return backend if isinstance(backend, Kernels) else Kernels(backend)
 
 
-def get_backend(name: str = "auto", device: Optional[torch.device] = None):
-    """``auto``: flash-attn on CUDA when installed (PyTorch's varlen kernel for rectangles), else
-    PyTorch's fused kernels; on CPU, PyTorch's CPU flash kernel. ``torch``: PyTorch's fused kernel of the device.
-    ``math`` only when named."""
+NAMES = ("auto", "torch", "cudnn", "fa3", "fa4", "math", "flash", "te")
+REGISTRY_OPS = ("cudnn", "fa3", "fa4")  # reached through aten ops: shape functions without a GPU or a package
+LIBRARIES = {"flash": "flash_attn", "te": "transformer_engine"}
+
+
+def missing(name: str, device: Optional[torch.device] = None) -> Optional[str]:
+    """Why backend ``name`` cannot run in this process (None: it can; auto, torch and math always can)."""
+    if name in REGISTRY_OPS:
+        return unavailable(name, device)
+    if name in LIBRARIES:
+        try:
+            get_backend(name, torch.device("cuda"))
+        except ImportError as e:
+            return f"needs a package that is not installed ({e})"
+    return None
+
+
+def get_backend(name: str = "auto", device: Optional[torch.device] = None,
+                real_device: Optional[torch.device] = None):
+    """``auto``: on CUDA the backend ``auto_choice`` names, on CPU PyTorch's CPU flash kernel. ``torch``: PyTorch's
+    fused kernel of the device. ``math`` only when named. ``real_device``: the GPU the kernels run on (None: a
+    rehearsal or a test, which gets the aten ops without activating any package)."""
     dev = device.type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     if name == "auto":
-        if dev == "cuda":
-            try:
-                return FlashAttnBackend(masked=TorchCUDABackend())
-            except ImportError:
-                return TorchCUDABackend()
-        return TorchCPUBackend()
+        if dev != "cuda":
+            return TorchCPUBackend()
+        name = auto_choice(str(real_device) if real_device is not None else None)
+        if name == "flash":
+            return FlashAttnBackend(masked=TorchCUDABackend())  # rectangles: PyTorch's varlen kernel
     if name == "torch":
         return TorchCUDABackend() if dev == "cuda" else TorchCPUBackend()
     if name == "math":
         return MathBackend()
+    if name == "cudnn":
+        return CudnnBackend()
+    if name in ("fa3", "fa4"):
+        return RegisteredFlashBackend(name, activate=real_device is not None)
     if name == "flash":
         return FlashAttnBackend()
     if name == "te":
         return TEBackend()
-    raise ValueError(f"unknown attention backend {name!r} (auto, torch, math, flash, te)")
+    raise ValueError(f"unknown attention backend {name!r} ({', '.join(NAMES)})")
+
+
+@functools.lru_cache(maxsize=None)
+def auto_choice(device: Optional[str]) -> str:
+    """``auto`` on a GPU (once per process and device): the fastest backend of the table measured on this GPU, else
+    on its generation (``kernel_table.table_for_gpu``), among those this process can run; ``torch`` without a table
+    or without a real GPU (a rehearsal). Said once in the log, with the table's GPU and date."""
+    if device is None or not torch.cuda.is_available():
+        return "torch"
+    dev = torch.device(device)
+    gpu, cap = torch.cuda.get_device_name(dev), ".".join(map(str, torch.cuda.get_device_capability(dev)))
+    table = table_for_gpu(gpu, cap)
+    if table is None:
+        log.info("attention_backend auto: torch (no attention table measured on %s or its generation in "
+                 "configs/hardware; bench/attention_kernels.py writes one)", gpu)
+        return "torch"
+    runnable = [b for b in table.backends if b != "math" and missing(b, dev) is None]
+    pick = table.fastest(runnable) or "torch"
+    log.info("attention_backend auto: %s, the fastest of %s as %s measured them", pick, ", ".join(runnable) or "none",
+             table.source)
+    return pick

@@ -47,6 +47,12 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+def no_rng(q: torch.Tensor) -> tuple:
+    """The dense kernels' RNG seed and offset: dropout is 0, so they are never read (placeholders)."""
+    placeholder = torch.zeros((), dtype=torch.int64, device=q.device)
+    return placeholder, placeholder
+
+
 def _index(dev: torch.device, values: np.ndarray) -> torch.Tensor:
     """A host index array on ``dev``; on CUDA from pinned memory without blocking (no stream sync)."""
     t = torch.from_numpy(values)
@@ -145,31 +151,38 @@ class TorchCUDABackend:
         return g if nq == nkv else g.view(b, nkv, nq // nkv, s, d).sum(2)
 
     def forward(self, q, k, v, causal: bool, scale: Optional[float] = None):
-        sq = q.shape[2]
-        ke, ve = self._repeat(k, v, q.shape[1])
         if self._uses_flash(q):
-            res = self.ops._scaled_dot_product_flash_attention(q, ke, ve, 0.0, causal, False, scale=scale)
-            return res[0], res[1].float()
+            return self._low_precision_forward(q, k, v, causal, scale)
+        ke, ve = self._repeat(k, v, q.shape[1])
         out, lse, _, _ = self.ops._scaled_dot_product_efficient_attention(q, ke, ve, None, True, 0.0, causal,
                                                                            scale=scale)
-        return out, lse[..., :sq].float()
+        return out, lse[..., :q.shape[2]].float()
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float] = None):
+        if self._uses_flash(q):
+            return self._low_precision_backward(dout, q, k, v, out, lse.float().contiguous(), causal, scale)
         b, nq, sq, d = q.shape
         nkv = k.shape[1]
         ke, ve = self._repeat(k, v, nq)
-        lse = lse.float().contiguous()
-        placeholder = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout 0: RNG state unused
-        if self._uses_flash(q):
-            dq, dk, dv = self.ops._scaled_dot_product_flash_attention_backward(
-                dout.contiguous(), q, ke, ve, out, lse, None, None, sq, ke.shape[2], 0.0, causal, placeholder,
-                placeholder, scale=scale)
-        else:
-            lse_p = torch.zeros(b, nq, _round_up(sq, LSE_PAD), dtype=torch.float32, device=q.device)
-            lse_p[..., :sq] = lse
-            dq, dk, dv, _ = self.ops._scaled_dot_product_efficient_attention_backward(
-                dout.contiguous(), q, ke, ve, None, out, lse_p, placeholder, placeholder, 0.0,
-                [True, True, True, False], causal, scale=scale)
+        lse_p = torch.zeros(b, nq, _round_up(sq, LSE_PAD), dtype=torch.float32, device=q.device)
+        lse_p[..., :sq] = lse
+        dq, dk, dv, _ = self.ops._scaled_dot_product_efficient_attention_backward(
+            dout.contiguous(), q, ke, ve, None, out, lse_p, *no_rng(q), 0.0, [True, True, True, False], causal,
+            scale=scale)
+        return dq, self._sum_groups(dk, nkv), self._sum_groups(dv, nkv)
+
+    # ---- bf16 / fp16: the dense kernel of this backend (subclasses: cuDNN's, FlashAttention-3 / 4's) ----------
+    def _low_precision_forward(self, q, k, v, causal: bool, scale: Optional[float]):
+        ke, ve = self._repeat(k, v, q.shape[1])
+        res = self.ops._scaled_dot_product_flash_attention(q, ke, ve, 0.0, causal, False, scale=scale)
+        return res[0], res[1].float()
+
+    def _low_precision_backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float]):
+        nkv = k.shape[1]
+        ke, ve = self._repeat(k, v, q.shape[1])
+        dq, dk, dv = self.ops._scaled_dot_product_flash_attention_backward(
+            dout.contiguous(), q, ke, ve, out, lse, None, None, q.shape[2], ke.shape[2], 0.0, causal, *no_rng(q),
+            scale=scale)
         return dq, self._sum_groups(dk, nkv), self._sum_groups(dv, nkv)
 
     # ---- rectangles: the variable-length kernel -------------------------------------------------------------

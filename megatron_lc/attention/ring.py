@@ -15,7 +15,8 @@ j = (r - i) mod R and computes one block, always half the work of a full one:
     j >  r             the back c queries x all 2c keys of j (chunk r precedes everything of j)
 
 Partial results are merged by log-sum-exp in fp32 (``merge.py``). The next k/v transfer
-(``dist.batch_isend_irecv``) is issued before the current block is computed, so it overlaps compute.
+(``dist.batch_isend_irecv``) is issued before the current block is computed, so it overlaps compute -- the first
+one before the diagonal block (step 0), forward and backward, so no step waits for a transfer posted after it.
 
 Backward re-circulates k/v the same way; each rank computes the block gradients with the *merged* out and lse
 (exact: P_block = exp(S_block - lse_total)). dq stays local; the dk/dv of a foreign block travel with an
@@ -107,6 +108,12 @@ class RingCuts:
         return block_rects(self.documents, self.window, self.spans[r], self.spans[j])
 
 
+def _post_own_kv(k, v, comm: RingComm, op: str):
+    """Step 0's transfer: this rank's k/v to the next rank, posted before the diagonal block so that it runs during
+    it (None with a ring of one)."""
+    return comm.send_recv(torch.stack([k, v]), KV_TAG, op) if comm.size > 1 else None
+
+
 def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None, cuts: Optional[RingCuts] = None):
     """Forward of ring attention on zigzag-local tensors ``[b, n, 2c, d]``; returns fp32 (out, lse). ``cuts``: the
     blocks' rectangles under documents / a window (None: causal over the whole sequence)."""
@@ -114,13 +121,12 @@ def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None
         return _ring_forward_rects(q, k, v, comm, backend, scale, cuts)
     R, r = comm.size, comm.rank
     c = q.shape[2] // 2
+    pending = _post_own_kv(k, v, comm, "p2p_fwd")  # in flight during the diagonal block
     out, lse = backend.forward(q, k, v, True, scale)  # step 0: own k/v, causal on the local order
     out, lse = out.float(), lse.float()
     if R == 1:
         return out, lse
     q_back = q[:, :, c:].contiguous()
-    kv = torch.stack([k, v])
-    pending = comm.send_recv(kv, KV_TAG, "p2p_fwd")
     for i in range(1, R):
         kv = pending.wait()
         if i + 1 < R:
@@ -141,11 +147,10 @@ def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None
 def _ring_forward_rects(q, k, v, comm: RingComm, backend, scale, cuts: RingCuts):
     """``ring_forward`` over the blocks' rectangles, merged in place into one pair of fp32 accumulators."""
     R, r = comm.size, comm.rank
+    pending = _post_own_kv(k, v, comm, "p2p_fwd")  # in flight during the diagonal block
     acc = backend.forward_rects(q, k, v, cuts.rects(r, r), scale)
     if R == 1:
         return acc
-    kv = torch.stack([k, v])
-    pending = comm.send_recv(kv, KV_TAG, "p2p_fwd")
     for i in range(1, R):
         kv = pending.wait()
         if i + 1 < R:
@@ -163,6 +168,7 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm, backend, scale: Optio
         return _ring_backward_rects(dout, q, k, v, out, lse, comm, backend, scale, cuts)
     R, r = comm.size, comm.rank
     c = q.shape[2] // 2
+    pending_kv = _post_own_kv(k, v, comm, "p2p_bwd")  # in flight during the diagonal block
     dq0, dk0, dv0 = backend.backward(dout, q, k, v, out, lse, True, scale)
     if R == 1:
         return dq0, dk0, dv0
@@ -171,8 +177,6 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm, backend, scale: Optio
     del dq0, dk0, dv0  # (under bf16 their fp32 copies above are what stays)
     back = (dout[:, :, c:].contiguous(), q[:, :, c:].contiguous(), out[:, :, c:].contiguous(),
             lse[:, :, c:].contiguous())
-    kv = torch.stack([k, v])
-    pending_kv = comm.send_recv(kv, KV_TAG, "p2p_bwd")
     pending_dkv = None
     for i in range(1, R):
         kv = pending_kv.wait()
@@ -201,13 +205,12 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm, backend, scale: Optio
 def _ring_backward_rects(dout, q, k, v, out, lse, comm: RingComm, backend, scale, cuts: RingCuts):
     """``ring_backward`` over the blocks' rectangles: dq and each block's dk/dv added into fp32 accumulators."""
     R, r = comm.size, comm.rank
+    pending_kv = _post_own_kv(k, v, comm, "p2p_bwd")  # in flight during the diagonal block
     dq, dk0, dv0 = backend.backward_rects(dout, q, k, v, out, lse, cuts.rects(r, r), scale)
     if R == 1:
         return dq.to(q.dtype), dk0.to(k.dtype), dv0.to(v.dtype)
     own = torch.stack([dk0, dv0])
     del dk0, dv0
-    kv = torch.stack([k, v])
-    pending_kv = comm.send_recv(kv, KV_TAG, "p2p_bwd")
     pending_dkv = None
     for i in range(1, R):
         kv = pending_kv.wait()

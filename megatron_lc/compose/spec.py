@@ -15,6 +15,7 @@ here, not in the model code), the spec and the model's context.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional
@@ -32,20 +33,31 @@ from ..memory.recompute import SelectiveExecutor
 from ..model.attention import SelfAttention
 from ..model.head import LMHead
 from ..model.mlp import MLP
+from ..model.norm import build_norm, norm_kind
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..parallel.topology import Topology
 from .context import ModelContext
 
 
+def no_norm(hidden: int, eps: float, grads_partial_over_tp: bool) -> nn.Module:
+    """Where the architecture has no norm (a post norm off): ``nn.Identity``, which returns its input itself."""
+    return nn.Identity()
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """Which class builds each part (constructor signatures those of the plain classes) and the layers' executor
-    factory (``None``: plain autograd)."""
+    """Which class builds each part (constructor signatures those of the plain classes), the layers' executor
+    factory (``None``: plain autograd) and the norms the architecture has (``model/norm.build_norm``'s signature
+    ``(hidden, eps, grads_partial_over_tp)``; ``qk_norm`` None: no q/k norm)."""
 
     attention_block: type = SelfAttention  # (cfg, parts, layer_number, output_std)
     mlp: type = MLP  # (cfg, parts, output_std)
     head: type = LMHead  # (cfg, parts, tied_embedding)
     executor: Optional[Callable[[], object]] = None  # () -> fn(layer, x, rope) -> y
+    norm: Callable[..., nn.Module] = partial(build_norm, "RMSNorm")  # every hidden-size norm
+    qk_norm: Optional[Callable[..., nn.Module]] = None  # per head, over kv_channels (model.qk_layernorm)
+    post_self_attn_norm: Callable[..., nn.Module] = no_norm  # model.post_self_attn_layernorm
+    post_mlp_norm: Callable[..., nn.Module] = no_norm  # model.post_mlp_layernorm
 
 
 # The class each slot's technique builds, looked up by ``config.Techniques`` (adding a technique: one entry here)
@@ -81,8 +93,21 @@ def model_spec(cfg: Config, layout: Layout, ctx: ModelContext) -> ModelSpec:
     """The spec of ``cfg``: each slot's class looked up by its technique (``config.resolve_techniques``;
     combinations were refused by ``resolve_layout`` before this point)."""
     t = resolve_techniques(cfg, layout)
-    return ModelSpec(attention_block=ATTENTION_BLOCKS[t.attention_block], mlp=MLPS[t.mlp_and_head],
-                     head=HEADS[t.mlp_and_head], executor=EXECUTORS[t.executor](ctx, layout, t.attention_block))
+    return dataclasses.replace(
+        architecture_spec(cfg), attention_block=ATTENTION_BLOCKS[t.attention_block], mlp=MLPS[t.mlp_and_head],
+        head=HEADS[t.mlp_and_head], executor=EXECUTORS[t.executor](ctx, layout, t.attention_block))
+
+
+def architecture_spec(cfg: Config) -> ModelSpec:
+    """The plain model's spec with the norms of ``cfg.model``'s architecture: the norm class (``RMSNorm``,
+    Gemma's ``ZeroCenteredRMSNorm`` with ``apply_layernorm_1p``, ``LayerNorm``) for every norm, and for the q/k
+    norms and the post norms where the model has them. Example, Gemma 3: ``norm = qk_norm = post_self_attn_norm =
+    post_mlp_norm = build_norm("RMSNorm1p", ...)``; Llama: ``norm`` RMSNorm, no q/k norm, no post norms."""
+    m = cfg.model
+    norm = partial(build_norm, norm_kind(m.normalization, m.apply_layernorm_1p))
+    return ModelSpec(norm=norm, qk_norm=norm if m.qk_layernorm else None,
+                     post_self_attn_norm=norm if m.post_self_attn_layernorm else no_norm,
+                     post_mlp_norm=norm if m.post_mlp_layernorm else no_norm)
 
 
 @dataclass
@@ -92,9 +117,13 @@ class ModelParts:
     cfg: Config
     layout: Layout
     topo: Topology
-    spec: ModelSpec = field(default_factory=ModelSpec)
+    spec: Optional[ModelSpec] = None  # None: the plain model of the config's architecture (``architecture_spec``)
     ctx: ModelContext = field(default_factory=ModelContext)
     execution: Optional[Execution] = None  # the run's; None: attention kernels chosen by the tensors' device
+
+    def __post_init__(self) -> None:
+        if self.spec is None:
+            self.spec = architecture_spec(self.cfg)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -118,4 +147,15 @@ class ModelParts:
                        self.execution.kernel_device if self.execution is not None else None)
 
     def core_attention(self, layer_number: int) -> nn.Module:
+        """Layer ``layer_number``'s core attention, with its window (``Layout.window``)."""
         return build_core_attention(self.layout, self.topo, self.kernels(), layer_number)
+
+    def rope_key(self, layer_number: int) -> str:
+        """The name of layer ``layer_number``'s RoPE table (``Layout.rope``: theta and whether rope_scaling
+        applies), the same for layers that share one: Gemma 3 4B's local layers ``"theta_10000"``, its global ones
+        ``"theta_1e+06_scaled"``; ``""`` without RoPE."""
+        rope = self.layout.rope(layer_number)
+        if rope is None:
+            return ""
+        scaled = "_scaled" if rope[1] and self.cfg.model.rope_scaling else ""
+        return f"theta_{rope[0]:.12g}".replace(".", "_") + scaled

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from .base import ConfigError
 
+CUDA_ONLY = ("cudnn", "fa3", "fa4", "flash", "te")  # attention backends with no CPU kernel (attention/backends.py)
+
 
 def _refusals(cfg):
     """(condition, message) for every refused pair."""
@@ -39,6 +41,9 @@ def _refusals(cfg):
     yield (p.use_torch_fsdp2 and p.use_distributed_optimizer,
            "parallel.use_torch_fsdp2 with parallel.use_distributed_optimizer: FSDP2 already shards the optimizer "
            "states (with the weights and gradients); set use_distributed_optimizer false")
+    yield (p.attention_backend in CUDA_ONLY and cfg.train.device == "cpu",
+           f"parallel.attention_backend={p.attention_backend} with train.device=cpu: its kernels run on CUDA only; "
+           f"use attention_backend auto, torch or math")
     yield (p.fsdp_cpu_offload and not p.use_torch_fsdp2,
            "parallel.fsdp_cpu_offload without parallel.use_torch_fsdp2: the offload is FSDP2's (CPUOffloadPolicy); "
            "set use_torch_fsdp2 true")

@@ -66,10 +66,17 @@ class Layout:
     # each layer's causal sliding window in tokens (None: full attention; model.sliding_window, model.layer_types):
     # the core attention built for layer n takes windows[n]
     windows: tuple = ()
+    # each layer's RoPE as (theta, rope_scaling applies) (None without RoPE; model.rope_local_base_freq on the
+    # sliding_attention layers): the model computes each distinct table once a step and hands layer n ropes[n]'s
+    ropes: tuple = ()
 
     def window(self, layer_number: int):
         """Layer ``layer_number``'s window (None: every earlier key)."""
         return self.windows[layer_number] if self.windows else None
+
+    def rope(self, layer_number: int):
+        """Layer ``layer_number``'s RoPE: (theta, rope_scaling applies), or None without RoPE."""
+        return self.ropes[layer_number] if self.ropes else None
 
     @property
     def sp_degree(self) -> int:
@@ -157,7 +164,7 @@ def resolve_layout(cfg, world_size: int) -> Layout:
     return Layout(world_size=world_size, dp=dp, tp=tp, cp=cp, ring=p.ring_size, ulysses=p.ulysses_size,
                   cp_comm_type=p.cp_comm_type, sequence_parallel=sp, seq_length=s, seq_multiple=mult, fpdt_chunks=u,
                   heads=heads, kv_heads=kv_heads, kv_replication=rep, micro_batch_size=mbs, global_batch_size=gbs,
-                  windows=m.attention_windows())
+                  windows=m.attention_windows(), ropes=m.layer_ropes())
 
 
 __all__ = ["Layout", "resolve_layout", "kv_replication"]

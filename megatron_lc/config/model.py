@@ -1,6 +1,7 @@
 """`model:` section. Key names follow Megatron-LM's arguments."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -49,7 +50,7 @@ class ModelConfig:
 
     num_layers: int = 2
     hidden_size: int = 256
-    ffn_hidden_size: Optional[int] = None  # default: 4*h (GeLU) or Llama's 8/3*h rounded to 64 (SwiGLU)
+    ffn_hidden_size: Optional[int] = None  # default: 4*h (GeLU) or Llama's 8/3*h rounded to 64 (gated: SwiGLU, GeGLU)
     num_attention_heads: int = 8
     num_query_groups: Optional[int] = None  # kv heads; default = num_attention_heads (MHA)
     kv_channels: Optional[int] = None  # head dim; default hidden_size // num_attention_heads
@@ -80,6 +81,23 @@ class ModelConfig:
     # per layer, Hugging Face's names: sliding_attention (the window) or full_attention (every earlier key), e.g.
     # Gemma 3's five local layers to one global one. Unset: every layer sliding_attention with a sliding_window
     layer_types: Optional[list[Literal["sliding_attention", "full_attention"]]] = None
+    # RoPE theta of the sliding_attention layers, which then take no rope_scaling (Gemma 3's local layers: 10000;
+    # the full_attention layers keep rotary_base and rope_scaling). Unset: every layer rotary_base + rope_scaling
+    rope_local_base_freq: Optional[float] = None
+
+    # The switches between the Hugging Face families (docs/model_families.md), Megatron-LM's names:
+    add_qkv_bias: bool = False  # a bias on the QKV projection only (Qwen2 / 2.5); add_bias_linear: on every linear
+    qk_layernorm: bool = False  # RMSNorm over each head's q and k before RoPE, weights [kv_channels] (Qwen3, Gemma 3)
+    apply_layernorm_1p: bool = False  # every norm scales by (1 + weight), the weight starting at 0 (Gemma)
+    post_self_attn_layernorm: bool = False  # a norm on the attention block's output before the residual (Gemma 2/3)
+    post_mlp_layernorm: bool = False  # a norm on the MLP's output before the residual (Gemma 2/3)
+    # a gated MLP (fc1 = [gate; up], act(gate) * up): unset = swiglu. swiglu: false with gated_linear_unit: true is
+    # GeGLU with tanh GELU (Gemma); swiglu: true is SiLU's gate
+    gated_linear_unit: Optional[bool] = None
+    scale_embeddings: bool = False  # the embedding's output times sqrt(hidden_size), rounded to its dtype (Gemma)
+    softmax_scale: Optional[float] = None  # the attention's query scale; unset: 1/sqrt(kv_channels)
+    # the architecture tools/convert_to_hf.py writes (set by the importer; unset: the first family the switches fit)
+    hf_architecture: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
@@ -91,8 +109,13 @@ class ModelConfig:
                   f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_attention_heads "
                   f"({self.num_attention_heads}), or set model.kv_channels")
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.gated_linear_unit is None:
+            self.gated_linear_unit = self.swiglu
+        check(self.gated_linear_unit or not self.swiglu,
+              "model.swiglu: true with model.gated_linear_unit: false: SwiGLU is a gated MLP; set swiglu false for a "
+              "plain GeLU MLP")
         if self.ffn_hidden_size is None:
-            if self.swiglu:
+            if self.gated_linear_unit:
                 self.ffn_hidden_size = 64 * ((int(8 * self.hidden_size / 3) + 63) // 64)
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
@@ -106,6 +129,15 @@ class ModelConfig:
               "model.rope_scaling needs model.position_embedding_type: rope")
         check(self.sliding_window is None or self.sliding_window >= 1,
               f"model.sliding_window ({self.sliding_window}) must be >= 1 token")
+        check(not self.apply_layernorm_1p or self.normalization == "RMSNorm",
+              "model.apply_layernorm_1p with model.normalization=LayerNorm: the (1 + weight) norm is Gemma's RMSNorm; "
+              "use normalization RMSNorm")
+        check(self.softmax_scale is None or self.softmax_scale > 0,
+              f"model.softmax_scale ({self.softmax_scale}) must be positive")
+        check(self.rope_local_base_freq is None or (self.rope_local_base_freq > 0
+                                                    and self.position_embedding_type == "rope"),
+              f"model.rope_local_base_freq ({self.rope_local_base_freq}) needs a positive value and "
+              f"model.position_embedding_type: rope")
         if self.layer_types is not None:
             check(len(self.layer_types) == self.num_layers,
                   f"model.layer_types has {len(self.layer_types)} entries for model.num_layers ({self.num_layers})")
@@ -118,6 +150,24 @@ class ModelConfig:
         1024, None)``."""
         types = self.layer_types or ["sliding_attention"] * self.num_layers
         return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
+
+    def layer_ropes(self) -> tuple:
+        """Each layer's RoPE as (theta, rope_scaling applies); None without RoPE. ``rope_local_base_freq`` is the
+        theta of the layers with a window (none without ``sliding_window``). Example, Gemma 3 with
+        ``rotary_base: 1e6, rope_local_base_freq: 10000``, ``layer_types`` five sliding then one full:
+        ``((10000.0, False),) * 5 + ((1e6, True),)``."""
+        if self.position_embedding_type != "rope":
+            return (None,) * self.num_layers
+        local = self.rope_local_base_freq
+        return tuple((float(local), False) if local is not None and w is not None else (float(self.rotary_base), True)
+                     for w in self.attention_windows())
+
+    @property
+    def query_scale(self) -> float:
+        """What q is multiplied by before the core attention, whose kernels scale by 1/sqrt(kv_channels):
+        ``softmax_scale * sqrt(kv_channels)`` (1 unless softmax_scale is set). Gemma 3 27B: head dim 128,
+        query_pre_attn_scalar 168 -> softmax_scale 168^-0.5, q times sqrt(128/168)."""
+        return 1.0 if self.softmax_scale is None else self.softmax_scale * math.sqrt(self.kv_channels)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -135,11 +185,16 @@ class ModelConfig:
         d, nq, nkv = self.kv_channels, self.num_attention_heads, self.num_query_groups
         norm = h if self.normalization == "RMSNorm" else 2 * h
         attn = h * d * (nq + 2 * nkv) + nq * d * h
-        mlp = h * f * (3 if self.swiglu else 2)
+        mlp = h * f * (3 if self.gated_linear_unit else 2)
+        if self.add_bias_linear or self.add_qkv_bias:
+            attn += d * (nq + 2 * nkv)
         if self.add_bias_linear:
-            attn += d * (nq + 2 * nkv) + h
-            mlp += f * (2 if self.swiglu else 1) + h
-        layer = attn + mlp + 2 * norm
+            attn += h
+            mlp += f * (2 if self.gated_linear_unit else 1) + h
+        if self.qk_layernorm:
+            attn += 2 * d
+        norms = 2 + self.post_self_attn_layernorm + self.post_mlp_layernorm
+        layer = attn + mlp + norms * norm
         emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
         head = v * h if self.untie_embeddings_and_output_weights else 0
         return self.num_layers * layer + emb + head + norm

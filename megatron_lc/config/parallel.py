@@ -24,7 +24,10 @@ class ParallelConfig:
     # --use-torch-fsdp2); fsdp_cpu_offload keeps the shards, gradients and AdamW states on the host
     use_torch_fsdp2: bool = False
     fsdp_cpu_offload: bool = False
-    attention_backend: Literal["auto", "torch", "math", "flash", "te"] = "auto"  # attention/backends.py
+    # attention/backends.py: auto (the fastest measured on this GPU, configs/hardware), torch (PyTorch's fused
+    # kernels), cudnn (cuDNN's, in stock PyTorch), fa3 / fa4 (FlashAttention-3 / 4 through torch's registry),
+    # flash (flash-attn 2), te (TransformerEngine), math (the reference)
+    attention_backend: Literal["auto", "torch", "cudnn", "fa3", "fa4", "math", "flash", "te"] = "auto"
     # auto: gloo on CPU; on CUDA "cpu:gloo,cuda:nccl" -- NCCL for device tensors, gloo for the few CPU scalars
     # (step flags, token counts); plain "nccl" refuses every CPU tensor
     distributed_backend: Literal["auto", "gloo", "nccl", "cpu:gloo,cuda:nccl"] = "auto"

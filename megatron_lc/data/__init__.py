@@ -1,12 +1,14 @@
 """Data: ``tokenizer.py`` (SentencePiece), ``indexed.py`` (Megatron .bin/.idx through megatron-core's
-``IndexedDataset``), ``dataset.py`` (packed samples, document fields, mock data), ``demo.py`` (the demo corpus),
-``errors.py`` (``DataError``)."""
+``IndexedDataset``), ``chat.py`` (conversations: a loss mask beside the tokens), ``conversations.py`` (rendering
+them with a chat template), ``dataset.py`` (packed samples, document fields, mock data), ``demo.py`` (the demo
+corpus), ``errors.py`` (``DataError``)."""
 from __future__ import annotations
 
 import dataclasses
 import logging
 
 from ..config import Config
+from .chat import open_loss_mask
 from .dataset import MockDataset, make_batch, microbatch_sample_ids
 from .errors import DataError
 from .gpt import DataSplits, build_splits
@@ -74,6 +76,13 @@ def build_dataset(cfg: Config, sizes: list[int]) -> DataSplits:
     if blend is None:
         raise DataError("data.data_path is not set (or set data.mock_data: true for random tokens)")
     indexed = [open_indexed(p) for p in blend[0]]  # the files first: a missing one is named before the tokenizer
+    chat = [p for p, ds in zip(blend[0], indexed) if open_loss_mask(p, ds) is not None]  # checked against the tokens
+    backend = cfg.parallel.attention_backend
+    if chat and backend in ("flash", "te"):
+        raise DataError(f"data.data_path {chat[0]} holds conversations (a loss mask beside its tokens), each its own "
+                        f"document, with parallel.attention_backend={backend}: documents reach the kernel as "
+                        f"rectangles, which the flash-attn / TransformerEngine adapters do not take; use "
+                        f"attention_backend auto or torch")
     tok = build_tokenizer(d, cfg.model.vocab_size)
     check_vocab(tok, cfg.model.vocab_size)
     return build_splits(cfg, tok, sizes, indexed)

@@ -1,7 +1,8 @@
 """The per-step batch schedule, batches with their document fields, and mock samples.
 
 A dataset is anything whose ``dataset[k]`` is global sample ``k`` (``seq_length + 1`` token ids: inputs and
-next-token labels) and whose ``eod`` ends documents: megatron-core's GPTDataset splits (``gpt.py``) or
+next-token labels), whose ``read(k)`` is those ids and the per-token flags of a conversation (None for text:
+``chat.py``), and whose ``eod`` ends documents: megatron-core's GPTDataset splits (``gpt.py``) or
 ``MockDataset``. The data position saved in a checkpoint is the number of samples consumed.
 
 Batch schedule: step t uses global samples ``[t*gbs, (t+1)*gbs)``; micro-batch m of dp rank d takes
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from ..config.documents import DocumentRanges
+from .chat import FLAG_START, FLAG_TRAINED
 
 
 # Mock documents' lengths: lognormal with sigma 1 (a long tail: the demo corpus's length-weighted mean is 2.7x its
@@ -61,6 +63,10 @@ class MockDataset:
         self.eod = vocab_size - 1
         self.mean_document_length = mean_document_length
 
+    def read(self, k: int) -> tuple[np.ndarray, None]:
+        """(token ids, no flags): mock samples are text."""
+        return self[k], None
+
     def __getitem__(self, k: int) -> np.ndarray:
         key = [self.seed, int(k)] + ([self.split] if self.split else [])
         rng = np.random.default_rng(key)
@@ -78,6 +84,15 @@ def microbatch_sample_ids(micro: int, gbs: int, mbs: int, dp: int, dp_rank: int)
     return list(range(base, base + mbs))
 
 
+def restart_positions(is_end: torch.Tensor) -> torch.Tensor:
+    """Positions ``[b, s]`` that restart at 0 after every token ``is_end`` marks (the last token of its document).
+    Example, ends at 2 and 5 of 7 tokens: ``0 1 2 0 1 2 0``."""
+    arange = torch.arange(is_end.shape[1]).expand_as(is_end)
+    start = torch.zeros_like(arange)
+    start[:, 1:] = torch.where(is_end[:, :-1], arange[:, 1:], torch.zeros_like(arange[:, 1:]))
+    return arange - torch.cummax(start, dim=1).values
+
+
 def document_fields(tokens: torch.Tensor, eod: int, reset_position_ids: bool, reset_attention_mask: bool,
                     eod_mask_loss: bool, loss_mask: torch.Tensor) -> dict:
     """Megatron's document options for a packed batch ``tokens [b, s]`` whose documents end with ``eod``:
@@ -90,26 +105,58 @@ def document_fields(tokens: torch.Tensor, eod: int, reset_position_ids: bool, re
     Example, tokens ``a b EOD c d EOD e``: document_ids ``0 0 0 1 1 1 2``, position_ids ``0 1 2 0 1 2 0``, loss mask
     ``1 1 0 1 1 0 1``. Returns the fields to update the batch with."""
     is_eod = tokens == eod
-    doc = torch.cumsum(is_eod.long(), dim=1) - is_eod.long()  # the EOD belongs to the document it ends
     out = {}
     if reset_position_ids:
-        s = tokens.shape[1]
-        arange = torch.arange(s).expand_as(tokens)
-        start = torch.zeros_like(doc)
-        start[:, 1:] = torch.where(is_eod[:, :-1], arange[:, 1:], torch.zeros_like(arange[:, 1:]))
-        out["position_ids"] = arange - torch.cummax(start, dim=1).values
+        out["position_ids"] = restart_positions(is_eod)
     if reset_attention_mask:
-        out["document_ids"] = doc
+        out["document_ids"] = torch.cumsum(is_eod.long(), dim=1) - is_eod.long()  # the EOD belongs to its document
     if eod_mask_loss:
         out["loss_mask"] = loss_mask * (~is_eod).to(loss_mask.dtype)
     return out
 
 
+def conversation_fields(tokens: torch.Tensor, flags: list, eod: int, data_cfg) -> dict:
+    """The fields of a batch with at least one row of a conversation prefix (``flags[row]``: its ``seq_length + 1``
+    per-token flags, ``chat.FLAG_TRAINED`` / ``FLAG_START``; None for a text row, which keeps the ``data.reset_*`` /
+    ``eod_mask_loss`` rules of ``document_fields``). In a conversation row, whatever those keys say:
+
+    * each conversation is a document: positions restart and attention stops where the next one starts;
+    * the loss is on the labels of trained tokens (the assistant turns) only, and only in conversations that start
+      in this row: the rest of one cut by the previous sample's end is read without its prompt, so not trained.
+
+    Example, a sample ``a2 a3 | b1 b2 b3 b4 | c1 c2 c3`` (8 inputs and the last label; b starts at b1, c at c1, a
+    was cut by the sample's start) with ``a2 a3 b3 b4`` trained: positions ``0 1 0 1 2 3 0 1`` for the inputs
+    ``a2 .. c2``, document ids ``0 0 1 1 1 1 2 2``, loss mask (labels ``a3 .. c3``) ``0 0 0 1 1 0 0 0``: ``b3 b4``
+    only (``a3`` ends a conversation whose prompt is in the previous sample)."""
+    b, s = tokens.shape
+    d = data_cfg
+    is_eod = tokens == eod
+    none = torch.zeros_like(is_eod)
+    ends_pos, ends_doc, loss = none.clone(), none.clone(), torch.ones(b, s, dtype=torch.float32)
+    for i, f in enumerate(flags):
+        if f is None:  # a text row of a blend
+            ends_pos[i] = is_eod[i] if d is not None and d.reset_position_ids else none[i]
+            ends_doc[i] = is_eod[i] if d is not None and d.reset_attention_mask else none[i]
+            if d is not None and d.eod_mask_loss:
+                loss[i] = (~is_eod[i]).float()
+            continue
+        f = torch.from_numpy(np.asarray(f, dtype=np.int64))
+        starts = (f & FLAG_START) != 0  # [s + 1]
+        ends_pos[i] = ends_doc[i] = starts[1:]  # token t ends its conversation when token t + 1 starts the next
+        begun = torch.cummax(starts.long(), dim=0).values[1:] > 0  # the label's conversation starts in this row
+        loss[i] = (((f[1:] & FLAG_TRAINED) != 0) & begun & ~starts[1:]).float()
+    cu = tuple((0, *(int(x) + 1 for x in np.flatnonzero(e[:-1].numpy())), s) for e in ends_doc)
+    return {"position_ids": restart_positions(ends_pos), "loss_mask": loss,
+            "document_ids": torch.cumsum(ends_doc.long(), dim=1) - ends_doc.long(), "documents": DocumentRanges(cu)}
+
+
 def make_batch(dataset, sample_ids: list[int], data_cfg=None) -> dict:
     """Full-sequence batch ``{tokens, labels, position_ids: [b, s], loss_mask, sample_ids}``, with the document
     fields of ``data_cfg`` (``reset_position_ids``, ``reset_attention_mask``: ``document_ids`` and ``documents``,
-    the host's ``config.DocumentRanges`` every core attention cuts its blocks by, ``eod_mask_loss``)."""
-    arr = np.stack([dataset[k] for k in sample_ids])
+    the host's ``config.DocumentRanges`` every core attention cuts its blocks by, ``eod_mask_loss``); with a
+    sample of a conversation prefix (``dataset.read(k)`` gives its flags), ``conversation_fields``."""
+    read = [dataset.read(k) for k in sample_ids]
+    arr = np.stack([ids for ids, _ in read])
     data = torch.from_numpy(arr)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     b, s = tokens.shape
@@ -121,6 +168,9 @@ def make_batch(dataset, sample_ids: list[int], data_cfg=None) -> dict:
         "sample_ids": torch.tensor(sample_ids),
     }
     d = data_cfg
+    if any(flags is not None for _, flags in read):  # from the host arrays, as the text rows' ranges below
+        batch.update(conversation_fields(tokens, [flags for _, flags in read], dataset.eod, d))
+        return batch
     if d is not None and (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
         batch.update(document_fields(tokens, dataset.eod, d.reset_position_ids, d.reset_attention_mask,
                                      d.eod_mask_loss, batch["loss_mask"]))

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..config.data import parse_length_mixing
+from .chat import ChatDocuments, has_loss_mask, open_loss_mask, split_flags
 from .errors import DataError
 from .indexed import CheckedTokens
 
@@ -130,7 +131,8 @@ def _document_dataset_class():
 
     class DocumentDataset(gpt.GPTDataset):
         """megatron-core's GPTDataset over ``EodDocuments``; the train split's documents after the prefix's
-        ``data.length_mixing`` rule (``config.length_mixing``, part of the index cache's key)."""
+        ``data.length_mixing`` rule (``config.length_mixing``, part of the index cache's key); a conversation
+        prefix (a loss mask beside its tokens, ``chat.py``) read by ``ChatDocuments``."""
 
         def __init__(self, low_level, dataset_path, indices, num_samples, index_split, config):
             rule = config.length_mixing.get(dataset_path)
@@ -142,23 +144,27 @@ def _document_dataset_class():
         def build_low_level_dataset(dataset_path, config):
             indexed = gpt.GPTDataset.build_low_level_dataset(dataset_path, config)
             # every read checked against the model's vocabulary (a file made with another tokenizer: one line)
-            return EodDocuments(CheckedTokens(indexed, dataset_path, config.model_vocab_size), config.tokenizer.eod,
-                                config.path_to_cache)
+            checked = CheckedTokens(indexed, dataset_path, config.model_vocab_size)
+            if has_loss_mask(dataset_path):  # conversations: tokens and their loss mask read together
+                return ChatDocuments(checked, open_loss_mask(dataset_path, indexed))
+            return EodDocuments(checked, config.tokenizer.eod, config.path_to_cache)
 
         @staticmethod
         def _key_config_attributes():
-            return gpt.GPTDataset._key_config_attributes() + ["length_mixing"]
+            return gpt.GPTDataset._key_config_attributes() + ["length_mixing", "conversations"]
 
     return DocumentDataset
 
 
 # ---- what the loop reads ---------------------------------------------------------------------------------------
 class SplitSamples:
-    """Global sample ``k`` of one split: ``seq_length + 1`` token ids (``dataset[k]``), ``eod``, ``len()``, and
+    """Global sample ``k`` of one split: ``seq_length + 1`` token ids (``dataset[k]``), with the per-token flags of
+    a conversation prefix (``read(k)``: ids and flags, None for text; ``chat.py``), ``eod``, ``len()``, and
     ``source(k)``: the index of the blend's prefix it came from."""
 
-    def __init__(self, ds, eod: int, split: str, prefixes: list[str]):
+    def __init__(self, ds, eod: int, split: str, prefixes: list[str], chat: Optional[list[bool]] = None):
         self.ds, self.eod, self.split, self.prefixes = ds, eod, split, prefixes
+        self.chat = chat or [False] * len(prefixes)
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -169,9 +175,15 @@ class SplitSamples:
                             f"(built for the run's train_iters x global batch size)")
         return self.ds[k]
 
-    def __getitem__(self, k: int) -> np.ndarray:
+    def read(self, k: int) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """(token ids, flags or None) of sample ``k``: flags (``chat.FLAG_TRAINED`` / ``FLAG_START``) for a sample of
+        a conversation prefix, None for text."""
         s = self._item(int(k))  # GPTDataset: tokens = text[:-1], labels = text[1:]
-        return np.concatenate([s["tokens"].numpy(), s["labels"][-1:].numpy()])
+        values = np.concatenate([s["tokens"].numpy(), s["labels"][-1:].numpy()])
+        return split_flags(values) if self.chat[int(s.get("dataset_id", 0))] else (values, None)
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        return self.read(k)[0]
 
     def source(self, k: int) -> int:
         return int(self._item(int(k)).get("dataset_id", 0))
@@ -246,11 +258,14 @@ def build_splits(cfg: Config, tokenizer, sizes: list[int], indexed: list) -> Dat
         if not size:  # a split the run does not read is not built
             config.split_matrix[i] = None
     config.length_mixing = mixing  # DocumentDataset's rule per prefix, and part of its cache key
+    # which prefixes hold conversations (no end-of-document id added: other lengths), also part of the key
+    config.conversations = sorted(p for p, _ in kept if has_loss_mask(p))
     config.model_vocab_size = cfg.model.vocab_size  # the token ids DocumentDataset reads must be below it
     with _single_process_rank(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron-core's pad-id warnings: our samples are never padded
         built = builder_mod.BlendedMegatronDatasetBuilder(
             _document_dataset_class(), list(sizes), lambda: True, config).build()
     names = [p for p, _ in kept]
-    return DataSplits(*[SplitSamples(ds, tokenizer.eod, name, names) if ds is not None else None
+    chat = [has_loss_mask(p) for p in names]
+    return DataSplits(*[SplitSamples(ds, tokenizer.eod, name, names, chat) if ds is not None else None
                         for name, ds in zip(SPLITS, built)])

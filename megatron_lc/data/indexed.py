@@ -20,25 +20,56 @@ def _indexed_module():
     return indexed_dataset
 
 
+LOSS_MASK_SUFFIX = ".loss_mask"  # PREFIX.loss_mask.bin/.idx: the loss mask of a conversation prefix (``chat.py``)
+
+
+def write_pairs(prefixes: list[str], dtypes: list, documents) -> None:
+    """Write documents to several ``.bin/.idx`` pairs at once: ``documents`` yields one array per prefix (equal
+    lengths within a document, e.g. tokens and their loss mask); empty documents are left out. Written to temporary
+    names and renamed at the end, last prefix first: an interrupted run leaves no half-written pair and the files
+    that were there before (its temporary files are removed)."""
+    mod = _indexed_module()
+    tmps = [f"{p}.tmp{os.getpid()}" for p in prefixes]
+    for p in prefixes:
+        os.makedirs(os.path.dirname(os.path.abspath(p)) or ".", exist_ok=True)
+    builders = [mod.IndexedDatasetBuilder(t + ".bin", dtype=d) for t, d in zip(tmps, dtypes)]
+    try:
+        for doc in documents:
+            if len(doc[0]) == 0:
+                continue
+            for b, part, d in zip(builders, doc, dtypes):
+                b.add_item(torch.as_tensor(np.require(part, dtype=d, requirements="W")))  # a read-only view: copied
+                b.end_document()
+        for b, t in zip(builders, tmps):
+            b.finalize(t + ".idx")
+    except BaseException:
+        for t in tmps:
+            for ext in (".bin", ".idx"):
+                if os.path.exists(t + ext):
+                    os.remove(t + ext)
+        raise
+    for p, t in reversed(list(zip(prefixes, tmps))):
+        os.replace(t + ".bin", p + ".bin")
+        os.replace(t + ".idx", p + ".idx")
+
+
 def write_indexed(prefix: str, documents, dtype=np.int32) -> int:
     """Write token-id documents (iterable of int sequences) to ``prefix.bin/.idx``; returns the token count.
 
-    Written to temporary names first and renamed, so an interrupted run leaves no half-written pair."""
-    mod = _indexed_module()
-    os.makedirs(os.path.dirname(os.path.abspath(prefix)) or ".", exist_ok=True)
-    tmp = f"{prefix}.tmp{os.getpid()}"
-    builder = mod.IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
-    total = 0
-    for doc in documents:
-        if len(doc) == 0:
-            continue
-        builder.add_item(torch.as_tensor(np.asarray(doc, dtype=dtype)))
-        builder.end_document()
-        total += len(doc)
-    builder.finalize(tmp + ".idx")
-    os.replace(tmp + ".bin", prefix + ".bin")
-    os.replace(tmp + ".idx", prefix + ".idx")
-    return total
+    Written to temporary names first and renamed (``write_pairs``); a conversation's loss mask left beside
+    ``prefix`` by an earlier ``--chat`` run is removed (these documents are text)."""
+    total = [0]
+
+    def counted():
+        for doc in documents:
+            total[0] += len(doc)
+            yield (doc,)
+
+    write_pairs([prefix], [dtype], counted())
+    for ext in (".bin", ".idx"):
+        if os.path.exists(prefix + LOSS_MASK_SUFFIX + ext):
+            os.remove(prefix + LOSS_MASK_SUFFIX + ext)
+    return total[0]
 
 
 class CheckedTokens:

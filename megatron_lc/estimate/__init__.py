@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,7 +19,7 @@ from .dims import Dims
 from .memory_estimate import MemoryEstimate, estimate_memory
 from .states import dims_for
 from .terms import terms_for
-from .time_estimate import TimeEstimate, estimate_time
+from .time_estimate import TimeEstimate, attention_kernel, estimate_time
 
 __all__ = ["Estimate", "estimate", "load_hardware", "HardwareProfile", "Dims"]
 
@@ -46,6 +47,9 @@ def estimate(cfg: Config, hw: HardwareProfile, world_size: int,
     layout = resolve_layout(cfg, world_size)
     terms = terms_for(resolve_techniques(cfg, layout), recompute_style)
     dims = dims_for(Dims.from_config(cfg, layout, hw.device), states)
+    backend = attention_kernel(cfg, dims, hw)[0]
+    if backend != cfg.parallel.attention_backend:  # auto: the backend a run picks on this GPU (its kernels' memory)
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, attention_backend=backend))
     t_layer = estimate_time(cfg, dims, hw, terms, alpha=None).t_layer_fwd
     mem = estimate_memory(cfg, dims, hw, terms, t_layer, activation_peak_override, states)
     tm = estimate_time(cfg, dims, hw, terms, mem.alpha)

@@ -34,7 +34,7 @@ class Dims:
     kv_heads: int  # kv heads (query groups) of the model
     head_dim: int
     vocab: int  # padded vocab
-    swiglu: bool
+    swiglu: bool  # a gated MLP, fc1 = [gate; up] (SwiGLU or GeGLU: model.gated_linear_unit; their sizes are equal)
     rmsnorm: bool
     untied_head: bool  # the head's weight is its own (untie_embeddings_and_output_weights)
     learned_positions: int  # max_position_embeddings when learned absolute positions, else 0
@@ -54,6 +54,10 @@ class Dims:
     fpdt_chunks: int = 1  # u, FPDT's chunks per rank (the layout's)
     doc_length: int = 0  # document masks: the length-weighted mean document length (data.mean_document_length); 0: s
     windows: tuple = ()  # each layer's causal sliding window in tokens (None: full attention; the layout's)
+    qkv_bias: bool = False  # a bias on the QKV projection (model.add_qkv_bias, or every linear's)
+    qk_norm: bool = False  # per-head norms of q and k (model.qk_layernorm)
+    post_attn_norm: bool = False  # a norm on the attention block's output (model.post_self_attn_layernorm)
+    post_mlp_norm: bool = False  # a norm on the MLP's output (model.post_mlp_layernorm)
 
     @classmethod
     def from_config(cls, cfg: Config, layout: Layout, device: str) -> "Dims":
@@ -64,7 +68,7 @@ class Dims:
         learned = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else 0
         return cls(num_layers=m.num_layers, hidden=m.hidden_size, ffn=m.ffn_hidden_size,
                    heads=m.num_attention_heads, kv_heads=m.num_query_groups, head_dim=m.kv_channels,
-                   vocab=m.padded_vocab_size, swiglu=m.swiglu, rmsnorm=m.normalization == "RMSNorm",
+                   vocab=m.padded_vocab_size, swiglu=m.gated_linear_unit, rmsnorm=m.normalization == "RMSNorm",
                    untied_head=m.untie_embeddings_and_output_weights, learned_positions=learned,
                    linear_bias=m.add_bias_linear, micro_batch=layout.micro_batch_size, seq_length=layout.seq_length,
                    tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, dp=layout.dp,
@@ -72,7 +76,8 @@ class Dims:
                    compute_bytes=ex.compute_dtype.itemsize, residual_bytes=ex.residual_dtype.itemsize,
                    micro_batches=layout.num_micro_batches, fpdt_chunks=layout.fpdt_chunks,
                    doc_length=(cfg.data.mean_document_length or 0) if cfg.data.reset_attention_mask else 0,
-                   windows=layout.windows)
+                   windows=layout.windows, qkv_bias=m.add_qkv_bias or m.add_bias_linear, qk_norm=m.qk_layernorm,
+                   post_attn_norm=m.post_self_attn_layernorm, post_mlp_norm=m.post_mlp_layernorm)
 
     # ---- per-rank sizes ------------------------------------------------------------------------------------
     @property

@@ -2,9 +2,15 @@
 
     hw = load_hardware("h100")                        # or a path: configs/hardware/h100.yaml
     hw = hw.with_measured({"pcie_gbps": 21.3})        # e.g. from the Memo profiler (memory/memo/profiler.py)
+    hw = load_hardware("h100", {"efficiency": {"attention_fwd": 0.35}})   # a what-if (tools/estimate.py --hw-set)
 
 Bandwidths are *effective* figures in GB/s (1e9 bytes/s), one direction, per GPU: what a collective or a pinned copy
 reaches, not the datasheet peak. Memory sizes are GiB (2**30 bytes), as ``nvidia-smi`` and ``torch.cuda`` report.
+
+Kernel efficiencies: ``efficiency`` holds the assumed ones (written by hand, said so wherever they are printed);
+``attention_measured`` the attention kernels' table that ``bench/attention_kernels.py`` measured on a GPU (its name,
+the date, the versions: ``attention/kernel_table.py``), which replaces the assumed attention efficiencies for every
+backend and call it has.
 """
 from __future__ import annotations
 
@@ -13,17 +19,17 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from ..attention.kernel_table import HARDWARE_DIR, KEY, KernelTable, parse_table
 from ..config.base import ConfigError, build_section, check, read_yaml_mapping
 from ..units import GIB
 
 GB = 1e9
-HARDWARE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                            "configs", "hardware")
 
 
 @dataclass
 class Efficiency:
-    """Fractions of peak FLOPs reached by the kernels (assumptions unless measured)."""
+    """Fractions of peak FLOPs reached by the kernels, as assumed (written by hand; the measured attention ones are
+    ``HardwareProfile.attention_measured``)."""
 
     gemm: float = 0.70
     attention_fwd: float = 0.60
@@ -51,6 +57,8 @@ class HardwareProfile:
     host_memory_gib: float = 2048.0
     host_usable_fraction: float = 0.8
     efficiency: Efficiency = field(default_factory=Efficiency)
+    gpu_names: tuple = ()  # what torch.cuda.get_device_name says of this GPU contains one of these (bench/)
+    attention_measured: Optional[KernelTable] = None  # bench/attention_kernels.py's table (kernel_table.py)
     # measured inputs (Memo profiler, §4.3.2): when set they replace the computed values
     layer_forward_seconds: Optional[float] = None  # forward time of one transformer layer at the estimated shape
 
@@ -109,8 +117,28 @@ def resolve_hardware_path(name_or_path: str) -> str:
 def load_hardware(name_or_path: str, overrides: Optional[dict[str, Any]] = None) -> HardwareProfile:
     """Read a hardware YAML (strict keys, one-line ConfigError on mistakes)."""
     path = resolve_hardware_path(name_or_path)
-    raw = dict(read_yaml_mapping(path, "a hardware profile must be a mapping of keys"), **(overrides or {}))
-    eff = build_section(Efficiency, raw.pop("efficiency", None), "hardware.efficiency")
+    raw = read_yaml_mapping(path, "a hardware profile must be a mapping of keys")
+    overrides = dict(overrides or {})
+    eff_raw = dict(raw.pop("efficiency", None) or {}, **overrides.pop("efficiency", {}))
+    raw.update(overrides)
+    eff = build_section(Efficiency, eff_raw, "hardware.efficiency")
+    table = raw.pop(KEY, None)
+    names = raw.pop("gpu_names", None) or []
+    check(isinstance(names, list) and all(isinstance(n, str) for n in names),
+          f"{path}: hardware.gpu_names must be a list of names")
     hw = build_section(HardwareProfile, raw, "hardware")
-    hw.efficiency = eff
+    hw.efficiency, hw.gpu_names = eff, tuple(names)
+    hw.attention_measured = parse_table(table, path) if table else None
     return hw
+
+
+def profile_for_gpu(device_name: str, memory_gib: float, hardware_dir: str = HARDWARE_DIR) -> Optional[str]:
+    """The profile file whose ``gpu_names`` the device's name contains, the nearest in memory when several do
+    (``NVIDIA A100-SXM4-40GB`` -> a100_40gb.yaml); None: no profile names it."""
+    found = []
+    for f in sorted(os.listdir(hardware_dir)):
+        if f.endswith(".yaml"):
+            raw = read_yaml_mapping(os.path.join(hardware_dir, f), "a hardware profile must be a mapping of keys")
+            if any(n in device_name for n in raw.get("gpu_names") or []):
+                found.append((abs(float(raw.get("memory_gib", 0)) - memory_gib), os.path.join(hardware_dir, f)))
+    return min(found)[1] if found else None

@@ -43,11 +43,15 @@ def param_shards(dims: Dims) -> list[tuple[str, int, bool]]:
         pre = f"layers.{i}."
         out += [(pre + "input_layernorm." + n, k, g) for n, k, g in norm]
         out.append((pre + "self_attention.linear_qkv.weight", qkv_heads * d * h, True))
-        if dims.linear_bias:
+        if dims.linear_bias or dims.qkv_bias:
             out.append((pre + "self_attention.linear_qkv.bias", qkv_heads * d, False))
         out.append((pre + "self_attention.linear_proj.weight", h * dims.heads_local * d, True))
         if dims.linear_bias:
             out.append((pre + "self_attention.linear_proj.bias", h, False))
+        if dims.qk_norm:  # one weight [d] each, shared by the heads, whole on every tp rank
+            out += [(pre + f"self_attention.{x}_layernorm.weight", d, False) for x in "qk"]
+        if dims.post_attn_norm:
+            out += [(pre + "post_self_attn_layernorm." + n, k, g) for n, k, g in norm]
         out += [(pre + "pre_mlp_layernorm." + n, k, g) for n, k, g in norm]
         out.append((pre + "mlp.linear_fc1.weight", fc1_out * h, True))
         if dims.linear_bias:
@@ -55,6 +59,8 @@ def param_shards(dims: Dims) -> list[tuple[str, int, bool]]:
         out.append((pre + "mlp.linear_fc2.weight", h * dims.ffn_local, True))
         if dims.linear_bias:
             out.append((pre + "mlp.linear_fc2.bias", h, False))
+        if dims.post_mlp_norm:
+            out += [(pre + "post_mlp_layernorm." + n, k, g) for n, k, g in norm]
     out += [("final_layernorm." + n, k, g) for n, k, g in norm]
     if dims.untied_head:
         out.append(("head.output_layer.weight", dims.vocab_local * h, True))
@@ -129,6 +135,23 @@ def qkv_rerun_bytes(dims: Dims) -> float:
     return dims.tokens * (2 * dims.heads_local + 3 * dims.kv_heads_local) * dims.head_dim * dims.compute_bytes
 
 
+def qk_norm_saved(dims: Dims) -> float:
+    """What the per-head q/k norms keep for backward (``model.qk_layernorm``; ``model/attention.py`` normalises
+    contiguous copies, so no view keeps the QKV projection's output alive): q and k before the norm, in the compute
+    dtype, and one fp32 rstd per token and head. Example, Qwen3-32B (64 query, 8 kv heads of 128 a tp rank) on
+    196,608 tokens in bf16: 3.4 GiB a layer."""
+    if not dims.qk_norm:
+        return 0.0
+    return dims.tokens * (dims.heads_local + dims.kv_heads_local) * (dims.head_dim * dims.compute_bytes + 4)
+
+
+def post_norm_saved(dims: Dims) -> float:
+    """What one norm on a block's output keeps (``model.post_self_attn_layernorm``, ``post_mlp_layernorm``;
+    Gemma's): its input (the block's output, compute dtype, the residual stream's rows) and one fp32 rstd a row.
+    Example, hidden 3840 on 131,072 rows a rank in bf16: 0.94 GiB."""
+    return dims.tokens_residual * (dims.hidden * dims.compute_bytes + 4)
+
+
 # ---- activations of one layer ---------------------------------------------------------------------------------
 def attention_skeletal(dims: Dims, fpdt_offload: bool) -> list[Item]:
     """Tensors core attention keeps for backward, by implementation.
@@ -170,6 +193,8 @@ def layer_skeletal(dims: Dims, mlp_chunked: bool, fpdt_offload: bool, token_wise
     # of the block input (attention/fpdt/project.py), so nothing of norm 1's output stays on the device
     if not (dims.fpdt and fpdt_offload):
         items.append(Item("linear_qkv input (norm out, all-gathered with SP)", t * h * a))
+        if dims.qk_norm:  # FPDT with offload: inside the chunks' projection graphs, on the host
+            items.append(Item("q, k before their norms (contiguous copies) + rstd", qk_norm_saved(dims)))
     if token_wise and not dims.fpdt:
         # recompute full / Memo (memory/memo/steps.py): the layer's slot keeps the local q, k (after RoPE) and v
         # (before any all-to-all), the local attention output and lse -- whatever the cp flavour; the checkpoints
@@ -179,6 +204,8 @@ def layer_skeletal(dims: Dims, mlp_chunked: bool, fpdt_offload: bool, token_wise
                   Item("lse", t * dims.heads_local * 4, "attn")]
     else:
         items += attention_skeletal(dims, fpdt_offload)
+    if dims.post_attn_norm:
+        items.append(Item("attention block out (post_self_attn_layernorm's input) + rstd", post_norm_saved(dims)))
     items.append(Item("residual after attention (pre_mlp_layernorm's input)", tr * h * r))
     items += norm_extra
     items.append(Item("linear_fc1 input (norm out, all-gathered with SP)", t * h * a))
@@ -190,6 +217,8 @@ def layer_skeletal(dims: Dims, mlp_chunked: bool, fpdt_offload: bool, token_wise
         else:
             items += [Item("linear_fc1 out (gelu input)", t * dims.ffn_local * a),
                       Item("gelu out (linear_fc2 input)", t * dims.ffn_local * a)]
+    if dims.post_mlp_norm:
+        items.append(Item("MLP out (post_mlp_layernorm's input) + rstd", post_norm_saved(dims)))
     return items
 
 

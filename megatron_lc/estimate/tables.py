@@ -2,6 +2,7 @@
 layout back into a config file."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Optional
@@ -9,11 +10,12 @@ from typing import Optional
 import yaml
 
 from ..config import ConfigError
-from . import Estimate
+from . import Estimate, estimate
 from ..planning.planner import plan_trace
 from ..planning.trace import Trace
 from ..units import GIB
 from .layout_search import Candidate, config_overrides
+from .time_estimate import call_weights
 
 
 def _gib(b: float) -> str:
@@ -59,15 +61,74 @@ def estimate_table(est: Estimate) -> str:
     lines.append(f"  {'step':34s} {tm.step_seconds:10.3f} s")
     lines.append(f"tokens per GPU per second {tm.tokens_per_gpu_per_s:,.1f}   MFU {tm.mfu:.1%} "
                  f"(model FLOPs 6sP + 6nhs^2 = {tm.model_flops_per_step:.3e} per step)")
+    lines.append(f"  kernel efficiencies behind it: {efficiency_sources(tm)}")
     for n in mem.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)
 
 
+def efficiency_sources(tm) -> str:
+    """Each kernel efficiency the time model used, with its source: ``gemm 0.70 (assumed); attention (cudnn)
+    forward 0.52, backward 0.41 (measured (NVIDIA H100 80GB HBM3, 2026-12-01))``."""
+    (g, gs), (f, fs), (b, bs) = (tm.efficiencies[k] for k in ("gemm", "attention forward", "attention backward"))
+    att = f"attention ({tm.attention_backend}) forward {f:.2f}, backward {b:.2f}"
+    att += f" ({fs})" if fs == bs else f" ({fs}; {bs})"
+    return f"gemm {g:.2f} ({gs}); {att}"
+
+
+FA2_CLASS, HOPPER_NATIVE = ("torch", "flash"), ("cudnn", "fa3", "fa4")
+
+
+def attention_needed(est: Estimate, world: int, target: float) -> Optional[tuple]:
+    """(fwd, bwd): the estimate's attention efficiencies scaled together until MFU reaches ``target`` (bisection:
+    the overlaps make step time non-linear in them); None when 100% of peak (the larger of the two) falls short."""
+    fwd, bwd = (est.time.efficiencies[k][0] for k in ("attention forward", "attention backward"))
+
+    def mfu(f: float) -> float:
+        hw = dataclasses.replace(est.hw, attention_measured=None, efficiency=dataclasses.replace(
+            est.hw.efficiency, attention_fwd=fwd * f, attention_bwd=bwd * f))
+        return estimate(est.cfg, hw, world).time.mfu
+
+    lo, hi = 0.0, 1.0 / max(fwd, bwd)
+    if mfu(hi) < target:
+        return None
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mfu(mid) < target else (lo, mid)
+    return fwd * hi, bwd * hi
+
+
+def target_line(est: Estimate, world: int, target: float) -> str:
+    """Whether the layout reaches ``target`` MFU, and if not which attention kernel it would need (the measured
+    backends that reach it on this GPU, or the kind of kernel when none is measured)."""
+    tm, table = est.time, est.hw.attention_measured
+    if tm.mfu >= target:
+        return f"MFU {tm.mfu:.1%} reaches the {target:.0%} target ({efficiency_sources(tm)})"
+    need = attention_needed(est, world, target)
+    if need is None:
+        return (f"{target:.0%} MFU is out of this layout's reach by attention alone: at 100% of peak in attention "
+                f"the rest of the step holds it below")
+    head = (f"{target:.0%} MFU needs attention at {need[0]:.2f} forward / {need[1]:.2f} backward of peak (now "
+            f"{tm.attention_backend} at {tm.efficiencies['attention forward'][0]:.2f} / "
+            f"{tm.efficiencies['attention backward'][0]:.2f}, {tm.efficiencies['attention forward'][1]})")
+    weights = call_weights(est.dims)
+    measured = {b: e for b in (table.backends if table else {}) if (e := table.efficiency(b, weights))}
+    if measured:
+        ok = [f"{b} ({e[0]:.2f} / {e[1]:.2f})" for b, e in measured.items() if e[0] >= need[0] and e[1] >= need[1]]
+        return head + (f"\n  reached by {', '.join(ok)}, {table.source}" if ok else
+                       f"\n  no backend measured on {table.gpu} ({table.date}) reaches it")
+    fa2 = (f"beyond FA2-class kernels ({', '.join(FA2_CLASS)}: about 35% of a Hopper GPU's peak, as FlashAttention-3: "
+           f"Fast and Accurate Attention with Asynchrony and Low-precision reports): a Hopper-native one, "
+           f"{', '.join(HOPPER_NATIVE)} (parallel.attention_backend)") if need[0] > 0.35 else \
+        f"any of {', '.join(FA2_CLASS + HOPPER_NATIVE)} might"
+    return (head + f"\n  no attention kernel is measured on {est.hw.name}; that is {fa2}; bash scripts/gpu_check.sh "
+            f"measures them on the GPU (bench/attention_kernels.py)")
+
+
 def search_table(cands: list[Candidate], top: int, best: Optional[Candidate] = None) -> str:
     """The ``top`` layouts, fastest first, numbered by rank; ``*`` marks ``best``, shown after a ``...`` row with its
     own rank when it is not among them. TGS: tokens per GPU per second."""
-    rows = [f"{'#':>3} {'layout':60s} {'peak/GPU':>9} {'host/node':>10} {'step s':>9} {'TGS':>8} {'MFU':>6}"]
+    rows = [f"{'#':>3} {'layout':60s} {'peak/GPU':>9} {'host/node':>10} {'step s':>9} {'TGS':>8} {'MFU':>6} attn"]
     shown = list(enumerate(cands[:top], 1))
     if best is not None and best not in cands[:top]:
         shown.append((None, None))
@@ -79,8 +140,10 @@ def search_table(cands: list[Candidate], top: int, best: Optional[Candidate] = N
         e = c.est
         mark = "*" if c is best else " "
         rows.append(f"{mark}{i:>2} {c.label():60s} {e.memory.peak / GIB:7.1f}Gi {e.memory.host_per_node / GIB:8.1f}Gi "
-                    f"{e.time.step_seconds:9.2f} {e.time.tokens_per_gpu_per_s:8.1f} {e.time.mfu:6.1%}")
-    rows.append("TGS: tokens per GPU per second; MFU: model FLOPs (6sP + 6nhs^2 per sample) over the peak")
+                    f"{e.time.step_seconds:9.2f} {e.time.tokens_per_gpu_per_s:8.1f} {e.time.mfu:6.1%} "
+                    f"{e.time.attention_backend}")
+    rows.append("TGS: tokens per GPU per second; MFU: model FLOPs (6sP + 6nhs^2 per sample) over the peak; attn: the "
+                "attention backend (auto: the fastest measured on the GPU, else torch)")
     return "\n".join(rows)
 
 

@@ -21,12 +21,19 @@ module adds them. Example, Llama3-8B at 1M tokens on 8 H100s with Memo at alpha 
 
 ``hardware.layer_forward_seconds`` (measured by the Memo profiler) replaces the computed compute time of a layer's
 forward; the backward and recompute are scaled by the same factor.
+
+The attention efficiencies (``attention_kernel``): the backend's own, measured on the profile's GPU for the calls
+the layout makes (``call_weights``: ring cp 8 = one 128K^2 causal diagonal and seven 128K x 64K blocks' worth,
+FLOP-weighted), when ``bench/attention_kernels.py`` measured it (``HardwareProfile.attention_measured``); else the
+profile's assumed ones. ``auto`` is the backend the run would pick on that GPU: the fastest measured for these
+calls, else ``torch``. ``TimeEstimate.efficiencies`` says which is which, for the tables to print beside MFU.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+from ..attention.kernel_table import BWD_FLOPS
 from ..config import Config
 from .flops import head_flops_fwd, layer_flops, model_flops_per_sample
 from .hardware import HardwareProfile
@@ -43,6 +50,34 @@ class TimeEstimate:
     mfu: float
     t_layer_fwd: float  # one layer's forward (compute + exposed communication), per micro-batch
     model_flops_per_step: float
+    attention_backend: str = "torch"  # the backend whose efficiencies these are (auto resolved)
+    efficiencies: dict = field(default_factory=dict)  # {"gemm": (0.70, "assumed"), "attention forward": ...}
+
+
+def call_weights(dims: Dims) -> dict:
+    """The layout's attention as ``kernel_table.CALL_KINDS``, weighted by FLOPs: ring of R (the hybrid's inner ring
+    too) -> the causal diagonal 1/R, the off-diagonal blocks (R-1)/R; Ulysses, and one rank's whole sequence (cp 1)
+    -> one full-length call; FPDT with u chunks -> diagonals 1/u, chunk pairs (u-1)/u. Rectangles of documents and
+    windows run the variable-length kernel, not measured apart: the same kinds stand for them."""
+    if dims.fpdt:
+        u = dims.fpdt_chunks
+        return {"fpdt_diagonal": 1 / u, "fpdt_block": (u - 1) / u}
+    ring = dims.cp // (dims.ulysses if dims.uses_a2a else 1)
+    if ring > 1 and dims.cp_comm_type in ("p2p", "a2a+p2p"):
+        return {"ring_diagonal": 1 / ring, "ring_block": (ring - 1) / ring}
+    return {"ulysses": 1.0}
+
+
+def attention_kernel(cfg: Config, dims: Dims, hw: HardwareProfile) -> tuple:
+    """(backend, fwd, bwd, source) of the layout's attention on ``hw`` (module doc); source ``assumed`` or
+    ``measured (GPU, date)``."""
+    name, table, w = cfg.parallel.attention_backend, hw.attention_measured, call_weights(dims)
+    if name == "auto":
+        name = (table.fastest([b for b in table.backends if b != "math"], w) if table else None) or "torch"
+    measured = table.efficiency(name, w) if table is not None and dims.device == "cuda" else None
+    fwd, bwd, source = (*measured, table.source) if measured is not None else \
+        (hw.efficiency.attention_fwd, hw.efficiency.attention_bwd, "assumed")
+    return name, fwd, bwd, source
 
 
 def _bw(hw: HardwareProfile, size: int, stride: int) -> float:
@@ -91,11 +126,12 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, al
     """Seconds of one optimizer step of ``cfg`` (all micro-batches) on ``hw`` with the techniques' ``terms``
     (``terms.terms_for``); ``alpha``: Memo's offload fraction as the memory estimate chose it (None: 0)."""
     eff = hw.efficiency
+    backend, eff_fwd, eff_bwd, source = attention_kernel(cfg, dims, hw)
     peak = hw.peak_flops(bf16=dims.compute_bytes == 2)
     lf = layer_flops(dims)
     lin_f = lf.linear_fwd / (peak * eff.gemm)
-    att_f = lf.attn_fwd / (peak * eff.attention_fwd)
-    att_b = 2.5 * lf.attn_fwd / (peak * eff.attention_bwd)
+    att_f = lf.attn_fwd / (peak * eff_fwd)
+    att_b = BWD_FLOPS * lf.attn_fwd / (peak * eff_bwd)
     scale = 1.0
     if hw.layer_forward_seconds is not None:
         scale = hw.layer_forward_seconds / (lin_f + att_f)
@@ -142,6 +178,11 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, al
     step = dims.micro_batches * micro + sync + opt
     gbs = dims.micro_batches * dims.micro_batch * dims.dp
     model_flops = gbs * model_flops_per_sample(dims)
+    effs = {"gemm": (eff.gemm, "assumed"), "attention forward": (eff_fwd, source),
+            "attention backward": (eff_bwd, source)}
+    if hw.layer_forward_seconds is not None:  # every efficiency scaled to the layer time the profiler measured
+        effs = {k: (v / scale, f"{src}, scaled to the measured layer time") for k, (v, src) in effs.items()}
     return TimeEstimate(parts=parts, step_seconds=step,
                         tokens_per_gpu_per_s=gbs * dims.seq_length / (step * dims.world),
-                        mfu=model_flops / (step * dims.world * peak), t_layer_fwd=fwd, model_flops_per_step=model_flops)
+                        mfu=model_flops / (step * dims.world * peak), t_layer_fwd=fwd, model_flops_per_step=model_flops,
+                        attention_backend=backend, efficiencies=effs)

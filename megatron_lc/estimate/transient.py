@@ -14,6 +14,8 @@ On CUDA with PyTorch's fused attention kernels (``attention/fused_cuda.py``; ``t
 also holds k and v repeated to the query heads (GQA), and in backward dk, dv at the query heads before the group sum
 and dout made contiguous when the caller passes a permuted view (``kernel_extra``). These are per call: ring
 attention's blocks (half blocks in the zigzag), Ulysses' inner attention after the all-to-all, FPDT's chunks.
+cuDNN's and FlashAttention-3 / 4's kernels (``attention/hopper.py``) take the kv heads and the views as they are:
+none of that in bf16 / fp16 (``repeats_kv``); in fp32 they fall back to the memory-efficient kernel, which repeats.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Optional
 from ..config import Config
 from ..model.norm import RMS_NORM_SLICE_ELEMS as NORM_SLICE
 from .dims import Dims
-from .inventory import mst_head_chunk, mst_mlp_chunk, qkv_rerun_bytes
+from .inventory import mst_head_chunk, mst_mlp_chunk, post_norm_saved, qk_norm_saved, qkv_rerun_bytes
 
 
 def fpdt_chunk_bytes(cfg: Config, dims: Dims) -> dict:
@@ -36,11 +38,17 @@ def fpdt_chunk_bytes(cfg: Config, dims: Dims) -> dict:
 
 
 def torch_kernels(cfg: Config, dims: Dims) -> bool:
-    """The attention kernels are PyTorch's fused CUDA ones (``fused_cuda.TorchCUDABackend``): on CUDA with
-    ``parallel.attention_backend`` torch, or auto -- which takes flash-attn when it is installed; the estimate
-    assumes a stock PyTorch install (flash-attn and TransformerEngine take fewer kv heads than query heads and need
-    none of ``kernel_extra``)."""
-    return dims.device == "cuda" and cfg.parallel.attention_backend in ("auto", "torch")
+    """The attention kernels are called through PyTorch's ops (``fused_cuda.TorchCUDABackend`` and its subclasses
+    of ``attention/hopper.py``): on CUDA with ``parallel.attention_backend`` torch, cudnn, fa3, fa4, or auto (which
+    ``estimate()`` has resolved to the backend the run picks on the profile's GPU); flash-attn and TransformerEngine
+    take fewer kv heads than query heads and need none of ``kernel_extra``."""
+    return dims.device == "cuda" and cfg.parallel.attention_backend in ("auto", "torch", "cudnn", "fa3", "fa4")
+
+
+def repeats_kv(cfg: Config, dims: Dims) -> bool:
+    """The dense kernel is handed k, v repeated to the query heads: PyTorch's own (flash, memory-efficient), and
+    every backend's fp32 fallback (the memory-efficient kernel); cuDNN's and FlashAttention-3 / 4's take GQA."""
+    return cfg.parallel.attention_backend in ("auto", "torch") or dims.compute_bytes == 4
 
 
 def varlen_extra(dims: Dims, Q: float, KV: float, fq: float, fk: float, backward: bool = True) -> float:
@@ -77,6 +85,8 @@ def kernel_extra(cfg: Config, dims: Dims, Q: float, KV: float, fq: float, fk: fl
     ranges = varlen_extra(dims, Q, KV, fq, fk, backward) if dims.ranges else 0.0
     if dims.doc_length or (dims.ranges and all(w is not None for w in dims.windows)):
         return ranges  # every block runs the variable-length kernel
+    if not repeats_kv(cfg, dims):
+        return ranges  # cuDNN / FlashAttention-3 / 4 in bf16: k, v and dout as they are
     return max(ranges, _dense_extra(Q, KV, fq, fk, dout_view, backward))  # full-attention layers: the dense kernels
 
 
@@ -115,11 +125,14 @@ def pre_no_graph(dims: Dims, n: float, graph: bool = False) -> float:
     with ``graph`` its cast to the compute dtype that the QKV projection saves (all-gathered with SP; without autograd
     it is freed with the projection), the projection's output, q copied out of it (when a rank has several kv
     groups), and RoPE's fp32 temporaries of q (``model/rope.apply_rotary``: x·cos and one half's product, 1.5 q-sized
-    fp32 tensors)."""
+    fp32 tensors). With per-head q/k norms (``model.qk_layernorm``): q and k copied contiguous (what the norms
+    save), their normalised outputs (RoPE's inputs) and an fp32 rstd a token and head: 2 (nq + nkv) d, where q's
+    copy out of the projection is the first of them."""
     q_copy = dims.heads_local if dims.kv_heads_local > 1 else 0
-    h, d, a, nq = dims.hidden, dims.head_dim, dims.compute_bytes, dims.heads_local
+    h, d, a, nq, nkv = dims.hidden, dims.head_dim, dims.compute_bytes, dims.heads_local, dims.kv_heads_local
+    qk_norm = ((2 * (nq + nkv) - q_copy) * d * a + (nq + nkv) * 4) if dims.qk_norm else 0.0
     return n * (h * dims.residual_bytes * dims.tokens_residual / dims.tokens + (h * a if graph else 0)
-                + (nq + 2 * dims.kv_heads_local + q_copy) * d * a + 1.5 * nq * d * 4)
+                + (nq + 2 * nkv + q_copy) * d * a + 1.5 * nq * d * 4 + qk_norm)
 
 
 def layer_forward(cfg: Config, dims: Dims, chunk: Optional[float] = None, no_graph: float = 0.0,
@@ -189,8 +202,8 @@ def _ring_backward(cfg: Config, dims: Dims, Q: float, KV: float, R: int, dout_vi
     next ones being received, (i >= 2) the previous block's fp32 dk/dv in flight (sent and being received), and the
     block's kernel (``kernel_extra``): back queries x all keys of a later rank (dq over half the tokens, dk, dv over
     all), or all queries x the front keys of an earlier rank (their contiguous copies; dout a view when
-    ``dout_view``, as ``backward_with_lse`` passes it); or the diagonal block alone first, or the four fp32 dk/dv
-    of the accumulation."""
+    ``dout_view``, as ``backward_with_lse`` passes it); or the diagonal block first, its k, v already in flight to
+    the next rank (stacked and being received), or the four fp32 dk/dv of the accumulation."""
     a = dims.compute_bytes
     f = 4 / a
     if not torch_kernels(cfg, dims):
@@ -202,7 +215,7 @@ def _ring_backward(cfg: Config, dims: Dims, Q: float, KV: float, R: int, dout_vi
     earlier = KV / 2 + Q + KV / 2 + kernel_extra(cfg, dims, Q, KV, 1.0, 0.5, dout_view)
     steps = [f * Q + f * KV + 1.5 * Q + KV * (2 if i + 1 < R else 1) + (2 * f * KV if i >= 2 else 0.0)
              + max(later, earlier) for i in range(1, R)]
-    diagonal = Q + KV + kernel_extra(cfg, dims, Q, KV, 1.0, 1.0, dout_view)
+    diagonal = Q + KV + 2 * KV + kernel_extra(cfg, dims, Q, KV, 1.0, 1.0, dout_view)
     accumulate = f * Q + 4 * f * KV + 1.5 * Q + 2 * KV
     return max(diagonal, accumulate, *steps)
 
@@ -212,12 +225,12 @@ def _ring_backward_rects(dims: Dims, Q: float, KV: float, R: int) -> float:
     fp32 dq accumulator and this rank's fp32 dk/dv, the k, v in use and (i < R-1) the next ones, the block's fp32
     dk/dv accumulator and (i >= 2) the previous one in flight (sent and being received), and the block's variable-
     length calls (an earlier rank's block: all queries x half the keys; a later one's: half the queries x all);
-    first the diagonal block's calls beside its fresh fp32 dq, dk, dv."""
+    first the diagonal block's calls beside its fresh fp32 dq, dk, dv and the k, v in flight to the next rank."""
     f = 4 / dims.compute_bytes
     block = max(varlen_extra(dims, Q, KV, 1.0, 0.5), varlen_extra(dims, Q, KV, 0.5, 1.0))
     steps = [f * Q + f * KV + KV * (2 if i + 1 < R else 1) + f * KV + (2 * f * KV if i >= 2 else 0.0) + block
              for i in range(1, R)]
-    diagonal = f * Q + f * KV + varlen_extra(dims, Q, KV, 1.0, 1.0)
+    diagonal = f * Q + f * KV + 2 * KV + varlen_extra(dims, Q, KV, 1.0, 1.0)
     return max(diagonal, *steps)
 
 
@@ -268,7 +281,8 @@ def tokenwise_backward(cfg: Config, dims: Dims, rerun: float, merged: float = 0.
     moments = []
     if dropped:
         rows, mst = _mlp_rows(cfg, dims, dropped * t)
-        held = dropped * (U + tr * 4 + t * h * a + (0.0 if mst else t * (4 if dims.swiglu else 2) * dims.ffn_local * a))
+        held = dropped * (U + tr * 4 + t * h * a + (0.0 if mst else t * (4 if dims.swiglu else 2) * dims.ffn_local * a)
+                          + (dims.post_attn_norm + dims.post_mlp_norm) * post_norm_saved(dims))
         base = U + dropped * (U + Q)  # dy; the dropped rows' dx and dout
         # the re-run's forward at its MLP: the residual, norm 2's output, the out projection's output (the frames
         # hold them), the MLP's input all-gathered with SP, its output (+ the reduce copy under tp), MsT's chunk
@@ -280,7 +294,7 @@ def tokenwise_backward(cfg: Config, dims: Dims, rerun: float, merged: float = 0.
                     base + dropped * (U + Q) + (dropped * t * h * r if dims.sequence_parallel else 0.0)]
     if kept:
         moments.append(U + dropped * (U + Q) + _mlp_backward(cfg, dims, kept * t, held=True))
-    pre_saved = dropped * (t * h * a + qkv_rerun_bytes(dims))
+    pre_saved = dropped * (t * h * a + qkv_rerun_bytes(dims) + qk_norm_saved(dims))
     moments += [U + Q + pre_no_graph(dims, dropped * t, graph=True),
                 U + Q + pre_saved + merged + attention_backward_lse(cfg, dims)]
     return max(moments)

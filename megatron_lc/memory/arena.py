@@ -84,6 +84,10 @@ class ArenaStats:
 class Arena:
     """No plan: every transient request is a fresh ``torch.empty``; persistent buffers are allocated once per tag."""
 
+    # False: buffers are fresh allocations, which the caching allocator keeps per stream (one made on a side stream
+    # never holds bytes a compute kernel may still read); True: they are slots whose bytes held other buffers
+    planned = False
+
     def __init__(self, device: Optional[torch.device] = None):
         self.device = torch.device(device) if device is not None else None
         self.stats = ArenaStats()
@@ -167,6 +171,8 @@ class PlannedArena(Arena):
 
     Fallback (fresh allocation, ``stats.fallbacks`` += 1, one warning per tag and reason) when a request is not in
     the plan, is larger than its slot, or its slot overlaps a buffer handed out earlier that is still alive."""
+
+    planned = True
 
     def __init__(self, layout: ArenaLayout, device=None):
         super().__init__(device)
@@ -275,6 +281,10 @@ class ArenaHandle:
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         self.current.record_stream(tensor, stream)
+
+    @property
+    def planned(self) -> bool:
+        return self.current.planned
 
     def begin_iteration(self) -> None:
         self.current.begin_iteration()

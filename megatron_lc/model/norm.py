@@ -73,13 +73,20 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
 
 class RMSNorm(nn.Module):
     """Drop-in for ``nn.RMSNorm(hidden, eps)`` (same parameter name ``weight``, same values), saving only input + rstd
-    for backward on every device."""
+    for backward on every device. It scales by ``weight``; ``ZeroCenteredRMSNorm`` by ``1 + weight``."""
+
+    scale_offset = 0.0  # 1.0: the scale is 1 + weight (ZeroCenteredRMSNorm)
 
     def __init__(self, hidden: int, eps: float):
         super().__init__()
         self.normalized_shape = (hidden,)
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden))
+        self.weight = nn.Parameter(torch.full((hidden,), 1.0 - self.scale_offset))
+
+    def scale(self) -> torch.Tensor:
+        """What the normalised input is multiplied by: the weight, or ``1 + weight`` summed in fp32 (as Hugging
+        Face's Gemma sums it). A graph node: its gradient is the weight's."""
+        return self.weight.float() + self.scale_offset if self.scale_offset else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if uses_fused_kernel(x):  # torch's fused kernel (GPU only, never executed here)
@@ -87,24 +94,42 @@ class RMSNorm(nn.Module):
             # residual, and torch's fused kernel takes one dtype: else a composite with an fp32 copy of x), and
             # outside autocast (whose fp32 rule for rms_norm would copy a bf16 residual to fp32)
             with torch.autocast(x.device.type, enabled=False):
-                return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+                return F.rms_norm(x, self.normalized_shape, self.scale().to(x.dtype), self.eps)
         if torch.is_autocast_enabled(x.device.type):  # the norm runs in the input's dtype
             with torch.autocast(x.device.type, enabled=False):
-                return _RMSNormFunction.apply(x, self.weight.to(x.dtype), self.eps)
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+                return _RMSNormFunction.apply(x, self.scale().to(x.dtype), self.eps)
+        return _RMSNormFunction.apply(x, self.scale(), self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}"
+        return f"{self.normalized_shape}, eps={self.eps}" + (", scale 1 + weight" if self.scale_offset else "")
 
 
-def build_norm(kind: str, hidden: int, eps: float, sequence_parallel: bool) -> nn.Module:
-    """``RMSNorm`` (Llama) or ``LayerNorm`` (GPT), with init metadata on its parameters."""
-    if kind == "RMSNorm":
-        norm = RMSNorm(hidden, eps=eps)
-    elif kind == "LayerNorm":
-        norm = nn.LayerNorm(hidden, eps=eps)
-        replicated_parameter(norm.bias, ("zeros",), sequence_parallel)
-    else:
+class ZeroCenteredRMSNorm(RMSNorm):
+    """``RMSNorm`` scaling by ``1 + weight``, the weight starting at 0 (``model.apply_layernorm_1p``, Gemma's norm).
+    Hugging Face's Gemma checkpoints store the same zero-centred weight: import and export copy it as it is. In
+    fp32 the output is Hugging Face's bit for bit; in bf16 the product is rounded after the cast of the normalised
+    input (Llama's order; Hugging Face's Gemma casts after the product): one rounding apart."""
+
+    scale_offset = 1.0
+
+
+# the norm classes by ``norm_kind``: the spec's ``norm`` entry
+NORMS = {"RMSNorm": RMSNorm, "RMSNorm1p": ZeroCenteredRMSNorm, "LayerNorm": nn.LayerNorm}
+
+
+def norm_kind(normalization: str, apply_1p: bool) -> str:
+    """The key of ``NORMS``: ``model.normalization``, or ``RMSNorm1p`` with ``model.apply_layernorm_1p``."""
+    return "RMSNorm1p" if apply_1p and normalization == "RMSNorm" else normalization
+
+
+def build_norm(kind: str, hidden: int, eps: float, grads_partial_over_tp: bool) -> nn.Module:
+    """A norm of ``NORMS[kind]`` with init metadata on its parameters. ``grads_partial_over_tp``: each tp rank's
+    gradient of the weight is a partial sum, all-reduced over tp by ``training/optimizer.sync_gradients`` (the
+    hidden-size norms under sequence parallelism; the per-head q/k norms under any tp > 1: each rank's heads)."""
+    if kind not in NORMS:
         raise ValueError(f"unknown normalization {kind}")
-    replicated_parameter(norm.weight, ("ones",), sequence_parallel)
+    norm = NORMS[kind](hidden, eps=eps)
+    if kind == "LayerNorm":
+        replicated_parameter(norm.bias, ("zeros",), grads_partial_over_tp)
+    replicated_parameter(norm.weight, ("zeros",) if kind == "RMSNorm1p" else ("ones",), grads_partial_over_tp)
     return norm

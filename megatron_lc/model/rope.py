@@ -89,14 +89,17 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """x: ``[s, b, n, d]``; cos/sin: ``[s, b, 1, d]`` (fp32). ``x·cos + rotate_half(x)·sin`` in fp32, back in x's
     dtype, written half by half into one fp32 buffer -- ``x1·c1 − x2·s1``, ``x2·c2 + x1·s2``: the formula's numbers
     bit for bit (x·cos promotes x exactly; adding a negated product is subtracting it) -- so at most 1.5 x-sized
     fp32 tensors exist at once, not the formula's 3.5 (two upcasts of x, -x2, rotate_half(x), the products): at one
-    GPU and 512K tokens, q's temporaries are 12 GiB instead of 28."""
+    GPU and 512K tokens, q's temporaries are 12 GiB instead of 28. ``scale`` multiplies the result in the same
+    buffer before the cast (the query scale of ``model.softmax_scale``: no tensor more)."""
     h = x.shape[-1] // 2
     out = x * cos
     out[..., :h].sub_(x[..., h:] * sin[..., :h])
     out[..., h:].add_(x[..., :h] * sin[..., h:])
+    if scale != 1.0:
+        out.mul_(scale)
     return out.to(x.dtype)

@@ -3,6 +3,7 @@
 ``spec`` names the class of each attention block, MLP and head and the layer executor (plain, recompute, Memo)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -11,23 +12,28 @@ from torch import nn
 from ..config import ModelConfig
 from ..config.documents import DocumentRanges
 from ..parallel.tensor_parallel import replicated_parameter, init_std_for_output
-from .norm import build_norm
 from .rope import RotaryEmbedding
 
 
 class TransformerLayer(nn.Module):
-    """``x + attn(norm(x))`` then ``+ mlp(norm(.))``; hidden states ``[s, b, h]`` (``[s/tp, b, h]`` with SP)."""
+    """``x + post_norm(attn(norm(x)))`` then ``+ post_norm(mlp(norm(.)))``; hidden states ``[s, b, h]``
+    (``[s/tp, b, h]`` with SP). The post norms are the spec's (Gemma's, ``model.post_self_attn_layernorm`` /
+    ``post_mlp_layernorm``; ``nn.Identity`` otherwise, which returns its input itself)."""
 
     def __init__(self, cfg: ModelConfig, parts, layer_number: int):
         super().__init__()
         self.layer_number = layer_number
+        self.rope_key = parts.rope_key(layer_number)  # which of the model's RoPE tables this layer takes
         out_std = init_std_for_output(cfg.init_method_std, cfg.num_layers)
         sp = parts.sequence_parallel
         spec = parts.spec
-        self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
+        h, eps = cfg.hidden_size, cfg.norm_epsilon
+        self.input_layernorm = spec.norm(h, eps, sp)
         self.self_attention = spec.attention_block(cfg, parts, layer_number, out_std)
-        self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
+        self.post_self_attn_layernorm = spec.post_self_attn_norm(h, eps, sp)
+        self.pre_mlp_layernorm = spec.norm(h, eps, sp)
         self.mlp = spec.mlp(cfg, parts, out_std)
+        self.post_mlp_layernorm = spec.post_mlp_norm(h, eps, sp)
 
         # How forward runs: None = plain autograd, or the spec's executor ``fn(layer, x, rope) -> y`` (recompute,
         # Memo offload) built from the token-wise parts below. Not an nn.Module: no parameters.
@@ -47,9 +53,9 @@ class TransformerLayer(nn.Module):
         """The layer's two residual steps after its attention block: ``r = x + block_out``, ``r + mlp(norm(r))``.
         ``block_out`` goes before the MLP runs (the sum saves nothing; callers pass it as a temporary): one
         compute-dtype tensor of the layer's rows less at the MLP's forward."""
-        r = x + block_out
+        r = x + self.post_self_attn_layernorm(block_out)
         del block_out
-        return r + self.mlp(self.pre_mlp_layernorm(r))
+        return r + self.post_mlp_layernorm(self.mlp(self.pre_mlp_layernorm(r)))
 
     def plain_forward(self, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
         """The layer with plain autograd, whatever the executor (the attention block may be FPDT's)."""
@@ -87,16 +93,23 @@ class GPTModel(nn.Module):
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
             replicated_parameter(self.position_embeddings.weight, ("normal", cfg.init_method_std),
                                  parts.sequence_parallel)
-        self.rotary = (RotaryEmbedding(cfg.kv_channels, cfg.rotary_base, cfg.rope_scaling)
-                       if cfg.position_embedding_type == "rope" else None)
+        # one RoPE table per distinct (theta, scaled) of the layers (Gemma 3: the local layers' and the global
+        # ones'), keyed as ``parts.rope_key`` names them; ``rotary``: the first layer's
+        self.rotaries = nn.ModuleDict({parts.rope_key(i): RotaryEmbedding(cfg.kv_channels, rope[0],
+                                                                          cfg.rope_scaling if rope[1] else None)
+                                       for i, rope in enumerate(parts.layout.ropes) if rope is not None})
+        self.rotary = self.rotaries[parts.rope_key(0)] if len(self.rotaries) else None
+        self.embedding_scale = math.sqrt(cfg.hidden_size) if cfg.scale_embeddings else None
         self.layers = nn.ModuleList([TransformerLayer(cfg, parts, i) for i in range(cfg.num_layers)])
-        self.final_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, parts.sequence_parallel)
+        self.final_layernorm = parts.spec.norm(cfg.hidden_size, cfg.norm_epsilon, parts.sequence_parallel)
         tied = None if cfg.untie_embeddings_and_output_weights else self.embedding
         self.head = parts.spec.head(cfg, parts, tied)
 
     def embed(self, tokens_sb: torch.Tensor, pos_sb: torch.Tensor) -> torch.Tensor:
         """The residual stream's first value, in its dtype (``residual_dtype``)."""
         h = self.embedding(tokens_sb)
+        if self.embedding_scale is not None:  # Gemma: sqrt(h) rounded to the embedding's dtype, as Hugging Face's
+            h = h * torch.full((), self.embedding_scale, dtype=torch.float32, device=h.device).to(h.dtype)
         if self.position_embeddings is not None:
             if self.sequence_parallel:
                 pos_sb = pos_sb.chunk(self.topo.tp, dim=0)[self.topo.tp_rank]
@@ -118,8 +131,12 @@ class GPTModel(nn.Module):
         ``tokens [b, s_local]`` -- embedding, the layers (their executors), the final norm."""
         self.arena.begin_iteration()
         tokens_sb, pos_sb = tokens.t().contiguous(), position_ids.t().contiguous()
-        rope = self.rotary(pos_sb) if self.rotary is not None else None
+        ropes = self.rope_tables(pos_sb)
         h = self.embed(tokens_sb, pos_sb)
         for layer in self.layers:
-            h = layer(h, rope, documents)
+            h = layer(h, ropes.get(layer.rope_key), documents)
         return self.final_layernorm(h)
+
+    def rope_tables(self, pos_sb: torch.Tensor) -> dict:
+        """``{rope key: (cos, sin)}`` for positions ``[s, b]``, each distinct table once (empty without RoPE)."""
+        return {key: rotary(pos_sb) for key, rotary in self.rotaries.items()}

@@ -19,6 +19,11 @@ shards, gradients and AdamW live on the host (``CPUOffloadPolicy``), the one-GPU
 
 The layer executors (recompute, Memo, MsT, FPDT) run inside ``TransformerLayer.forward``, so FSDP's hooks gather
 the weights before any of them touches a parameter, also when they recompute in backward.
+
+Prefetch (``prefetch_in_order``): each unit, as it starts, issues the all-gather of the next unit in forward order
+(embedding, layers, head) and, in backward, of the previous one -- explicitly, not left to the host running ahead of
+the GPU: the memory techniques make the host wait on events and copies, so without it a layer's gather would be
+issued only when its forward begins, exposed behind the previous layer's compute.
 """
 from __future__ import annotations
 
@@ -109,6 +114,8 @@ def apply_fsdp(model: nn.Module, topo: Topology, device: torch.device, *, param_
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    prefetch_in_order(([model.embedding] if model.cfg.untie_embeddings_and_output_weights else []) +
+                      list(model.layers) + ([model.head] if model.cfg.untie_embeddings_and_output_weights else []))
     for m in [*units, model]:
         m.set_gradient_divide_factor(1.0)  # a SUM over dp x cp: the loss already is the global mean
         m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
@@ -118,6 +125,14 @@ def apply_fsdp(model: nn.Module, topo: Topology, device: torch.device, *, param_
     # the model returns the loss transposed (a view); the loop only reads it out of place
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) returned a view tensor")
     return model
+
+
+def prefetch_in_order(units: list) -> None:
+    """Unit i gathers unit i+1 as its forward starts and unit i-1 as its backward starts (module doc); the layers
+    of an untied model: embedding -> layer 0 -> ... -> layer L-1 -> head, and back."""
+    for a, b in zip(units, units[1:]):
+        a.set_modules_to_forward_prefetch([b])
+        b.set_modules_to_backward_prefetch([a])
 
 
 @contextlib.contextmanager

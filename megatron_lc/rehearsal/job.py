@@ -19,6 +19,7 @@ import copy
 
 import torch
 
+from ..device import DeviceAdapter
 from ..training.checkpointing.async_save import AsyncCheckpointer
 from ..training.checkpointing.data_only import DataOnlyReader
 from ..training.checkpointing.load import load_checkpoint
@@ -31,7 +32,9 @@ JOB = ("validation", "save", "async save", "resume", "resumed step")
 
 
 def forget_optimizer_state(trainer) -> None:
-    """What a restarted process does not have: AdamW's states and the gradients."""
+    """What a restarted process does not have: AdamW's states, the gradients, and work in flight on the device (a
+    copy of FSDP2's host shards to the device still reading them while the load writes there)."""
+    DeviceAdapter.for_device(trainer.device).synchronize()
     trainer.optimizer.zero_grad(set_to_none=True)
     local_optimizer(trainer.optimizer).state.clear()
 

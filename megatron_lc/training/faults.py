@@ -15,6 +15,8 @@ Non-finite steps (``SkipCounter``):
     a step whose global loss or grad norm is inf/nan on *any* rank is skipped by all (no optimizer update; its
     samples count as consumed, its learning-rate step too), reported in the log and in ``metrics.jsonl``
     (``"skipped": true``); ``train.max_consecutive_skipped_steps`` skipped steps in a row raise ``NonFiniteError``.
+    A global batch with no trained token (conversations' prompts only: ``"tokens": 0``) has a NaN loss and is
+    skipped and counted the same way, its log line saying why.
 
 Collectives (``collective_errors``):
     gloo raises once a collective has waited ``parallel.distributed_timeout_minutes`` (the process groups of
@@ -128,19 +130,30 @@ class SkipCounter:
         self.limit = cfg.train.max_consecutive_skipped_steps
         self.in_a_row = int((resumed or {}).get("skipped_in_a_row", 0))
         self.total = int((resumed or {}).get("skipped_steps", 0))
+        self.empty_in_a_row = 0  # of those in a row, the ones without a trained token
 
     def meta(self) -> dict:
         return {"skipped_in_a_row": self.in_a_row, "skipped_steps": self.total}
 
-    def update(self, step: int, skipped: bool, loss: float, grad_norm: float) -> None:
+    def update(self, step: int, skipped: bool, loss: float, grad_norm: float, tokens: Optional[int] = None) -> None:
+        """``tokens``: the step's global count of tokens in the loss (0: none was trained -- a global batch of
+        conversations' prompts only -- which is skipped and counted as a non-finite step)."""
         if not skipped:
             self.in_a_row = 0
             return
         self.in_a_row += 1
         self.total += 1
-        log.warning("step %d skipped: non-finite loss or grad norm on at least one rank (this rank: loss %s, "
-                    "grad norm %s); %d in a row, stop at %d", step, loss, grad_norm, self.in_a_row, self.limit)
+        empty = tokens == 0
+        self.empty_in_a_row = self.empty_in_a_row + 1 if empty else 0
+        why = ("no token of the global batch is trained (its loss mask is all zero: conversations' prompts only)"
+               if empty else f"non-finite loss or grad norm on at least one rank (this rank: loss {loss}, grad norm "
+               f"{grad_norm})")
+        log.warning("step %d skipped: %s; %d in a row, stop at %d", step, why, self.in_a_row, self.limit)
         if self.in_a_row >= self.limit:
+            if self.empty_in_a_row == self.in_a_row:
+                raise NonFiniteError(f"{self.in_a_row} global batches in a row (up to step {step}) had no trained "
+                                     f"token; stopping (train.max_consecutive_skipped_steps={self.limit}). The "
+                                     f"conversations' loss masks train too few tokens: check the data")
             raise NonFiniteError(f"{self.in_a_row} steps in a row (up to step {step}) had a non-finite loss or grad "
                                  f"norm; stopping (train.max_consecutive_skipped_steps={self.limit}). Resume from "
                                  f"the last checkpoint with a lower train.lr or more warmup")

@@ -1,10 +1,14 @@
 """The pretraining loop: per step, micro-batches -> forward/backward -> grad sync -> clip -> AdamW -> metrics ->
 checkpoint. What it runs is built by ``setup.setup_training`` (layout, data, model, memory, optimizer, resume).
 
-Loss normalisation: every step's loss is the mean over all valid tokens of the global batch. Each rank divides its
-token-loss sum by the *global* valid-token count (all-reduced over dp x cp before the micro-batches), so summing
-gradients over dp x cp gives exactly the gradient of the global mean whatever the layout -- the cp split cannot bias
-the average (Megatron once averaged per-rank means instead)."""
+Loss normalisation: every step's loss is the mean over all valid tokens of the global batch (the loss mask's: every
+token of text, less end-of-document inputs with ``data.eod_mask_loss``; the assistant turns of conversations). Each
+rank divides its token-loss sum by the *global* valid-token count (all-reduced over dp x cp before the
+micro-batches), so summing gradients over dp x cp gives exactly the gradient of the global mean whatever the layout
+-- the cp split cannot bias the average (Megatron once averaged per-rank means instead), and a rank or micro-batch
+without a valid token adds exactly zero (never 0 / 0, Megatron-LM's NaN on a cp rank holding only prompt tokens).
+A global batch without any valid token has no mean: its loss is NaN, its gradients zero, and the step is skipped and
+counted as a non-finite one is (``faults.SkipCounter``)."""
 from __future__ import annotations
 
 import logging
@@ -74,8 +78,9 @@ class Trainer:
 
     def forward_backward(self, batches: list[dict]) -> torch.Tensor:
         """Accumulate gradients of the global-mean loss over the micro-batches; returns the global loss (a 0-dim
-        fp64 tensor on the device: nothing here reads a value). Sets ``self.counts``: the all-reduced
-        ``metrics.step_counts`` (the global valid-token count, MFU's attended pairs)."""
+        fp64 tensor on the device: nothing here reads a value; NaN when the global batch has no valid token). Sets
+        ``self.counts``: the all-reduced ``metrics.step_counts`` (the global valid-token count, MFU's attended
+        pairs)."""
         counts = step_counts(batches, self.layout)  # one all-reduce: the global valid-token count and MFU's attended pairs
         all_reduce(counts, self.topo, Axis.DP_CP)
         self.counts = counts
@@ -88,7 +93,7 @@ class Trainer:
             (local / total).backward()
             loss_sum = loss_sum + local.detach().double()
         all_reduce(loss_sum, self.topo, Axis.DP_CP)
-        return loss_sum / total.double()
+        return loss_sum / counts[0]  # 0 / 0 = NaN without a valid token: the step is skipped
 
     def train_step(self, step: int) -> dict:
         t0 = time.perf_counter()
@@ -98,8 +103,12 @@ class Trainer:
         grad_norm = clip_grad_norm(self.model, self.cfg.train.clip_grad, self.topo)
         lr = lr_at(step, self.cfg)
         signum, time_up, skipped = 0, False, False
+        tokens = None
         if self.reads_values:  # the step's one device-to-host read (a rehearsal runs without values)
-            loss, grad_norm = float(loss), float(grad_norm)
+            read = [torch.as_tensor(v, dtype=torch.float64, device=self.counts.device)
+                    for v in (loss, grad_norm, self.counts[0])]
+            loss, grad_norm, tokens = torch.stack(read).tolist()
+            tokens = int(tokens)
             self.pairs = pairs_per_sample(self.counts, self.layout)
             # one small all-reduce per step: every rank skips and stops after the same steps
             signum, time_up, skipped = self.stop.agree(not (math.isfinite(loss) and math.isfinite(grad_norm)))
@@ -112,7 +121,7 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "train_iters": self.cfg.train.train_iters, "loss": loss, "lr": lr,
-               "grad_norm": grad_norm, "skipped": skipped, "step_seconds": dt,
+               "grad_norm": grad_norm, "skipped": skipped, "tokens": tokens, "step_seconds": dt,
                "consumed_samples": self.state.consumed_samples + self.layout.global_batch_size,
                "peak_memory_bytes": peak_memory_bytes(self.device)}
         rec.update(step_metrics(self.cfg, self.layout, dt, self.peak, self.pairs))
@@ -166,7 +175,7 @@ class Trainer:
                 self.state.losses.append(rec["loss"])
                 self.metrics.log_step(rec)
                 bar.update(rec)
-                self.skips.update(step, rec["skipped"], rec["loss"], rec["grad_norm"])
+                self.skips.update(step, rec["skipped"], rec["loss"], rec["grad_norm"], rec["tokens"])
                 self.state.skipped_steps = self.skips.total
                 if self.validator.due(step):
                     with collective_errors(c, self.topo.rank, f"the validation after step {step}"):

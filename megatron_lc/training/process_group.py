@@ -26,6 +26,23 @@ def env_world() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
 
 
+MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def cuda_connections(layout: Layout) -> None:
+    """``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware work queue: kernels start in launch order) only where
+    tensor-parallel overlap needs it, tp > 1: the tp collectives start before the GEMMs queued after them. With
+    tp = 1 one queue would serialise FSDP2's all-gathers, ring attention's transfers and the offload copies behind
+    minutes-long attention kernels, so it is left unset there (a value the user set is kept, and said). CUDA reads
+    it when the context is made: call before the process's first CUDA call."""
+    if layout.tp > 1 and MAX_CONNECTIONS not in os.environ:
+        os.environ[MAX_CONNECTIONS] = "1"
+    elif layout.tp == 1 and os.environ.get(MAX_CONNECTIONS) == "1":
+        logging.getLogger(__name__).warning(
+            "%s=1 with tp 1 serialises FSDP2's gathers, ring transfers and offload copies behind the attention "
+            "kernels; unset it unless you mean it", MAX_CONNECTIONS)
+
+
 def pick_device(cfg: Config, local_rank: int) -> torch.device:
     want = cfg.train.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
@@ -50,6 +67,7 @@ def init_distributed(cfg: Config) -> tuple[Layout, Topology, torch.device]:
     """Resolve the layout for this world size, start the process group and build the topology."""
     rank, world, local_rank = env_world()
     layout = resolve_layout(cfg, world)  # one-line ConfigError before any process group exists
+    cuda_connections(layout)  # before the first CUDA call of the process
     device = pick_device(cfg, local_rank)
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if world > 1 and not dist.is_initialized():

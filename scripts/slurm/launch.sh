@@ -89,7 +89,8 @@ fi
 MASTER_ADDR=${MASTER_ADDR:-$HEAD_NODE}
 
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1   # a collective past parallel.distributed_timeout_minutes aborts the rank
-export CUDA_DEVICE_MAX_CONNECTIONS=1       # kernel order = launch order (TP/SP communication overlap)
+# CUDA_DEVICE_MAX_CONNECTIONS: set by each rank where tensor-parallel overlap needs it (tp > 1:
+# training/process_group.cuda_connections); with tp 1 it would serialise FSDP2's gathers behind long kernels
 
 TRAIN=(--config "$CONFIG"
        --set "checkpoint.save=$RUN_DIR/checkpoints" --set "checkpoint.load=$RUN_DIR/checkpoints"

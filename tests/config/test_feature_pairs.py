@@ -3,9 +3,11 @@
 Features: tp=2 +- sequence parallel; ring, Ulysses, hybrid, FPDT +- offload; MsT; recompute selective / full; Memo with
 a fixed alpha and with alpha from its LP; activation checkpoints on the host, with and without layer chunks (FPDT's
 block as the chunked layer's attention), every layer's input or every second one's (segments);
-``memory.plan: auto``; ZeRO-1; FSDP2; gradient accumulation; a causal sliding window on two of three layers; and, in
-the triples, mock packed documents (``tests/dist_cases/pairs.py`` has the exact overrides; a case with a window or
-documents is compared with the plain model that has them too). A
+``memory.plan: auto``; ZeRO-1; FSDP2; gradient accumulation; a causal sliding window on two of three layers; every
+switch of the Hugging Face families at once (QKV bias, q/k norms, Gemma's norms, GeGLU, scaled embedding, query
+scale, per-layer RoPE base); and, in the triples, mock packed documents (``tests/dist_cases/pairs.py`` has the exact
+overrides; a case with a window, documents or the families' switches is compared with the plain model that has them
+too). A
 case that runs trains 2 AdamW steps through the real setup and loop and must give the plain single-process model's loss
 at each step within 1e-5 relative: the features only re-associate fp32 sums (~1e-7 relative per op), and the step-2 loss
 also carries the step-1 update, so a wrong gradient shows there (one AdamW step at lr 1e-3 moves every weight by ~1e-3).

@@ -60,12 +60,20 @@ FEATURES = {
     # a causal sliding window below a ring chunk at cp 2 (32 tokens) and above one at cp 4 (16), on layers 0 and 2
     "window": ("model.sliding_window", ["model.sliding_window=20",
                                         "model.layer_types=sliding_attention,full_attention,sliding_attention"]),
+    # every switch of the Hugging Face families at once (model:, megatron_lc/hf/families.py): a QKV bias, q/k norms,
+    # Gemma's (1 + w) norms before and after attention and MLP, GeGLU, the scaled embedding, a query scale, and
+    # with the window its layers' own RoPE base
+    "arch": ("model.qk_layernorm", ["model.add_qkv_bias=true", "model.qk_layernorm=true",
+                                    "model.apply_layernorm_1p=true", "model.post_self_attn_layernorm=true",
+                                    "model.post_mlp_layernorm=true", "model.swiglu=false",
+                                    "model.gated_linear_unit=true", "model.scale_embeddings=true",
+                                    "model.softmax_scale=0.2", "model.rope_local_base_freq=1000"]),
     # mock packed documents (only in the triples below)
     "docs": ("data.reset_attention_mask", ["data.reset_position_ids=true", "data.reset_attention_mask=true",
                                            "data.eod_mask_loss=true", "data.mean_document_length=24"]),
 }
 # features that change the model's function: a case is compared with the plain model that has them too
-BASES = ("window", "docs")
+BASES = ("window", "docs", "arch")
 EXCLUSIVE = [{"tp2", "tp2+sp"}, {"ring", "ulysses", "hybrid", "fpdt", "fpdt+offload"},
              {"memo", "memo-auto", "ckpt-offload", "ckpt-chunks"}, {"chunks", "ckpt-offload", "ckpt-chunks"},
              {"chunks", "full", "selective"},  # chunks sets recompute full
@@ -84,6 +92,8 @@ TRIPLES = [("tp2+sp", "ring", "mst", "memo"), ("tp2", "ulysses", "mst", "memo-au
 TRIPLES += [("docs", "window", "ring"), ("docs", "hybrid", "memo"), ("docs", "window", "fpdt+offload", "full"),
             ("docs", "tp2+sp", "ulysses", "mst"), ("docs", "ckpt-chunks", "ring"),
             ("docs", "window", "fpdt+offload", "ckpt-chunks", "ckpt-segments")]
+TRIPLES += [("arch", "window", "docs", "hybrid"), ("arch", "tp2+sp", "ring", "mst", "memo"),
+            ("arch", "window", "fpdt+offload", "fsdp")]
 
 
 def cases() -> list[tuple]:

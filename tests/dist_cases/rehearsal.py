@@ -30,6 +30,9 @@ FAMILIES = {
     "fsdp2": ["parallel.context_parallel_size=8", "parallel.use_torch_fsdp2=true", "train.bf16=true"],
     "fsdp2-offload": ["parallel.context_parallel_size=8", "parallel.use_torch_fsdp2=true",
                       "parallel.fsdp_cpu_offload=true"],
+    "tp2-fsdp2-offload": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                          "parallel.context_parallel_size=4", "parallel.use_torch_fsdp2=true",
+                          "parallel.fsdp_cpu_offload=true", "train.bf16=true"],
     "ckpt-chunks": ["parallel.context_parallel_size=8", "memory.activation_offload=checkpoints",
                     "memory.layer_chunk_size=8"],
 }

@@ -61,12 +61,32 @@ def test_hardware_errors_are_one_line(tmp_path):
         load_hardware(str(bad))
 
 
-@pytest.mark.parametrize("config", ["tiny_cpu.yaml", "llama3_8b_1m.yaml", "gpt_7b.yaml"])
-def test_parameter_inventory_matches_model_count(config):
-    cfg = load_config(os.path.join(CONFIGS, config))
-    dims = Dims.from_config(cfg, resolve_layout(cfg, 8 if "1m" in config or "7b" in config else 1), "cuda")
+# the Hugging Face families' switches on the tiny model (model:, megatron_lc/hf/families.py)
+FAMILY_SWITCHES = {
+    "qwen2": ["model.add_qkv_bias=true"],
+    "qwen3": ["model.qk_layernorm=true"],
+    "gemma3": ["model.qk_layernorm=true", "model.apply_layernorm_1p=true", "model.post_self_attn_layernorm=true",
+               "model.post_mlp_layernorm=true", "model.swiglu=false", "model.gated_linear_unit=true",
+               "model.scale_embeddings=true", "model.kv_channels=48"],
+}
+
+
+@pytest.mark.parametrize("config,overrides", [(c, []) for c in ("tiny_cpu.yaml", "llama3_8b_1m.yaml", "gpt_7b.yaml",
+                                                                 "qwen3_8b_1m.yaml", "qwen3_32b_1536k.yaml")]
+                         + [("tiny_cpu.yaml", v) for v in FAMILY_SWITCHES.values()],
+                         ids=["tiny", "llama3-8b", "gpt-7b", "qwen3-8b", "qwen3-32b"] + list(FAMILY_SWITCHES))
+def test_parameter_inventory_matches_model_count(config, overrides):
+    cfg = load_config(os.path.join(CONFIGS, config), overrides)
+    dims = Dims.from_config(cfg, resolve_layout(cfg, 1 if config == "tiny_cpu.yaml" else 8), "cuda")
     full = Dims(**{**dims.__dict__, "tp": 1, "cp": 1, "dp": 1, "sequence_parallel": False})
     assert sum(n for _, n, _ in param_shards(full)) == cfg.model.num_parameters()
+
+
+@pytest.mark.parametrize("name,billions", [("qwen3_8b_1m.yaml", 8.19), ("qwen3_32b_1536k.yaml", 32.76)])
+def test_qwen3_configs_have_qwen3s_parameter_counts(name, billions):
+    """Qwen3-8B and Qwen3-32B as their model cards count them (8.2B and 32.8B, embeddings and the untied head
+    included): head_dim 128 is not hidden / heads in the 32B (5120 / 64 = 80), and the q/k norms are counted."""
+    assert load_config(os.path.join(CONFIGS, name)).model.num_parameters() / 1e9 == pytest.approx(billions, abs=0.01)
 
 
 def test_model_flops_are_memos_formula_and_the_trainers():
@@ -170,6 +190,21 @@ def test_auto_on_llama3_8b_1m_fits_on_8_h100():
     assert all(config_overrides(c)["memory.layer_chunk_size"] in (None, LAYER_CHUNK) for c in cands)
     assert not any(c.overrides["memory.activation_offload"] == "none" and c.overrides["memory.recompute_granularity"]
                    == "none" and c.overrides["memory.layer_chunk_size"] for c in cands)
+
+
+@pytest.mark.parametrize("name", ["qwen3_8b_1m.yaml", "qwen3_32b_1536k.yaml"])
+def test_the_qwen3_configs_carry_the_layout_auto_picks(name):
+    """configs/qwen3_8b_1m.yaml and qwen3_32b_1536k.yaml hold what ``tools/estimate.py --auto --write`` wrote for 8
+    H100s: the search from that config picks the same layout again, and it fits (Qwen3-32B at 1.5M: tp 4 + SP, ring
+    cp 2, host checkpoints in chunks, MsT, FSDP2 with CPU offload; the residual stream in bf16)."""
+    cfg = load_config(os.path.join(CONFIGS, name))
+    best = pick_best(search_layouts(cfg, load_hardware("h100"), 8))
+    assert best.est.status == "fits"
+    with open(os.path.join(CONFIGS, name)) as f:
+        shipped = yaml.safe_load(f)
+    for key, value in config_overrides(best).items():
+        section, field = key.split(".")
+        assert shipped[section].get(field) == value, (key, value, best.label())
 
 
 def test_layer_chunks_share_and_working_set():

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lc.attention.backends import get_backend
+from megatron_lc.attention.backends import Kernels, get_backend, missing
 from megatron_lc.attention.merge import merge
 from megatron_lc.attention.ranges import block_rects, spans
 from megatron_lc.config.documents import DocumentRanges
@@ -147,3 +147,27 @@ def test_rectangles_against_fp64(device, record, dtype, window):
     record("T1 rectangles vs fp64 (max relative error)", f"{str(dtype)[6:]} window={window} 8/2 heads d=128",
            {k_: f"{e:.1e}" for k_, e in errs.items()})
     assert max(errs.values()) <= TOL[dtype], errs
+
+
+@pytest.mark.parametrize("name", ["cudnn", "fa3", "fa4"])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("causal,blocks", [(True, 1), (False, 1), (False, 4)])
+def test_hopper_kernels_against_fp64(device, record, name, heads, causal, blocks):
+    """cuDNN's and FlashAttention-3 / 4's kernels (``attention/hopper.py``: GQA native, the lse handed back as the
+    ring merges it), bf16, head dim 128, against fp64; each skipped with its reason where it cannot run."""
+    if device.type != "cuda":
+        pytest.skip("CUDA kernels")
+    why = missing(name, device)
+    if why is not None:
+        pytest.skip(f"{name} {why}")
+    backend = Kernels(name)(device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, dout = (torch.randn(1, n, 1024, 128, generator=g).to(device, torch.bfloat16)
+                     for n in (heads[0], heads[1], heads[1], heads[0]))
+    errs = {n: rel(a, b) for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), blocked(backend, q, k, v, dout,
+                                                                                     causal, blocks),
+                                            reference(q, k, v, dout, causal))}
+    record("T1 Hopper kernels vs fp64 (max relative error)",
+           f"{name} bf16 {heads[0]}/{heads[1]} heads d=128 causal={causal} blocks={blocks}",
+           {k: f"{v:.1e}" for k, v in errs.items()})
+    assert max(errs.values()) <= TOL[torch.bfloat16], errs

@@ -100,8 +100,10 @@ def test_non_llama_checkpoint_is_refused(tmp_path, capsys):
              TRAIN + [f"checkpoint.save={ck}", "model.normalization=LayerNorm", "train.train_iters=1"],
              torch.zeros(1, 4, dtype=torch.long))
     assert convert_to_hf.main([ck, str(tmp_path / "hf")]) == 2
-    assert capsys.readouterr().err.strip() == ("error: only Llama-style models (RMSNorm, SwiGLU, RoPE) export to "
-                                               "LlamaForCausalLM; this checkpoint has model.normalization=LayerNorm")
+    assert capsys.readouterr().err.strip() == (
+        "error: no Hugging Face family this exporter writes fits the model (LlamaForCausalLM, MistralForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM); the nearest, LlamaForCausalLM, cannot say "
+        "model.normalization=LayerNorm")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ortools") is not None,

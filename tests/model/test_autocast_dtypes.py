@@ -36,7 +36,7 @@ def test_mst_mlp_saves_its_input_in_the_compute_dtype():
     w1 = torch.nn.Parameter(torch.randn(64, 16, generator=g))
     w2 = torch.nn.Parameter(torch.randn(16, 32, generator=g))
     with bf16():
-        out, seen = saved_dtypes(lambda: mini_sequence_mlp(x, w1, None, w2, True, 16))
+        out, seen = saved_dtypes(lambda: mini_sequence_mlp(x, w1, None, w2, "swiglu", 16))
     assert out.dtype == torch.bfloat16
     assert ((64, 16), torch.bfloat16) in seen and ((64, 16), torch.float32) not in seen, seen
     out.float().sum().backward()

@@ -115,3 +115,41 @@ def test_fsdp2_refuses_a_format2_checkpoint_in_one_line(tmp_path):
             dist.destroy_process_group()
     msg = str(e.value)
     assert "\n" not in msg and "format 2" in msg and "use_torch_fsdp2" in msg, msg
+
+
+def test_fsdp2_gathers_the_next_unit_as_the_current_one_starts(monkeypatch):
+    """Forward order embedding -> layer 0 -> layer 1 -> head: as a unit's forward starts, its own weights and the
+    next unit's are gathered, before its computation; in backward the previous unit's as each starts. Without the
+    explicit prefetch, forward gathered a layer only when its own forward began (the host does not run ahead of a
+    GPU that the memory techniques make it wait on)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from megatron_lc.config import load_config
+    from megatron_lc.parallel.topology import Topology
+    from megatron_lc.training.loop import Trainer
+
+    log: list = []
+    unshard = FSDPParamGroup.unshard
+    monkeypatch.setattr(FSDPParamGroup, "unshard", lambda self, async_op=False: (
+        log.append(("gather", self.modules[0]._unit)), unshard(self, async_op))[1])
+    try:
+        trainer = Trainer(load_config(None, fsdp.TINY + FSDP + ["train.micro_batch_size=4", "train.train_iters=1",
+                                                                "checkpoint.save=null"]), Topology())
+        model = trainer.model
+        units = {"embedding": model.embedding, "layer 0": model.layers[0], "layer 1": model.layers[1],
+                 "head": model.head}
+        for name, unit in units.items():
+            unit._unit = name
+            unit.register_forward_pre_hook(lambda m, a: log.append(("forward", m._unit)))
+        model._unit = "root"
+        log.clear()
+        trainer.train()
+    finally:  # the group FSDP2 started for this process
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    forward = log[:log.index(("forward", "head")) + 1]
+    for a, b in (("embedding", "layer 0"), ("layer 0", "layer 1"), ("layer 1", "head")):  # b gathered before a runs
+        assert forward.index(("gather", b)) < forward.index(("forward", a)), forward
+    backward = list(dict.fromkeys(u for e, u in log[len(forward):] if e == "gather" and u != "root"))  # first ones
+    assert backward[:3] == ["head", "layer 1", "layer 0"], log

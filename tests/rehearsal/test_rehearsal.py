@@ -42,11 +42,11 @@ def test_the_old_save_check_is_reported_at_its_site_and_stops_the_save():
 
 
 def test_validation_save_async_save_and_resume_run_in_the_rehearsal():
-    """The job after the steps on rank 7 of 8, for FSDP2 in bf16 (a GPU run's usual layout), Memo and ring: every
-    part runs with no violation; the checkpoint is complete (meta.json, DCP's metadata, the RNG file; its tensors'
-    bytes counted, not written) and the step after the resume holds what a steady-state step holds; the async save
-    stages the checkpoint's bytes on the host."""
-    got = run_dist(1, cases.rehearse_job, ["fsdp2", "memo", "ring"])[0]
+    """The job after the steps on rank 7 of 8, for FSDP2 in bf16 (a GPU run's usual layout), Memo, ring and tp 2
+    with FSDP2's CPU offload: every part runs with no violation; the checkpoint is complete (meta.json, DCP's
+    metadata, the RNG file; its tensors' bytes counted, not written) and the step after the resume holds what a
+    steady-state step holds; the async save stages the checkpoint's bytes on the host."""
+    got = run_dist(1, cases.rehearse_job, ["fsdp2", "memo", "ring", "tp2-fsdp2-offload"])[0]
     for name, r in got.items():
         assert r["stopped"] is None and r["violations"] == [], (name, r["stopped"], r["violations"])
         assert r["job"] == ["validation", "save", "async save", "resume", "resumed step"], (name, r["job"])
@@ -57,6 +57,13 @@ def test_validation_save_async_save_and_resume_run_in_the_rehearsal():
         assert p["resumed step"]["device_peak_bytes"] == p["steps"]["device_peak_bytes"], (name, p)
         for phase in ("validation", "save", "async save", "resume"):
             assert 0 < p[phase]["device_peak_bytes"] <= p["steps"]["device_peak_bytes"], (name, phase, p)
+    # FSDP2's CPU offload keeps the shards on the host: the save hands DCP those tensors (DTensors on a host mesh),
+    # not device copies of them, so no phase of the checkpoint holds its pieces on the device (with the pieces
+    # built on FSDP's device mesh, ``DTensor.from_local`` copied all of them there: 11.3 MB on top) -- and a load
+    # fills the shards themselves
+    p = got["tp2-fsdp2-offload"]["phases"]
+    for phase in ("save", "async save", "resume"):
+        assert p[phase]["device_peak_bytes"] < got["tp2-fsdp2-offload"]["checkpoint_bytes"], (phase, p)
 
 
 CALIBRATION = ["plain", "small-vocab", "gpt-layernorm-gelu", "recompute-full", "mst", "memo-alpha0",

@@ -71,11 +71,15 @@ def tiny_llama3(path, vocab_size: int = 1024) -> str:
     """A random tiny Llama-3-shaped ``LlamaForCausalLM`` (2 layers, hidden 64, GQA 4/2, RoPE base 500000) with
     ``llama3_tokenizer``'s tokenizer, saved together as a Hugging Face model directory: a stand-in for a downloaded
     Llama-3 (README "Your own data")."""
+    return tiny_llama_model(llama3_tokenizer(path, vocab_size))
+
+
+def tiny_llama_model(path) -> str:
+    """The random tiny Llama-3-shaped model of ``tiny_llama3`` for the tokenizer saved in ``path``, saved beside it."""
     import torch
     import transformers
 
-    tok_dir = llama3_tokenizer(path, vocab_size)
-    tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
@@ -85,15 +89,31 @@ def tiny_llama3(path, vocab_size: int = 1024) -> str:
     return str(path)
 
 
+def tiny_llama3_chat(path, vocab_size: int = 1024) -> str:
+    """``tiny_llama3`` whose tokenizer carries Llama-3's chat tokens, a Llama-3-style chat template
+    (``chat_util.LLAMA3_TEMPLATE``) and ``<|eot_id|>`` as its eos, as a Llama-3 Instruct's does (generation stops
+    at the end of a turn): a stand-in for a downloaded Llama-3 Instruct (docs/finetune.md)."""
+    from tests.support.chat_util import llama3_chat_tokenizer
+
+    return tiny_llama_model(llama3_chat_tokenizer(path, vocab_size=vocab_size, eos="<|eot_id|>"))
+
+
 if __name__ == "__main__":  # the README's stand-ins: a tiny Llama-3 and a corpus, made here
     import sys
 
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-    usage = "usage: python tests/support/data_util.py tiny-llama3 DIR | corpus OUT.jsonl.gz"
-    if len(sys.argv) != 3 or sys.argv[1] not in ("tiny-llama3", "corpus"):
+    usage = ("usage: python tests/support/data_util.py tiny-llama3 DIR | tiny-llama3-chat DIR | corpus OUT.jsonl.gz | "
+             "conversations OUT.jsonl")
+    if len(sys.argv) != 3 or sys.argv[1] not in ("tiny-llama3", "tiny-llama3-chat", "corpus", "conversations"):
         sys.exit(usage)
     if sys.argv[1] == "tiny-llama3":
         print(tiny_llama3(sys.argv[2]))
+    elif sys.argv[1] == "tiny-llama3-chat":
+        print(tiny_llama3_chat(sys.argv[2]))
+    elif sys.argv[1] == "conversations":
+        from tests.support.chat_util import fixed_answer_records, write_records
+
+        print(write_records(sys.argv[2], fixed_answer_records(2000)))
     else:
         from megatron_lc.data.demo import read_documents, stdlib_source_files
 

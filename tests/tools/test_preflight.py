@@ -52,4 +52,4 @@ def test_optional_libraries_are_checked_when_installed_and_required_on_request(c
 def test_bad_input_is_one_line(capsys):
     assert preflight.main(["--require", "apex"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: --require 'apex': unknown apex (known: flash-attn, te)"]
+        "error: --require 'apex': unknown apex (known: flash-attn, te, fa3, fa4)"]

@@ -25,6 +25,10 @@ temporaries, and the block's input/output tensors (same size for every chunk cou
 GPU ordering rules followed (never executed here, no GPU): a side stream waits on an event of the compute stream
 before it touches a tensor the compute stream produced or a buffer it allocated; a copy's source is marked with
 ``record_stream`` so the allocator keeps it until the copy ran; the compute stream waits on a fetch's event before use.
+A fetch reads only host blocks, so it waits on no compute: its device buffers are allocated on the prefetch stream
+(the caching allocator's pool of that stream, whose blocks no compute kernel may still read) and declared to the
+compute stream when it takes them (``wait``). Only planned arena slots, whose bytes held other buffers, make the
+prefetch stream wait for the compute stream first.
 """
 from __future__ import annotations
 
@@ -125,9 +129,13 @@ class FPDTBuffers:
         """Issue host-to-device copies of ``hosted`` into fresh device buffers (accounted under ``tag``); a fresh
         accumulator is zeroed on the device instead (its host block was never written)."""
         dev = self.dev
-        bufs = [self.arena.buffer(tag, h.host.shape, h.host.dtype, device=self.device) for h in hosted]
+        if self.arena.planned:  # a planned slot may hold bytes a compute kernel still reads
+            bufs = [self.arena.buffer(tag, h.host.shape, h.host.dtype, device=self.device) for h in hosted]
+            dev.wait_event(dev.record_event(), self.h2d)
+        else:  # the prefetch stream's own pool: nothing on the compute stream to wait for
+            with dev.stream(self.h2d):
+                bufs = [self.arena.buffer(tag, h.host.shape, h.host.dtype, device=self.device) for h in hosted]
         self.track(tag, *bufs)
-        dev.wait_event(dev.record_event(), self.h2d)  # buffers may reuse memory the compute stream just freed
         for h, b in zip(hosted, bufs):
             if h.fresh:
                 b.zero_()  # compute stream: ordered before every use of b
@@ -144,9 +152,12 @@ class FPDTBuffers:
         return Pending(bufs, done, [(tag, b) for b in bufs])
 
     def wait(self, p: Pending) -> list:
-        """The fetched tensors, after the compute stream waited for their copies."""
+        """The fetched tensors, after the compute stream waited for their copies; declared to the compute stream
+        (made on the prefetch stream, they are not reused before what the compute stream queues on them ran)."""
         if p.event is not None:
             self.dev.wait_event(p.event)
+            for t in p.tensors:
+                self._record_stream(t, self.dev.current_stream())
         return p.tensors
 
     def release(self, p: Optional[Pending]) -> None:

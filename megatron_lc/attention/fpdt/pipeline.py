@@ -8,13 +8,15 @@ Forward, for q chunk i = 0..u-1:
   project chunk i (``project.py``) -> q, k, v [c_local, b, *, d] -> all-to-all (heads scattered, sequence
   gathered) -> q^, k^, v^ [b, n|m, c, d] = global tokens [i*c, (i+1)*c) (strided layout, ``parallel/token_layout.py``);
   diagonal block (causal) first, then k^/v^ go to the store (host when offloading); kv chunks j = 0..i-1 are
-  fetched one after the other, the fetch of j+1 issued before the compute of j (two kv chunks on the device at
-  most); online-softmax merge in fp32; q^, o^, lse to the store; o^ all-to-all back -> output rows of chunk i.
+  fetched one after the other, the fetch of 0 issued before the diagonal block and that of j+1 before the compute
+  of j (two kv chunks on the device at most), each waiting only on its host copy (``buffers.FPDTBuffers.fetch``);
+  online-softmax merge in fp32; q^, o^, lse to the store; o^ all-to-all back -> output rows of chunk i.
 Backward (kv outer, q inner, as the paper's Figure 7):
   do^_m = all-to-all of the output gradient, to the store; dq accumulators (fp32) in the store (offloaded: host
   blocks never zeroed on the host; the first fetch of each is zeroed on the device, ``buffers.ChunkStore``);
   for kv chunk j: fetch k^_j, v^_j; dk, dv accumulators; for q chunk m = j..u-1 (prefetching m+1, or kv j+1 at the
-  last step): block backward with the final o^_m, lse_m; dq_m += (written back), dk += , dv +=.
+  last step): block backward with the final o^_m, lse_m; dq_m += (written back), dk += , dv +=; then the q set of
+  chunk j+1 is fetched (its dq written back by now) during chunk j's all-to-all back and projection backward.
   After the inner loop dq_j, dk_j, dv_j are complete: all-to-all back, projection backward of chunk j (autograd).
 Document masks and a sliding window (``ranges.py``): each (q chunk, kv chunk) pair is cut into rectangles on the
 host; a pair without any is neither computed nor fetched (with a window W of a chunk or less, q chunk i needs only
@@ -34,6 +36,7 @@ from .buffers import ChunkStore, FPDTBuffers
 from .project import ProjSavedHooks, project_chunk, storage_bytes
 
 KV, QSET = "fpdt.fetch_kv", "fpdt.fetch_q"  # accounting tags of fetched chunks (buffers.py)
+QNAMES = ("q", "o", "do", "lse", "dq")  # a q chunk's set in the backward
 
 
 @dataclass
@@ -109,6 +112,9 @@ def _attend_chunk(run: FPDTRun, i: int, q: torch.Tensor, k: torch.Tensor, v: tor
     """Output (fp32) and lse of q chunk i against kv chunks 0..i; stores k^_i, v^_i. Frees k, v (device)."""
     bufs, store, be = run.bufs, run.store, run.backend
     c = q.shape[2]
+    js = [j for j in range(i) if run.needed(i, j, c)]  # kv chunks before i that chunk i sees (all without masks)
+    # the first of them is fetched during the diagonal block (a host copy: it waits on none of this chunk's compute)
+    nxt = store.prefetch([("k", js[0]), ("v", js[0])], KV) if js else None
     rects = run.rects(i, i, c)  # diagonal: gathered chunk i = range i
     out, lse = be.forward(q, k, v, causal=True) if rects is None else be.forward_rects(q, k, v, rects)
     out = out.float()
@@ -116,8 +122,6 @@ def _attend_chunk(run: FPDTRun, i: int, q: torch.Tensor, k: torch.Tensor, v: tor
     _stash(run, ("k", i), k, "fpdt.chunk")
     _stash(run, ("v", i), v, "fpdt.chunk")
     del k, v
-    js = [j for j in range(i) if run.needed(i, j, c)]  # kv chunks before i that chunk i sees (all without masks)
-    nxt = store.prefetch([("k", js[0]), ("v", js[0])], KV) if js else None
     for n, j in enumerate(js):  # kv chunks before i: full attention (global range j < i), or their rectangles
         cur, nxt = nxt, (store.prefetch([("k", js[n + 1]), ("v", js[n + 1])], KV) if n + 1 < len(js) else None)
         kj, vj = bufs.wait(cur)
@@ -197,20 +201,19 @@ def fpdt_backward(run: FPDTRun, dout: torch.Tensor, x_shape, x_dtype) -> Optiona
     dx = torch.empty(x_shape, dtype=x_dtype, device=dout.device) if run.x_requires_grad else None
     x_rows = x_shape[0] // u
     kv_next = store.prefetch([("k", 0), ("v", 0)], KV)
+    q_next = store.prefetch([(name, 0) for name in QNAMES], QSET)
     for j in range(u):
         kv_cur = kv_next
         kj, vj = bufs.wait(kv_cur)
         dk = bufs.zeros("fpdt.chunk", kj.shape, torch.float32)
         dv = bufs.zeros("fpdt.chunk", vj.shape, torch.float32)
-        qset = [("q", j), ("o", j), ("do", j), ("lse", j), ("dq", j)]
-        q_next = store.prefetch(qset, QSET)
         kv_next, dq_done = None, None
         c = kj.shape[2]
         ms = [j] + [m for m in range(j + 1, u) if run.needed(m, j, c)]  # q chunks that see kv chunk j
         for n, m in enumerate(ms):
             q_cur = q_next
             if n + 1 < len(ms):  # issued before this step's compute: double buffer of q chunks
-                q_next = store.prefetch([(name, ms[n + 1]) for name in ("q", "o", "do", "lse", "dq")], QSET)
+                q_next = store.prefetch([(name, ms[n + 1]) for name in QNAMES], QSET)
             elif j + 1 < u:  # last inner step: fetch the next outer step's kv chunk
                 kv_next = store.prefetch([("k", j + 1), ("v", j + 1)], KV)
             qm, om, dom, lsem, dqm = bufs.wait(q_cur)
@@ -236,6 +239,8 @@ def fpdt_backward(run: FPDTRun, dout: torch.Tensor, x_shape, x_dtype) -> Optiona
                 store.write_back(("dq", m), dqm)
             bufs.release(q_cur)
             del qm, om, dom, lsem, dqm, q_cur
+        if j + 1 < u:  # the next outer step's first q chunk (its dq written back above): during chunk j's a2a back
+            q_next = store.prefetch([(name, j + 1) for name in QNAMES], QSET)
         bufs.release(kv_cur)
         store.drop(("k", j), ("v", j))
         del kj, vj, kv_cur

@@ -26,6 +26,8 @@ import torch
 from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 
+from ...model.mlp import activate, activate_with_grad_fn
+
 
 def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
     """``[(0, c), (c, 2c), ..., (k*c, n)]``: every row in exactly one chunk, the last one possibly shorter."""
@@ -68,48 +70,26 @@ def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.add_(a.mm(b))
 
 
-# ---- MLP ---------------------------------------------------------------------------------------------------------
-def _activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    if swiglu:
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(h, approximate="tanh")
-
-
-def _activation_and_grad_fn(h: torch.Tensor, swiglu: bool):
-    """``act(h)`` and a function mapping d(loss)/d(act) to d(loss)/dh (silu(gate) computed once, dh written into
-    one buffer: no concatenation)."""
-    if not swiglu:
-        return F.gelu(h, approximate="tanh"), lambda da: torch.ops.aten.gelu_backward(da, h, approximate="tanh")
-    gate, up = h.chunk(2, dim=-1)
-    s = F.silu(gate)
-
-    def grad_fn(da: torch.Tensor) -> torch.Tensor:
-        dh = torch.empty_like(h)
-        d_gate, d_up = dh.chunk(2, dim=-1)
-        torch.mul(da, s, out=d_up)
-        torch.ops.aten.silu_backward.grad_input(da * up, gate, grad_input=d_gate)
-        return dh
-
-    return s * up, grad_fn
+# ---- MLP ----------------------------------------------------------------------------------------------------------
+# the activations are the plain MLP's own (``model/mlp.py``: SwiGLU, GeGLU, GeLU), so both compute the same numbers
 
 
 class _MiniSequenceMLP(torch.autograd.Function):
-    """``act(x W1^T + b1) W2^T`` over row chunks. x ``[N, h]``, W1 ``[f1, h]`` (f1 = 2f for SwiGLU: local
+    """``act(x W1^T + b1) W2^T`` over row chunks. x ``[N, h]``, W1 ``[f1, h]`` (f1 = 2f gated: local
     ``[gate; up]``), b1 ``[f1]`` or None, W2 ``[h_out, f]``. Returns ``[N, h_out]`` (a partial sum under tp; the
     row linear's reduction and bias are applied by the caller)."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, swiglu: bool, chunk: int):
+    def forward(ctx, x, w1, b1, w2, kind: str, chunk: int):
         dtype = compute_dtype(x)
-        ctx.dtype, ctx.swiglu, ctx.chunk, ctx.x_dtype = dtype, swiglu, chunk, x.dtype
+        ctx.dtype, ctx.kind, ctx.chunk, ctx.x_dtype = dtype, kind, chunk, x.dtype
         with torch.autocast(x.device.type, enabled=False):
             xc_, w1c, b1c, w2c = cast_to(x, dtype), cast_to(w1, dtype), cast_to(b1, dtype), cast_to(w2, dtype)
             # the input in the compute dtype, as the unchunked linear keeps it (bf16 under autocast, not fp32)
             ctx.save_for_backward(xc_, w1, b1, w2)
             out = torch.empty(x.shape[0], w2.shape[0], dtype=dtype, device=x.device)
             for i0, i1 in chunk_bounds(x.shape[0], chunk):
-                a = _activation(F.linear(xc_[i0:i1], w1c, b1c), swiglu)
+                a = activate(F.linear(xc_[i0:i1], w1c, b1c), kind)
                 torch.mm(a, w2c.t(), out=out[i0:i1])
         return out
 
@@ -117,7 +97,7 @@ class _MiniSequenceMLP(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         x, w1, b1, w2 = ctx.saved_tensors  # x already in the compute dtype
-        dtype, swiglu = ctx.dtype, ctx.swiglu
+        dtype, kind = ctx.dtype, ctx.kind
         need_x = ctx.needs_input_grad[0]
         dx = torch.empty(x.shape, dtype=ctx.x_dtype, device=x.device) if need_x else None
         dw1 = grad_accumulator(w1) if ctx.needs_input_grad[1] else None
@@ -129,7 +109,7 @@ class _MiniSequenceMLP(torch.autograd.Function):
             for i0, i1 in chunk_bounds(x.shape[0], ctx.chunk):
                 xi, gi = xc_[i0:i1], g[i0:i1]
                 h = F.linear(xi, w1c, b1c)  # recomputed: [n, f1] lives for this chunk only
-                a, act_grad = _activation_and_grad_fn(h, swiglu)
+                a, act_grad = activate_with_grad_fn(h, kind)
                 if dw2 is not None:
                     accumulate_mm(dw2, gi.t(), a)
                 del a
@@ -145,6 +125,7 @@ class _MiniSequenceMLP(torch.autograd.Function):
 
 
 def mini_sequence_mlp(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
-                      swiglu: bool, chunk: int) -> torch.Tensor:
-    """MLP without its tp communication and output bias, over chunks of ``chunk`` rows of ``x [N, h]``."""
-    return _MiniSequenceMLP.apply(x, w1, b1, w2, swiglu, chunk)
+                      kind: str, chunk: int) -> torch.Tensor:
+    """MLP without its tp communication and output bias, over chunks of ``chunk`` rows of ``x [N, h]``; ``kind``:
+    the activation (``model.mlp.ACTIVATIONS``)."""
+    return _MiniSequenceMLP.apply(x, w1, b1, w2, kind, chunk)

@@ -50,13 +50,13 @@ class MiniSequenceMLP(MLP):
             return super().forward(x)
         x = gather_from_sp(x, fc1.topo) if fc1.sequence_parallel else copy_to_tp(x, fc1.topo)
         s, b, h = x.shape
-        y = mini_sequence_mlp(x.reshape(s * b, h), fc1.weight, fc1.bias, fc2.weight, self.swiglu, self.chunk_tokens)
+        y = mini_sequence_mlp(x.reshape(s * b, h), fc1.weight, fc1.bias, fc2.weight, self.kind, self.chunk_tokens)
         y = y.view(s, b, -1)
         y = reduce_scatter_to_sp(y, fc2.topo) if fc2.sequence_parallel else reduce_from_tp(y, fc2.topo)
         return y + fc2.bias if fc2.bias is not None else y
 
     def extra_repr(self) -> str:
-        return f"swiglu={self.swiglu}, chunk_tokens={self.chunk_tokens}"
+        return f"activation={self.kind}, chunk_tokens={self.chunk_tokens}"
 
 
 class MiniSequenceLMHead(LMHead):

@@ -30,6 +30,7 @@ if the save dies between the two renames, the ``.old`` copy is found and loaded.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ import shutil
 from typing import Optional
 
 
-from ...config import Config, ConfigError
+from ...config import Config, ConfigError, ModelConfig
 from ...parallel.collectives import all_gather_objects
 from ...parallel.topology import Axis, Topology
 from . import sharded_state
@@ -95,13 +96,22 @@ def full_weights(path: str, meta: dict, cfg: Config) -> dict:
 # init_method_std, max_position_embeddings under RoPE) may change between the stages of a run, said in the log
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "kv_channels", "vocab_size", "make_vocab_size_divisible_by", "normalization", "swiglu",
-                "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear")
+                "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
+                "add_qkv_bias", "qk_layernorm", "apply_layernorm_1p", "post_self_attn_layernorm", "post_mlp_layernorm",
+                "gated_linear_unit")
+
+
+def _saved_model(saved: dict) -> dict:
+    """A checkpoint's model section with every field of this version: a field it predates takes the value that
+    version meant (``ModelConfig``'s default, resolved as then: ``gated_linear_unit`` = ``swiglu``)."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return {**ModelConfig(**{k: v for k, v in saved.items() if k in known}).__dict__, **saved}
 
 
 def check_compatible(meta: dict, cfg: Config, topo: Topology, path: str, zero: bool, load_optim: bool = True) -> None:
     """A checkpoint of another model -> ConfigError naming every differing shape field; other model changes are
     logged; a ZeRO-1 checkpoint at another layout -> ConfigError (``reshard.check_tp_change``)."""
-    saved = meta["config"]["model"]
+    saved = _saved_model(meta["config"]["model"])
     now = cfg.to_dict()["model"]
     shape = list(SHAPE_FIELDS) + (["max_position_embeddings"] if now["position_embedding_type"] != "rope" else [])
     diffs = [f"model.{k}={saved.get(k)!r} (this run: {now[k]!r})" for k in shape if saved.get(k) != now[k]]

@@ -79,23 +79,31 @@ class ShardedState:
     def __init__(self, model, topo: Topology):
         self.model, self.topo = model, topo
         self.names = {id(p): n for n, p in model.named_parameters()}
-        self._mesh: Optional[DeviceMesh] = None
-        self._mesh2: Optional[DeviceMesh] = None
+        self._meshes: dict = {}  # (groups, device type) -> DeviceMesh
 
-    def _mesh_for(self, device: torch.device) -> DeviceMesh:
-        if self._mesh is None:
-            self._mesh = DeviceMesh.from_group(self.topo.group(Axis.TP), device.type)
-        return self._mesh
+    def _mesh(self, groups: tuple, device_type: str, grid: Optional[list] = None) -> DeviceMesh:
+        """The mesh of ``groups`` (one per dim) for tensors on ``device_type``, made once. A stored piece's mesh has
+        its own device's type: ``DTensor.from_local`` moves a piece to its mesh's device type, so FSDP2's host
+        shards (CPU offload; FSDP's own mesh is the GPU's) on the GPU's mesh would be copies in device memory -- a
+        save would stage the whole state there, and a load would fill the copies, not the shards. Example, tp=2
+        dp=2 with CPU offload: fc2's host shard goes on a ``cpu`` (tp, dp x cp) mesh, its CUDA twin never made.
+        The mesh is a table of rank numbers: made outside a rehearsal's fake mode."""
+        key = (tuple(id(g) for g in groups), device_type)
+        if key not in self._meshes:
+            with unset_fake_temporarily():
+                if len(groups) == 1:
+                    self._meshes[key] = DeviceMesh.from_group(groups[0], device_type)
+                else:
+                    self._meshes[key] = DeviceMesh.from_group(list(groups), device_type, mesh=torch.tensor(grid),
+                                                              mesh_dim_names=("tp", "dp_cp"))
+        return self._meshes[key]
 
-    def _mesh2d(self, fsdp_mesh: DeviceMesh) -> DeviceMesh:
-        """(tp, dp x cp) mesh of this rank's tp group and FSDP's group, tp first: the tp cut is the outer one (FSDP
-        cuts the tp-local piece)."""
-        if self._mesh2 is None:
-            t = self.topo
-            grid = t.grid().reshape(-1, t.tp).t()  # [tp, dp x cp]; row i: the dp x cp group of tp rank i
-            self._mesh2 = DeviceMesh.from_group([t.group(Axis.TP), fsdp_mesh.get_group()], fsdp_mesh.device_type,
-                                                mesh=grid, mesh_dim_names=("tp", "dp_cp"))
-        return self._mesh2
+    def _grid2d(self) -> list:
+        """(tp, dp x cp) ranks of the 2-D mesh, tp first: the tp cut is the outer one (FSDP cuts the tp-local
+        piece); row i is the dp x cp group of tp rank i (tp is the grid's innermost dim). Example, tp=2 on 8 ranks:
+        ``[[0, 2, 4, 6], [1, 3, 5, 7]]``."""
+        world, tp = self.topo.world_size, self.topo.tp
+        return [list(range(i, world, tp)) for i in range(tp)]
 
     def _stored_fsdp(self, t: DTensor, p) -> torch.Tensor:
         """An FSDP shard (a DTensor on the dp x cp mesh, ``Shard(f)`` of the tp-local piece) as a DTensor of the
@@ -106,11 +114,13 @@ class ShardedState:
         if d is not None and part[1] > 1 and f >= part[0]:
             f += 1  # the stride split added a dim before the FSDP one
         shape = list(stored_view(torch.empty(t.shape, device="meta"), part)[0].shape)
+        device = view.device.type
         if d is not None and self.topo.tp > 1:
             shape[d] *= self.topo.tp
-            mesh, placements = self._mesh2d(t.device_mesh), [Shard(d), Shard(f)]
+            mesh = self._mesh((self.topo.group(Axis.TP), t.device_mesh.get_group()), device, self._grid2d())
+            placements = [Shard(d), Shard(f)]
         else:
-            mesh, placements = t.device_mesh, [Shard(f)]
+            mesh, placements = self._mesh((t.device_mesh.get_group(),), device), [Shard(f)]
         return DTensor.from_local(view, mesh, placements, run_check=False, shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride())
 
@@ -121,7 +131,8 @@ class ShardedState:
         view, dim = stored_view(t, tp_partition(p))
         if dim is None or self.topo.tp == 1:
             return view
-        return DTensor.from_local(view, self._mesh_for(t.device), [Shard(dim)], run_check=False)
+        return DTensor.from_local(view, self._mesh((self.topo.group(Axis.TP),), t.device.type), [Shard(dim)],
+                                  run_check=False)
 
     def model_state(self) -> dict:
         return {f"model/{n}": self.stored(p.data, p) for n, p in self.model.named_parameters()}

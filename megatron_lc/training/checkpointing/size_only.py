@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -39,9 +40,17 @@ def _fake_mode(state: dict):
 
 class SizeOnlyWriter(FileSystemWriter):
     def stage(self, state_dict: dict) -> dict:
-        """An async save's host copy of the state (``checkpoint.async_save``), made of fake tensors as well."""
+        """An async save's host copy of the state (``checkpoint.async_save``), made of fake tensors as well: a new
+        host tensor per piece, as DCP's stager makes. A piece already on the host (FSDP2's CPU offload) gets its
+        new tensor here: the stager's ``deepcopy`` of such a DTensor cannot copy a fake tensor."""
         with _fake_mode(state_dict):
-            return super().stage(state_dict)
+            on_host = {k: v for k, v in state_dict.items() if isinstance(v, DTensor) and v.dim()
+                       and v.to_local().device.type == "cpu"}
+            staged = super().stage({k: v for k, v in state_dict.items() if k not in on_host})
+            staged.update({k: DTensor.from_local(torch.empty_like(v.to_local()), v.device_mesh, v.placements,
+                                                 run_check=False, shape=v.shape, stride=v.stride())
+                           for k, v in on_host.items()})
+        return {k: staged[k] for k in state_dict}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         name, offset, results = f"{plan.storage_data.prefix}0{SUFFIX}", 0, []

@@ -6,10 +6,11 @@ What is evaluated: the first ``train.eval_iters`` global batches of the split (`
 never reads), the same samples every time, so the numbers compare across steps, resumes and layouts. Each global
 batch is read as training reads one (``batches.microbatches``: this dp rank's micro-batches, sharded for its cp
 rank) and run forward under the training layout without autograd -- tp, ring / Ulysses / hybrid / FPDT cp, FSDP2,
-MsT, Memo and recompute all run their plain forward. The loss is the mean over every valid token of those batches:
-each rank sums its masked token losses and counts its tokens, both summed over dp x cp (tp ranks hold the same
-full loss), so the value does not depend on the layout -- it equals one process evaluating the same samples.
-Perplexity is ``exp(loss)``.
+MsT, Memo and recompute all run their plain forward. The loss is the mean over every valid token of those batches
+-- training's loss mask: of conversations, the assistant turns only --: each rank sums its masked token losses and
+counts its tokens, both summed over dp x cp (tp ranks hold the same full loss), so the value does not depend on the
+layout -- it equals one process evaluating the same samples. Perplexity is ``exp(loss)``; batches without a valid
+token give NaN for both (said once).
 
 Example, ``eval_interval: 100``, ``eval_iters: 10``, ``train_iters: 250``, global batch 16: the first 160 samples of
 the valid split are evaluated after steps 100, 200 and 250.
@@ -81,8 +82,12 @@ class Validator:
                   "samples": self.cfg.train.eval_iters * s.layout.global_batch_size}
         if has_values(sums):  # (a rehearsal's fake tensors have none: its record has no loss)
             loss_sum, tokens = sums.tolist()  # the evaluation's one device-to-host read
+            if not tokens:
+                log.warning("the %s split's first %d global batches have no trained token (their loss masks are all "
+                            "zero): no %s loss", split, self.cfg.train.eval_iters, split)
             loss = loss_sum / tokens if tokens else math.nan
-            record.update(loss=loss, perplexity=math.exp(loss) if loss < 700 else math.inf, tokens=int(tokens))
+            perplexity = math.nan if not tokens else math.exp(loss) if loss < 700 else math.inf
+            record.update(loss=loss, perplexity=perplexity, tokens=int(tokens))
         record["seconds"] = time.perf_counter() - t0
         return record
 

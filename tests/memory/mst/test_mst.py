@@ -40,23 +40,26 @@ def test_chunk_bounds_cover_every_token_once():
 
 
 # ---- the autograd functions against autograd through the plain ops ------------------------------------------------
-@pytest.mark.parametrize("swiglu,bias", [(True, False), (False, True)])
+@pytest.mark.parametrize("kind,bias", [("swiglu", False), ("gelu", True), ("geglu", False)])
 @pytest.mark.parametrize("chunk", [1, 7, 16, 200])
-def test_mlp_function_matches_autograd(swiglu, bias, chunk):
+def test_mlp_function_matches_autograd(kind, bias, chunk):
     g = torch.Generator().manual_seed(0)
     n, h, f = 37, 16, 24
+    gated = kind != "gelu"
     x = torch.randn(n, h, generator=g, requires_grad=True)
-    w1 = (torch.randn(2 * f if swiglu else f, h, generator=g) * 0.2).requires_grad_()
+    w1 = (torch.randn(2 * f if gated else f, h, generator=g) * 0.2).requires_grad_()
     b1 = (torch.randn(w1.shape[0], generator=g) * 0.1).requires_grad_() if bias else None
     w2 = (torch.randn(h, f, generator=g) * 0.2).requires_grad_()
     up = torch.randn(n, h, generator=g)  # a non-uniform upstream gradient
     params = [t for t in (x, w1, b1, w2) if t is not None]
 
     hid = F.linear(x, w1, b1)
-    act = F.silu(hid[:, :f]) * hid[:, f:] if swiglu else F.gelu(hid, approximate="tanh")
+    act = {"swiglu": lambda: F.silu(hid[:, :f]) * hid[:, f:],
+           "geglu": lambda: F.gelu(hid[:, :f], approximate="tanh") * hid[:, f:],
+           "gelu": lambda: F.gelu(hid, approximate="tanh")}[kind]()
     ref_out = act @ w2.t()
     ref = torch.autograd.grad(ref_out, params, up)
-    out = mini_sequence_mlp(x, w1, b1, w2, swiglu, chunk)
+    out = mini_sequence_mlp(x, w1, b1, w2, kind, chunk)
     got = torch.autograd.grad(out, params, up)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
     for a, b in zip(got, ref):
@@ -290,7 +293,7 @@ def test_bf16_weights_gradients_are_summed_over_chunks_in_fp32():
         hid = x @ w1.t()
         return (F.silu(hid[:, :f]) * hid[:, f:]) @ w2.t()
 
-    chunked = torch.autograd.grad(mini_sequence_mlp(x, w1, None, w2, True, chunk), (w1, w2), up)
+    chunked = torch.autograd.grad(mini_sequence_mlp(x, w1, None, w2, "swiglu", chunk), (w1, w2), up)
     chunked += torch.autograd.grad(mini_sequence_cross_entropy(x, w, labels, Topology(), chunk).sum(), (w,))
     leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2, w)]
     whole = torch.autograd.grad(mlp(*leaves[:3]), leaves[1:3], up)
