@@ -19,7 +19,7 @@ memory plan allocates last: it traces a step with every other buffer in place):
     FPDTRuntime (cp_comm_type fpdt)  attention/fpdt/runtime.py       one block's parked        --
                                                                      chunks (fpdt_offload)
     MemoRuntime (full / memo)        memory/memo/runtime.py          layer 0 profiled, alpha   rounding buffers
-    CheckpointOffload (checkpoints)  memory/checkpoint_offload.py    layers x one input        --
+    CheckpointOffload (checkpoints)  memory/checkpoint_offload.py    ceil(L / k) inputs        --
     MemoryPlan (memory.plan)         planning/memory_plan.py         a plan file loaded        a micro-batch traced
                                                                                                and planned; the arena
 """
@@ -35,6 +35,7 @@ from ..config import Config, Execution, Layout, resolve_techniques
 from ..device import HostPool
 from ..memory.arena import ArenaHandle
 from ..memory.checkpoint_offload import CheckpointOffload
+from ..memory.chunked_layer import BlockAttentionPart, CoreAttentionPart
 from ..memory.memo import MemoRuntime
 from ..parallel.topology import Topology
 from ..planning.memory_plan import MemoryPlan
@@ -81,6 +82,12 @@ class ModelContext:
         return [rt for rt in (self.fpdt, self.memo, self.checkpoints, self.plan) if rt is not None]
 
 
+# the attention of the host checkpoints' chunked layer, by its re-run (``config.Techniques.layer_rerun``): the core
+# attention's (out, lse) pair, or FPDT's block with norm 1 inside its chunk projections
+CHUNKED_ATTENTION = {"at_once": CoreAttentionPart, "layer_mini_sequences": CoreAttentionPart,
+                     "block_mini_sequences": BlockAttentionPart}
+
+
 def model_context(cfg: Config, layout: Layout) -> ModelContext:
     """The context the spec's modules will share: one runtime per technique ``cfg`` turns on, by the same key the
     spec builds its classes by (``config.resolve_techniques``)."""
@@ -93,7 +100,8 @@ def model_context(cfg: Config, layout: Layout) -> ModelContext:
                                chunk_tokens=m.layer_chunk_size)
     if t.executor == "host_checkpoints":
         ctx.checkpoints = CheckpointOffload(cfg.model.num_layers, ctx.host_pool, m.layer_chunk_size,
-                                            layout.sp_degree)
+                                            layout.sp_degree, every=m.checkpoint_every,
+                                            attention_part=CHUNKED_ATTENTION[t.layer_rerun])
     if t.memory_plan != "none":
         ctx.plan = MemoryPlan(m.plan, ctx.arena)
     return ctx

@@ -29,9 +29,15 @@ def _refusals(cfg):
            f"memory.activation_offload={m.activation_offload}: the mini-sequences are those of a re-run (token-wise "
            f"recompute or the checkpoints mode); set recompute_granularity full or activation_offload memo or "
            f"checkpoints")
-    yield (m.layer_chunk_size is not None and p.cp_comm_type == "fpdt",
-           "memory.layer_chunk_size with parallel.cp_comm_type=fpdt: FPDT's block chunks its own tokens "
-           "(memory.fpdt_chunk_size); unset layer_chunk_size")
+    yield (m.layer_chunk_size is not None and p.cp_comm_type == "fpdt" and m.activation_offload != "checkpoints",
+           f"memory.layer_chunk_size with parallel.cp_comm_type=fpdt and memory.activation_offload="
+           f"{m.activation_offload}: FPDT's block is the attention of the checkpoints mode's chunked layer only "
+           f"(token-wise recompute runs around the whole block); set activation_offload checkpoints or unset "
+           f"layer_chunk_size")
+    yield (m.checkpoint_every > 1 and m.activation_offload != "checkpoints",
+           f"memory.checkpoint_every={m.checkpoint_every} with memory.activation_offload={m.activation_offload}: "
+           f"the segments are those of the host checkpoints (every k-th layer's input on the host); set "
+           f"activation_offload checkpoints or checkpoint_every 1")
     yield (p.use_torch_fsdp2 and p.use_distributed_optimizer,
            "parallel.use_torch_fsdp2 with parallel.use_distributed_optimizer: FSDP2 already shards the optimizer "
            "states (with the weights and gradients); set use_distributed_optimizer false")

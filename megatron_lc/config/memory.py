@@ -19,6 +19,10 @@ class MemoryConfig:
     # and in the checkpoints mode's forward and re-run (memory/chunked_layer.py): outside core attention a layer's
     # recompute holds O(chunk) rows; None: all tokens at once
     layer_chunk_size: Optional[int] = None
+    # checkpoints mode: only every k-th layer's input goes to the host (layers 0, k, 2k, ...); the backward re-runs
+    # the segment of k layers from it (memory/checkpoint_offload.py): ceil(L / k) inputs on the host instead of L,
+    # for (L - ceil(L / k)) more layer forwards per step; 1: every layer's input
+    checkpoint_every: int = 1
     mst: bool = False
     mst_mlp_chunk_size: Optional[int] = None  # tokens per MLP mini-sequence; default hidden_size
     mst_head_chunks: Optional[int] = None  # chunks of LM head + loss; default ceil(vocab / hidden)
@@ -46,6 +50,7 @@ class MemoryConfig:
             check(not self.plan, "memory.plan (true) must be 'off', 'auto' or the path of a plan JSON file")
             self.plan = "off"
         check(self.plan_time_limit > 0, f"memory.plan_time_limit ({self.plan_time_limit}) must be > 0 seconds")
-        for name in ("mst_mlp_chunk_size", "mst_head_chunks", "fpdt_chunk_size", "layer_chunk_size"):
+        for name in ("mst_mlp_chunk_size", "mst_head_chunks", "fpdt_chunk_size", "layer_chunk_size",
+                     "checkpoint_every"):
             v = getattr(self, name)
             check(v is None or v >= 1, f"memory.{name} ({v}) must be >= 1")

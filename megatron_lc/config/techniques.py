@@ -9,9 +9,11 @@ Example, ``memory.mst: true``, ``recompute_granularity: full``, ``layer_chunk_si
                layer_rerun="token_wise_mini_sequences", memory_plan="none")
 
 ``executor``, ``attention_block`` and ``mlp_and_head`` name the classes the spec builds; ``layer_rerun`` and
-``memory_plan`` name no class (the executors' runtimes read ``memory.layer_chunk_size``, the memory plan's runtime
-``memory.plan``), but they change what a rank holds, so the estimator has a term for each. A technique's own knobs
-(Memo's alpha, FPDT's offload and chunk size, MsT's chunk sizes) stay in the config; its term reads them.
+``memory_plan`` name no module (the executors' runtimes read ``memory.layer_chunk_size`` -- the host checkpoints' one
+is handed the attention part of its chunked layer by ``layer_rerun``, ``compose/context.py`` --, the memory plan's
+runtime ``memory.plan``), but they change what a rank holds, so the estimator has a term for each. A technique's own
+knobs (Memo's alpha, the host checkpoints' segment length ``checkpoint_every``, FPDT's offload and chunk size, MsT's
+chunk sizes) stay in the config; its term reads them.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from .layout import Layout
 Executor = Literal["plain", "selective_recompute", "token_wise_recompute", "memo_offload", "host_checkpoints"]
 AttentionBlock = Literal["self_attention", "fpdt"]
 MlpAndHead = Literal["plain", "mst"]
-LayerRerun = Literal["at_once", "token_wise_mini_sequences", "layer_mini_sequences"]
+LayerRerun = Literal["at_once", "token_wise_mini_sequences", "layer_mini_sequences", "block_mini_sequences"]
 MemoryPlanKind = Literal["none", "traced_at_setup", "from_file"]
 
 # memory.activation_offload wins over memory.recompute_granularity: Memo's offload runs token-wise recompute itself
@@ -35,6 +37,9 @@ EXECUTOR_BY_RECOMPUTE = {"none": "plain", "selective": "selective_recompute", "f
 MINI_SEQUENCES_BY_EXECUTOR = {"token_wise_recompute": "token_wise_mini_sequences",
                               "memo_offload": "token_wise_mini_sequences",
                               "host_checkpoints": "layer_mini_sequences"}
+# the host checkpoints' chunked layer around FPDT's block: the block's own chunks are its attention (config/
+# combinations.py refuses layer chunks with FPDT under token-wise recompute)
+MINI_SEQUENCES_AROUND_BLOCK = {"layer_mini_sequences": "block_mini_sequences"}
 MEMORY_PLAN_BY_SETTING = {"off": "none", "auto": "traced_at_setup"}  # any other value is a plan file's path
 
 
@@ -46,6 +51,7 @@ class Techniques:
     attention_block: AttentionBlock = "self_attention"  # SelfAttention, or FPDT's chunked block
     mlp_and_head: MlpAndHead = "plain"  # the MLP and the LM head: plain, or MsT's mini-sequence ones
     layer_rerun: LayerRerun = "at_once"  # the executor's re-run: all its rows at once, or in mini-sequences
+    # (around a core attention, or around FPDT's block)
     memory_plan: MemoryPlanKind = "none"  # the caching allocator, or a planned arena (traced at setup / a file)
 
 
@@ -53,9 +59,11 @@ def resolve_techniques(cfg, layout: Layout) -> Techniques:
     """The techniques of ``cfg`` under ``layout`` (refused pairs were refused by ``resolve_layout`` already)."""
     m = cfg.memory
     executor = EXECUTOR_BY_OFFLOAD.get(m.activation_offload) or EXECUTOR_BY_RECOMPUTE[m.recompute_granularity]
+    block = "fpdt" if layout.cp_comm_type == "fpdt" else "self_attention"
     rerun = MINI_SEQUENCES_BY_EXECUTOR.get(executor, "at_once") if m.layer_chunk_size is not None else "at_once"
-    return Techniques(executor=executor,
-                      attention_block="fpdt" if layout.cp_comm_type == "fpdt" else "self_attention",
+    if block == "fpdt":
+        rerun = MINI_SEQUENCES_AROUND_BLOCK.get(rerun, rerun)
+    return Techniques(executor=executor, attention_block=block,
                       mlp_and_head="mst" if m.mst else "plain", layer_rerun=rerun,
                       memory_plan=MEMORY_PLAN_BY_SETTING.get(m.plan, "from_file"))
 

@@ -110,11 +110,14 @@ def layer_chunk_share(cfg: Config, dims: Dims, alpha: float = 0.0) -> Optional[f
     through the linears (SP all-gathers G = tp blocks of c rows). The re-run covers the dropped S - floor(alpha * S)
     rows under token-wise recompute / Memo (``memory/memo/steps.py``), all S under ``activation_offload:
     checkpoints`` (``memory/chunked_layer.py``, alpha = 0); a chunk that covers them all is no chunking (the
-    framework then runs unchunked), as is FPDT (refused with a chunk size by the config)."""
+    framework then runs unchunked). Around FPDT's block (the checkpoints mode only: the config refuses chunks with
+    token-wise recompute around it) the mini-sequences never cross one of its u chunks: min(c, S / u) rows each."""
     c = cfg.memory.layer_chunk_size
-    if c is None or dims.fpdt:
+    if c is None:
         return None
     S = dims.tokens_residual // dims.micro_batch
+    if dims.fpdt:
+        return min(c, S // dims.fpdt_chunks) / S
     rerun = S - int(alpha * S + 1e-9)
     return c / S if c < rerun else None
 

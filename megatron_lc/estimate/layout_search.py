@@ -12,13 +12,15 @@ What is searched (model, data and batch sizes stay as configured):
 * cp flavour: ring (p2p), Ulysses (a2a), hybrid (a2a+p2p, every ulysses size between), FPDT (fpdt, chunk sizes
   seq / u for u = 1, 2, 4, ... with chunks of at least 8K tokens, offload on and off);
 * memory: recompute none / full, Memo offload with α from the LP (``auto``) or α in {0, 1/8, 1/4, 1/2, 1},
-  activation checkpoints on the host (``activation_offload: checkpoints``), MsT on / off; recompute full, Memo with
-  α in {auto, 0} and the checkpoints mode also with their re-run in mini-sequences of ``LAYER_CHUNK`` local rows
-  (``memory.layer_chunk_size``; skipped where a chunk holds every re-run row: the same run as without);
+  activation checkpoints on the host (``activation_offload: checkpoints``) with every layer's input or every k-th
+  one's (``memory.checkpoint_every`` in ``EVERY``: the smallest k whose host bytes fit is the fastest), MsT on /
+  off; recompute full, Memo with α in {auto, 0} and the checkpoints mode also with their re-run in mini-sequences
+  of ``LAYER_CHUNK`` local rows (``memory.layer_chunk_size``; skipped where a chunk holds every re-run row: the same
+  run as without); with FPDT the checkpoints mode, chunked (FPDT's block as the chunked layer's attention) or not;
 * model states: ZeRO-1 (``use_distributed_optimizer``) whenever dp x cp > 1, FSDP2 (``use_torch_fsdp2``), FSDP2
   with ``fsdp_cpu_offload``.
 
-Skipped: anything ``config.resolve_layout`` rejects; recompute/Memo with FPDT unless ``allow_fpdt_recompute`` (the
+Skipped: anything ``config.resolve_layout`` rejects; recompute / Memo with FPDT unless ``allow_fpdt_recompute`` (the
 framework runs them in Memo's block mode, but no calibration case covers the estimate of it yet); selective recompute
 (saves nothing with flash-style kernels, runs attention twice). With ``memory.offload_fraction: auto`` the α written
 to the config is the estimator's LP solution; the framework re-solves it from its own profiler at start-up
@@ -39,6 +41,7 @@ ALPHAS = ("auto", 0.0, 0.125, 0.25, 0.5, 1.0)
 MIN_FPDT_CHUNK = 8192
 LAYER_CHUNK = 16384  # memory.layer_chunk_size tried (local rows per mini-sequence of a layer's re-run)
 CHUNKED_ALPHAS = ("auto", 0.0)  # the Memo α tried with LAYER_CHUNK
+EVERY = (1, 2, 4, 8)  # memory.checkpoint_every tried with the host checkpoints
 
 
 @dataclass
@@ -62,7 +65,8 @@ class Candidate:
         if cp_type == "fpdt":
             parts.append(f"chunk{o['memory.fpdt_chunk_size'] // 1024}K" + ("" if o["memory.fpdt_offload"] else "-dev"))
         if o["memory.activation_offload"] == "checkpoints":
-            parts.append("ckpt-offload")
+            k = o.get("memory.checkpoint_every", 1)
+            parts.append("ckpt-offload" + (f"-every{k}" if k > 1 else ""))
         elif o["memory.activation_offload"] == "memo":
             a = self.est.memory.alpha
             parts.append(f"memo(a={a:.3g}{',auto' if o['memory.offload_fraction'] == 'auto' else ''})")
@@ -138,20 +142,22 @@ def _flavoured(base: dict, flavours: list, s: int) -> Iterator[dict]:
 
 
 def memory_options(fpdt: bool) -> Iterator[dict]:
-    """The ``memory.*`` switches tried for one layout (FPDT: no re-run; the config refuses its layer chunks)."""
-    def opt(recompute: str, offload: str, alpha, mst: bool, chunk: Optional[int] = None) -> dict:
+    """The ``memory.*`` switches tried for one layout (``fpdt``: FPDT's block without token-wise recompute or Memo
+    around it; the host checkpoints, chunked or not, take it)."""
+    def opt(recompute: str, offload: str, alpha, mst: bool, chunk: Optional[int] = None, every: int = 1) -> dict:
         return {"memory.recompute_granularity": recompute, "memory.activation_offload": offload,
-                "memory.offload_fraction": alpha, "memory.mst": mst, "memory.layer_chunk_size": chunk}
+                "memory.offload_fraction": alpha, "memory.mst": mst, "memory.layer_chunk_size": chunk,
+                "memory.checkpoint_every": every}
 
     for mst in (False, True):
         yield opt("none", "none", "auto", mst)
-        if fpdt:  # FPDT + recompute / Memo (block mode) runs, but its estimate is not calibrated: opt-in
-            continue
         for chunk in (None, LAYER_CHUNK):
-            yield opt("full", "none", "auto", mst, chunk)
-            for a in (ALPHAS if chunk is None else CHUNKED_ALPHAS):
-                yield opt("none", "memo", a, mst, chunk)
-            yield opt("none", "checkpoints", "auto", mst, chunk)
+            if not fpdt:  # FPDT + recompute / Memo (block mode) runs, but its estimate is not calibrated: opt-in
+                yield opt("full", "none", "auto", mst, chunk)
+                for a in (ALPHAS if chunk is None else CHUNKED_ALPHAS):
+                    yield opt("none", "memo", a, mst, chunk)
+            for every in EVERY:
+                yield opt("none", "checkpoints", "auto", mst, chunk, every)
 
 
 def apply_overrides(cfg: Config, overrides: dict) -> Config:

@@ -127,6 +127,9 @@ def estimate_memory(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, 
     # and all gradients but the first layer's
     kept_first = share.kept + share.rounding
     bwd_first = layer_bwd(0.0) - (prefetch - pre_phase)
+    # a segment's top layer (host checkpoints every k >= 3 layers) holds the re-made inputs of the layers below it
+    # and prefetches nothing
+    bwd = max(bwd, bwd_first + share.remade)
     acts = {
         "layer forward": layers_kept + share.staging
         + T.layer_forward(cfg, dims, chunk, share.no_graph, share.pre_no_graph_tokens) + shared + on_host,

@@ -160,8 +160,16 @@ def layer_forward(cfg: Config, dims: Dims, chunk: Optional[float] = None, no_gra
         b = fpdt_chunk_bytes(cfg, dims)
         # one chunk's projection out + all-to-all send/receive + contiguous copies, the fp32 output accumulator and
         # its merge temporaries, lse, two kv chunks fetched (double buffer); a fused kernel's repeated k, v chunk
-        out = max(out, 3 * (b["Q"] + 2 * b["K"]) + 3 * b["Qf"] + 2 * b["L"] + 4 * b["K"]
-                  + kernel_extra(cfg, dims, b["Q"], 2 * b["K"], 1, 1, backward=False))
+        block = 3 * (b["Q"] + 2 * b["K"]) + 3 * b["Qf"] + 2 * b["L"] + 4 * b["K"] \
+            + kernel_extra(cfg, dims, b["Q"], 2 * b["K"], 1, 1, backward=False)
+        if chunk is not None and no_graph:
+            # the block in the chunked checkpoints mode (memory/chunked_layer.BlockAttentionPart): its whole output
+            # before the out-projection, beside its chunks, then beside the layer output post fills chunk by chunk
+            # (the out-projection's output and the MLP's intermediates of one mini-sequence)
+            c = _mlp_rows(cfg, dims, chunk)[1] or chunk
+            post = chunk * h * a * (1 if dims.tp == 1 else 2) + c * (4 if dims.swiglu else 2) * dims.ffn_local * a
+            return t * dims.heads_local * d * a + max(block, dims.tokens_residual * h * dims.residual_bytes + post)
+        out = max(out, block)
     rows, c = _mlp_rows(cfg, dims, chunk)
     if c:  # one chunk's fc1 output, activation (SwiGLU: silu and product) into the preallocated output
         out = max(out, c * (4 if dims.swiglu else 2) * dims.ffn_local * a)
@@ -292,6 +300,33 @@ def tokenwise_backward(cfg: Config, dims: Dims, rerun: float, merged: float = 0.
     return max(moments)
 
 
+def fpdt_block_backward(cfg: Config, dims: Dims) -> float:
+    """FPDT's block backward (``attention/fpdt/pipeline.py``) above its output grad and the input grad it fills: two
+    q sets fetched (q, out, dout, fp32 dq accumulator, lse of a chunk), a kv chunk and its fp32 dk/dv accumulators,
+    one block's dq, dk, dv; without offload dout and the dq accumulators of every chunk stay on the device."""
+    u, b = dims.fpdt_chunks, fpdt_chunk_bytes(cfg, dims)
+    qset = 3 * b["Q"] + b["Qf"] + b["L"]  # q, out, dout, dq accumulator, lse of one q chunk
+    # one block's dq, dk, dv (a fused kernel: k, v of the chunk repeated, dk, dv at the query heads)
+    grads = b["Q"] + 2 * b["K"] + kernel_extra(cfg, dims, b["Q"], 2 * b["K"], 1.0, 1.0)
+    kv = 2 * b["K"] + 2 * b["Kf"]  # kv chunk in use + its fp32 dk/dv accumulators
+    if cfg.memory.fpdt_offload:  # bench/fpdt_memory.py: 10Q + 2L + 6K (u >= 3), 5Q + L + 6K (u = 1), fp32
+        return kv + (2 * qset if u > 1 else qset) + b["Qf"] + grads
+    return u * (b["Q"] + b["Qf"]) + kv + grads
+
+
+def _fpdt_chunked_backward(cfg: Config, dims: Dims, chunk: float, chunk_saved: float, prefetch: float) -> float:
+    """FPDT's block as the attention of the chunked checkpoints mode (``memory/chunked_layer.BlockAttentionPart``),
+    above the fetched input: the incoming dy and the layer's dx whole through its backward; post re-run and
+    backpropagated a chunk at a time beside the block's whole output and its grad dout; then the block's backward
+    beside dout and the input grad it fills; then that input grad beside the prefetched next input."""
+    t, h, a, d = dims.tokens, dims.hidden, dims.compute_bytes, dims.head_dim
+    U, T = dims.tokens_residual * h * dims.residual_bytes, t * dims.heads_local * d * a
+    post = 2 * T + chunk_saved + _mlp_backward(cfg, dims, chunk) + (chunk * h * a if dims.sequence_parallel else 0)
+    if _mlp_rows(cfg, dims, chunk)[1]:  # MsT's fp32 weight-gradient buffers of each call, added to the grads
+        post += ((2 if dims.swiglu else 1) + 1) * dims.ffn_local * h * 4
+    return 2 * U + max(post, T + U + fpdt_block_backward(cfg, dims), U + prefetch)
+
+
 def layer_backward(cfg: Config, dims: Dims, rerun: Optional[float] = None, chunk: Optional[float] = None,
                    chunk_saved: float = 0.0, attn_saved: float = 0.0, prefetch: float = 0.0) -> float:
     """Peak transient bytes of one layer's backward (its skeletal tensors are counted elsewhere).
@@ -307,6 +342,8 @@ def layer_backward(cfg: Config, dims: Dims, rerun: Optional[float] = None, chunk
     t, h, a, d = dims.tokens, dims.hidden, dims.compute_bytes, dims.head_dim
     mlp = _mlp_backward(cfg, dims, chunk)
     kv = dims.kv_heads_after_a2a
+    if rerun is not None and dims.fpdt:
+        return _fpdt_chunked_backward(cfg, dims, chunk, chunk_saved, prefetch)
     if rerun is not None and not dims.fpdt:
         # Memo's 0 < alpha < 1: kept and dropped q, k, v merged (with SP also out and dout) for the kernel
         nq, sp = dims.heads_local, dims.sequence_parallel
@@ -342,17 +379,9 @@ def layer_backward(cfg: Config, dims: Dims, rerun: Optional[float] = None, chunk
     if dims.cp > 1 and not dims.fpdt:  # ring attention's kernels (Ulysses' inner one too), a block of all the keys
         attn += kernel_extra(cfg, dims, t * dims.heads_local * d * a, 2 * t * kv * d * a, 1.0, 1.0)
     if dims.fpdt:
-        u, b = dims.fpdt_chunks, fpdt_chunk_bytes(cfg, dims)
-        qset = 3 * b["Q"] + b["Qf"] + b["L"]  # q, out, dout, dq accumulator, lse of one q chunk
-        # one block's dq, dk, dv (a fused kernel: k, v of the chunk repeated, dk, dv at the query heads)
-        grads = b["Q"] + 2 * b["K"] + kernel_extra(cfg, dims, b["Q"], 2 * b["K"], 1.0, 1.0)
-        kv = 2 * b["K"] + 2 * b["Kf"]  # kv chunk in use + its fp32 dk/dv accumulators
-        if cfg.memory.fpdt_offload:  # bench/fpdt_memory.py: 10Q + 2L + 6K (u >= 3), 5Q + L + 6K (u = 1), fp32
-            block = kv + (2 * qset if u > 1 else qset) + b["Qf"] + grads
-        else:  # dout and the dq accumulators of the whole sequence stay on the device
-            block = u * (b["Q"] + b["Qf"]) + kv + grads
-        # + the block's output grad (linear_proj's input grad) and the input grad it fills
-        attn = t * dims.heads_local * d * a + dims.tokens_residual * h * dims.residual_bytes + block
+        # the block's output grad (linear_proj's input grad) and the input grad it fills
+        attn = t * dims.heads_local * d * a + dims.tokens_residual * h * dims.residual_bytes + fpdt_block_backward(
+            cfg, dims)
     sp = t * h * a if dims.sequence_parallel else 0  # the all-gather of the incoming grad for the row linear's backward
     # the MLP's backward beside the layer's incoming grad dy (residual dtype; autograd frees it once norm 2's input
     # grad is added to it) and its cast to the MLP output's dtype, the MLP's incoming grad

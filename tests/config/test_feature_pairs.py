@@ -1,7 +1,8 @@
 """Every pair of features (and the triples users run) either trains exactly or is refused before training.
 
 Features: tp=2 +- sequence parallel; ring, Ulysses, hybrid, FPDT +- offload; MsT; recompute selective / full; Memo with
-a fixed alpha and with alpha from its LP; activation checkpoints on the host, with and without layer chunks;
+a fixed alpha and with alpha from its LP; activation checkpoints on the host, with and without layer chunks (FPDT's
+block as the chunked layer's attention), every layer's input or every second one's (segments);
 ``memory.plan: auto``; ZeRO-1; FSDP2; gradient accumulation; a causal sliding window on two of three layers; every
 switch of the Hugging Face families at once (QKV bias, q/k norms, Gemma's norms, GeGLU, scaled embedding, query
 scale, per-layer RoPE base); and, in the triples, mock packed documents (``tests/dist_cases/pairs.py`` has the exact
@@ -22,7 +23,7 @@ from tests.support.dist import run_dist
 # refused pairs (config/combinations.py), each a set of feature names
 REFUSED = [{"selective", "memo"}, {"selective", "memo-auto"}, {"selective", "fpdt"}, {"selective", "fpdt+offload"},
            {"fsdp", "zero1"}, {"ckpt-offload", "selective"}, {"ckpt-offload", "full"},
-           {"chunks", "fpdt"}, {"chunks", "fpdt+offload"}, {"ckpt-chunks", "fpdt"}, {"ckpt-chunks", "fpdt+offload"}]
+           {"chunks", "fpdt"}, {"chunks", "fpdt+offload"}]
 CASES = pairs.cases()
 
 

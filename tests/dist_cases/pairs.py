@@ -53,6 +53,9 @@ FEATURES = {
     "ckpt-offload": ("memory.activation_offload", ["memory.activation_offload=checkpoints"]),
     "chunks": ("memory.layer_chunk_size", ["memory.recompute_granularity=full", "memory.layer_chunk_size=20"]),
     "ckpt-chunks": ("memory.layer_chunk_size", ["memory.activation_offload=checkpoints", "memory.layer_chunk_size=20"]),
+    # segments of 2 of the 3 layers: {0, 1} re-made from layer 0's input, {2} from its own (k not dividing L)
+    "ckpt-segments": ("memory.checkpoint_every", ["memory.activation_offload=checkpoints",
+                                                  "memory.checkpoint_every=2"]),
     "accum": ("train.micro_batch_size", ["train.micro_batch_size=1"]),  # every rank: several micro-batches
     # a causal sliding window below a ring chunk at cp 2 (32 tokens) and above one at cp 4 (16), on layers 0 and 2
     "window": ("model.sliding_window", ["model.sliding_window=20",
@@ -74,17 +77,21 @@ BASES = ("window", "docs", "arch")
 EXCLUSIVE = [{"tp2", "tp2+sp"}, {"ring", "ulysses", "hybrid", "fpdt", "fpdt+offload"},
              {"memo", "memo-auto", "ckpt-offload", "ckpt-chunks"}, {"chunks", "ckpt-offload", "ckpt-chunks"},
              {"chunks", "full", "selective"},  # chunks sets recompute full
-             {"ckpt-chunks", "full", "selective"}]  # checkpoints with recompute: ckpt-offload's refusals
+             {"ckpt-chunks", "full", "selective"},  # checkpoints with recompute: ckpt-offload's refusals
+             {"memo", "memo-auto", "ckpt-offload", "ckpt-segments"}, {"chunks", "ckpt-segments"},
+             {"ckpt-segments", "full", "selective"}]
 # what users run together beyond pairs
 TRIPLES = [("tp2+sp", "ring", "mst", "memo"), ("tp2", "ulysses", "mst", "memo-auto"),
            ("tp2+sp", "fpdt+offload", "mst", "full"), ("hybrid", "mst", "memo", "plan"),
            ("tp2+sp", "hybrid", "mst", "full"), ("ring", "mst", "memo", "zero1", "accum"),
            ("tp2+sp", "ring", "mst", "memo", "fsdp", "accum"), ("fpdt+offload", "mst", "full", "fsdp"),
-           ("tp2+sp", "ring", "mst", "ckpt-offload", "fsdp", "accum"), ("tp2+sp", "ring", "mst", "memo", "chunks")]
+           ("tp2+sp", "ring", "mst", "ckpt-offload", "fsdp", "accum"), ("tp2+sp", "ring", "mst", "memo", "chunks"),
+           ("tp2+sp", "fpdt+offload", "mst", "ckpt-chunks", "ckpt-segments", "fsdp")]
 
 
 TRIPLES += [("docs", "window", "ring"), ("docs", "hybrid", "memo"), ("docs", "window", "fpdt+offload", "full"),
-            ("docs", "tp2+sp", "ulysses", "mst"), ("docs", "ckpt-chunks", "ring")]
+            ("docs", "tp2+sp", "ulysses", "mst"), ("docs", "ckpt-chunks", "ring"),
+            ("docs", "window", "fpdt+offload", "ckpt-chunks", "ckpt-segments")]
 TRIPLES += [("arch", "window", "docs", "hybrid"), ("arch", "tp2+sp", "ring", "mst", "memo"),
             ("arch", "window", "fpdt+offload", "fsdp")]
 

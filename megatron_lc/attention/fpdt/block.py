@@ -18,8 +18,13 @@ the device). P = 1 (cp = 1) with u chunks is valid: chunked attention without co
 Interface for other memory techniques: the block's forward is ``(x [s, b, h], rope) -> [s, b, h]`` like
 ``SelfAttention``; it manages its own saved tensors (with offload on, nothing of the block stays on the device
 between forward and backward except its output). Its buffers are counted in the model context's ``FPDTRuntime``.
+``attend(x, rope, documents, norm)`` is the block before its out-projection, with the layer's norm 1 run inside
+each chunk's projection: the attention of the host checkpoints' chunked layer (``memory/chunked_layer.py``), which
+hands it the layer input and runs the out-projection, residual and MLP in mini-sequences of the block's rows.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -51,6 +56,11 @@ class _FPDTBlock(torch.autograd.Function):
         return (dx, None, None) + (None,) * len(run.params)
 
 
+def _normed_qkv(qkv, norm, x: torch.Tensor, rope):
+    """One chunk's q, k, v from the layer input: ``norm`` (norm 1) then the block's projection."""
+    return qkv(norm(x), rope)
+
+
 class FPDTSelfAttention(AttentionProjections):
     """The FPDT attention block (see module doc); constructed by the model spec like ``SelfAttention``."""
 
@@ -65,28 +75,37 @@ class FPDTSelfAttention(AttentionProjections):
         self.kernels = parts.kernels()
         self.state = parts.ctx.fpdt  # shared by the layers: accounts, per-device buffers and streams, arena
 
-    def forward(self, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, documents=None, norm=None) -> torch.Tensor:
+        out = self.attend(x, rope, documents, norm)
+        return torch.cat([self.linear_proj(o) for o in out.chunk(self.num_chunks, dim=0)], dim=0)
+
+    def attend(self, x: torch.Tensor, rope, documents=None, norm=None) -> torch.Tensor:
+        """The attention output before ``linear_proj``, ``[s_local, b, nq*d]`` in chunk-major rows (chunk i: rows
+        ``[i*c, (i+1)*c)``, c = s_local / u, its tp blocks gathered with SP), with autograd when grad is enabled.
+        ``norm``: a row-wise module run on each chunk of ``x`` inside the chunk's projection graph (the layer's
+        norm 1: the block then reads the layer input, and no normed copy of the whole sequence exists; what the
+        norm saves is parked with the rest of the projection's saved tensors)."""
         u = self.num_chunks
         s_local = x.shape[0] * self.sp_tp
         if x.shape[0] % u != 0 or (s_local // u) % self.sp_tp != 0:
             raise ConfigError(f"FPDT: local sequence ({s_local} tokens on this rank) is not divisible into "
                               f"{u} chunks (memory.fpdt_chunk_size was checked against data.seq_length)")
-        params = [p for p in self.linear_qkv.parameters()]
+        params = [p for p in self.linear_qkv.parameters()] + ([] if norm is None else list(norm.parameters()))
         build_graph = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
         rows = chunk_rows(s_local, u, self.sp_tp)
         rope_chunks = [self._rope_rows(rope, r, i) for i, r in enumerate(rows)]
-        keep = {storage_id(p) for p in self.parameters()}
+        keep = {storage_id(p) for p in params} | {storage_id(p) for p in self.parameters()}
         if rope is not None:
             keep |= {storage_id(t) for t in rope}
-        run = FPDTRun(qkv_fn=self.qkv, topo=self.topo, backend=self.kernels(x.device),
+        qkv_fn = self.qkv if norm is None else partial(_normed_qkv, self.qkv, norm)
+        run = FPDTRun(qkv_fn=qkv_fn, topo=self.topo, backend=self.kernels(x.device),
                       bufs=self.state.buffers(x.device), num_chunks=u, rope_chunks=rope_chunks,
                       kv_repeat=self.kv_repeat, offload=self.offload, build_graph=build_graph, keep_ptrs=keep,
                       head_dim=self.d, dtype=x.dtype, x_requires_grad=x.requires_grad,
                       tag=f"layer{self.layer_number}.fpdt", params=tuple(params), documents=documents,
                       window=self.window)
         nq = self.groups_per_rank * self.q_per_group
-        out = _FPDTBlock.apply(x, run, (s_local, x.shape[1], nq * self.d), *params)
-        return torch.cat([self.linear_proj(o) for o in out.chunk(u, dim=0)], dim=0)
+        return _FPDTBlock.apply(x, run, (s_local, x.shape[1], nq * self.d), *params)
 
     def _rope_rows(self, rope, rows: torch.Tensor, i: int):
         if rope is None:

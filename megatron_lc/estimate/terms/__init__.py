@@ -15,7 +15,7 @@ from .fpdt import FPDTBlock
 from .host_checkpoints import HostCheckpoints
 from .memo_offload import MemoOffload, solve_alpha
 from .memory_plan import CachingAllocator, PlanFromFile, PlanTracedAtSetup
-from .mini_sequences import AtOnce, LayerMiniSequences, TokenWiseMiniSequences
+from .mini_sequences import AtOnce, BlockMiniSequences, LayerMiniSequences, TokenWiseMiniSequences
 from .mst import MiniSequenceMlpAndHead
 from .plain import PlainLayer, PlainMlpAndHead, SelfAttentionBlock
 from .selective import SelectiveRecompute
@@ -28,7 +28,7 @@ EXECUTORS = {"plain": PlainLayer(), "selective_recompute": SelectiveRecompute(),
              "token_wise_recompute": TokenWiseRecompute(), "memo_offload": MemoOffload(),
              "host_checkpoints": HostCheckpoints()}
 LAYER_RERUNS = {"at_once": AtOnce(), "token_wise_mini_sequences": TokenWiseMiniSequences(),
-                "layer_mini_sequences": LayerMiniSequences()}
+                "layer_mini_sequences": LayerMiniSequences(), "block_mini_sequences": BlockMiniSequences()}
 MEMORY_PLANS = {"none": CachingAllocator(), "traced_at_setup": PlanTracedAtSetup(), "from_file": PlanFromFile()}
 
 # recompute_style: token_wise is this framework; checkpoint a what-if for the papers' baselines, classic activation

@@ -33,8 +33,13 @@ class FPDTBlock(Term):
         dims = run.dims
         kv, a, nq = dims.kv_heads_after_a2a, dims.compute_bytes, dims.heads_local
         layers = 1 if run.terms.executor.reruns_whole_layer else dims.num_layers
-        parked = layers * dims.tokens * (dims.hidden * a + (2 * nq + 2 * kv) * dims.head_dim * a + nq * 4)
-        parked += dims.tokens * nq * dims.head_dim * (a + 4) + (6 * layers + 2) * dims.fpdt_chunks * HostPool.ALIGN
+        per_layer = dims.tokens * (dims.hidden * a + (2 * nq + 2 * kv) * dims.head_dim * a + nq * 4)
+        views = 6
+        if run.terms.layer_rerun.block_reads_layer_input:  # norm 1's saved input rows and rstd, parked too
+            per_layer += dims.tokens_residual * (dims.hidden * dims.residual_bytes + 4)
+            views += 2
+        parked = layers * per_layer
+        parked += dims.tokens * nq * dims.head_dim * (a + 4) + (views * layers + 2) * dims.fpdt_chunks * HostPool.ALIGN
         return replace(share, host=share.host + (("FPDT chunks", parked),),
                        setup_probes=share.setup_probes + (share.full + T.layer_backward(run.cfg, dims),))
 

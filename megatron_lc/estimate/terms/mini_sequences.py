@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from ..inventory import group_bytes, layer_chunk_share, layer_skeletal, mst_mlp_chunk, qkv_local_bytes, \
-    qkv_rerun_bytes
+from ..inventory import attention_skeletal, group_bytes, layer_chunk_share, layer_skeletal, mst_mlp_chunk, \
+    qkv_local_bytes, qkv_rerun_bytes
 from .term import LayerShape, MemoryShare, Run, Term
 
 
@@ -67,3 +67,33 @@ class LayerMiniSequences(Term):
         return replace(share, chunk_tokens=part * dims.tokens, chunk_saved=chunk_saved_bytes(run, part),
                        recompute=g["input"] + qkv_local_bytes(dims) + g["attn"], pre_no_graph_tokens=part * dims.tokens,
                        rerun=share.no_graph, prefetch_after_attention=share.prefetch)
+
+
+def post_saved_bytes(run: Run, share_of_tokens: float) -> float:
+    """What one mini-sequence's ``post`` saves for its backward around FPDT's block (whose output rows it reads as
+    they are): the residual after attention and norm 2's rstd (residual rows), norm 2's output as fc1's input and,
+    unless MsT chunks them, the MLP's intermediates."""
+    dims, a = run.dims, run.dims.compute_bytes
+    mlp = 0.0 if mst_mlp_chunk(run.cfg, dims, share_of_tokens * dims.tokens) is not None else \
+        dims.tokens * (4 if dims.swiglu else 2) * dims.ffn_local * a
+    return share_of_tokens * (dims.tokens_residual * (dims.hidden * dims.residual_bytes + 4)
+                              + dims.tokens * dims.hidden * a + mlp)
+
+
+class BlockMiniSequences(Term):
+    """The host checkpoints in mini-sequences around FPDT's block (``chunked_layer.BlockAttentionPart``): the block
+    reads the layer input, norm 1 inside its chunk projections, and parks its chunks on the host (with
+    ``fpdt_offload``; without, they stay on the device through the re-run); post runs a mini-sequence at a time
+    within each of the block's chunks beside the block's whole output; the next input is prefetched after the
+    block's backward."""
+
+    block_reads_layer_input = True
+
+    def memory(self, run: Run, share: MemoryShare) -> MemoryShare:
+        part = layer_chunk_share(run.cfg, run.dims)
+        dims, g = run.dims, share.groups
+        on_device = 0.0 if run.cfg.memory.fpdt_offload else sum(
+            i.bytes for i in attention_skeletal(dims, False) if not i.name.startswith("linear_proj input"))
+        return replace(share, chunk_tokens=part * dims.tokens, chunk_saved=post_saved_bytes(run, part),
+                       recompute=g["input"] + on_device, pre_no_graph_tokens=0.0, rerun=share.no_graph,
+                       prefetch_after_attention=share.prefetch)

@@ -13,7 +13,8 @@ each given what the earlier ones set: FPDT's parked chunks are reserved on the h
 the budget they leave (``MemoryShare.host_left``); the executor reads whether the attention block's backward runs
 from its (out, lse) pair; the re-run in mini-sequences reads the executor's alpha and no-graph share. The one fact
 read the other way is declared: FPDT parks one layer's chunks, not every layer's, when the executor's term says it
-re-runs whole layers (``Term.reruns_whole_layer``, read through ``Run.terms``).
+re-runs whole layers (``Term.reruns_whole_layer``, read through ``Run.terms``), and the norm's saved input with them
+when the re-run's term hands it the layer input (``Term.block_reads_layer_input``).
 
 Example, the plain executor's share is the whole skeletal set of every layer, kept on the device::
 
@@ -66,6 +67,7 @@ class MemoryShare:
     chunk_tokens: Optional[float] = None  # tokens through the linears per mini-sequence of the re-run
     chunk_saved: float = 0.0  # what one mini-sequence's re-run saves for its backward
     attn_saved: float = 0.0  # recomputed for the attention backward only (the dropped tokens' q, k, v)
+    remade: float = 0.0  # inputs of a segment's lower layers, re-made at its top layer's backward (no prefetch there)
     prefetch: float = 0.0  # the next layer's input, fetched from the host during a layer's backward
     prefetch_after_attention: float = 0.0  # ... fetched only once the attention backward is done
     head_kept: float = 0.0  # the final norm's and the head's tensors kept for the backward
@@ -130,6 +132,7 @@ class Term:
     """One technique's share of the estimate (see the module doc); the defaults add nothing."""
 
     reruns_whole_layer = False  # an executor: the whole layer, attention included, runs again in its backward
+    block_reads_layer_input = False  # a re-run: FPDT's block runs norm 1 in its chunk projections (and parks its input)
 
     def shape(self, run: "Run", shape: LayerShape) -> LayerShape:
         return shape
