@@ -93,6 +93,7 @@ def test_cp_configs_load_and_fit_their_world(path, world):
 
 
 def test_missing_gpu_attention_backend_is_a_config_error():
-    cfg = _cfg("p2p", 2, extra=["parallel.attention_backend=te"])
+    # a GPU run's config (a CPU run refuses a CUDA-only backend when it loads: config/combinations.py)
+    cfg = _cfg("p2p", 2, extra=["parallel.attention_backend=te", "train.device=cuda"])
     with pytest.raises(ConfigError, match="parallel.attention_backend te needs a package that is not installed"):
         build_core_attention(resolve_layout(cfg, 2), Topology(world_size=2, rank=0, cp=2), "te", layer_number=0)
