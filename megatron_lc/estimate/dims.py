@@ -100,6 +100,11 @@ class Dims:
         """Document masks or a window on some layer: the attention runs rectangles (``attention/ranges.py``)."""
         return bool(self.doc_length) or any(w is not None for w in self.windows)
 
+    @property
+    def rects_everywhere(self) -> bool:
+        """Every layer's attention runs the rectangles: document masks, or a window on every layer."""
+        return bool(self.doc_length) or all(w is not None for w in self.windows or (None,))
+
     def earlier_chunks(self, n: int) -> float:
         """(q chunk, earlier kv chunk) pairs of ``n`` equal chunks of the sequence that a layer computes and fetches,
         the mean over the layers: all ``n(n-1)/2``, or those within the keys' reach (a window, the documents): q

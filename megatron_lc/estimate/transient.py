@@ -51,11 +51,6 @@ def repeats_kv(cfg: Config, dims: Dims) -> bool:
     return cfg.parallel.attention_backend in ("auto", "torch") or dims.compute_bytes == 4
 
 
-def rects_everywhere(dims: Dims) -> bool:
-    """Every layer's attention runs through the rectangles' calls: packed documents, or a window on every layer."""
-    return bool(dims.doc_length) or all(w is not None for w in dims.windows or (None,))
-
-
 def varlen_extra(dims: Dims, Q: float, KV: float, fq: float, fk: float, backward: bool = True) -> float:
     """Bytes one block's variable-length calls hold (``fused_cuda.TorchCUDABackend.forward_rects`` /
     ``backward_rects``: documents or windows on CUDA) above its q, k, v and the fp32 accumulators, the larger of two
@@ -88,7 +83,7 @@ def kernel_extra(cfg: Config, dims: Dims, Q: float, KV: float, fq: float, fk: fl
     if not torch_kernels(cfg, dims):
         return 0.0
     ranges = varlen_extra(dims, Q, KV, fq, fk, backward) if dims.ranges else 0.0
-    if dims.doc_length or (dims.ranges and all(w is not None for w in dims.windows)):
+    if dims.rects_everywhere:
         return ranges  # every block runs the variable-length kernel
     if not repeats_kv(cfg, dims):
         return ranges  # cuDNN / FlashAttention-3 / 4 in bf16: k, v and dout as they are
@@ -214,7 +209,7 @@ def _ring_backward(cfg: Config, dims: Dims, Q: float, KV: float, R: int, dout_vi
     if not torch_kernels(cfg, dims):
         return (Q if a == 4 else 0.0) + 1.5 * Q + (Q + KV) + 4 * f * KV + (3 if R > 2 else 2) * KV \
             + (f * Q if a < 4 else 0.0)
-    if rects_everywhere(dims):
+    if dims.rects_everywhere:
         return _ring_backward_rects(dims, Q, KV, R)
     later = Q / 2 + KV + kernel_extra(cfg, dims, Q, KV, 0.5, 1.0)  # dq over the back half, dk, dv over all keys
     earlier = KV / 2 + Q + KV / 2 + kernel_extra(cfg, dims, Q, KV, 1.0, 0.5, dout_view)
@@ -250,7 +245,7 @@ def attention_backward_lse(cfg: Config, dims: Dims) -> float:
     Q = t * dims.heads_local * d * a
     KV = t * 2 * dims.kv_heads_after_a2a * d * a  # (kv heads replicated for the all-to-all)
     # dq, dk, dv: the kernel's, or the variable-length calls' fp32 accumulators (``backward_rects``), cast at the end
-    grads = (Q + KV) * (4 / a if torch_kernels(cfg, dims) and rects_everywhere(dims) else 1)
+    grads = (Q + KV) * (4 / a if torch_kernels(cfg, dims) and dims.rects_everywhere else 1)
     local = grads + kernel_extra(cfg, dims, Q, KV, 1.0, 1.0, dout_view=True)
     if not dims.uses_a2a:
         return local if dims.cp == 1 else _ring_backward(cfg, dims, Q, KV, dims.cp, dout_view=True)
