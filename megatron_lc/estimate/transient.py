@@ -10,12 +10,8 @@ tracker of live storages on the tiny model (``tests/estimate/test_estimate_calib
 * LM head forward: 2·V fp32 per token (logits and the shifted logits of the vocab-parallel cross entropy; plus a bf16
   logits tensor under autocast) and ~40 bytes of per-token vectors.
 
-On CUDA with PyTorch's fused attention kernels (``attention/fused_cuda.py``; ``torch_kernels``), each kernel call
-also holds k and v repeated to the query heads (GQA), and in backward dk, dv at the query heads before the group sum
-and dout made contiguous when the caller passes a permuted view (``kernel_extra``). These are per call: ring
-attention's blocks (half blocks in the zigzag), Ulysses' inner attention after the all-to-all, FPDT's chunks.
-cuDNN's and FlashAttention-3 / 4's kernels (``attention/hopper.py``) take the kv heads and the views as they are:
-none of that in bf16 / fp16 (``repeats_kv``); in fp32 they fall back to the memory-efficient kernel, which repeats.
+What the attention kernels hold inside a call (GQA repeats, variable-length calls, the ring's and FPDT's moments)
+is ``attention_kernels.py``'s; the layer's moments here add it to the rest of the layer.
 """
 from __future__ import annotations
 
@@ -23,81 +19,9 @@ from typing import Optional
 
 from ..config import Config
 from ..model.norm import RMS_NORM_SLICE_ELEMS as NORM_SLICE
+from .attention_kernels import attention_backward_lse, fpdt_block_backward, fpdt_chunk_bytes, kernel_extra
 from .dims import Dims
 from .inventory import mst_head_chunk, mst_mlp_chunk, post_norm_saved, qk_norm_saved, qkv_rerun_bytes
-
-
-def fpdt_chunk_bytes(cfg: Config, dims: Dims) -> dict:
-    """Per chunk and rank (FPDT §4, attention/fpdt/pipeline.py): Q = q (or out, dout) in the compute dtype, Qf = an fp32
-    accumulator of q's shape, K = k (or v), Kf = fp32 dk (or dv), L = lse (fp32)."""
-    c = dims.tokens / dims.fpdt_chunks
-    kv = dims.kv_heads_after_a2a
-    nq, d, a = dims.heads_local, dims.head_dim, dims.compute_bytes
-    return {"Q": c * nq * d * a, "Qf": c * nq * d * 4, "K": c * kv * d * a,
-            "Kf": c * kv * d * 4, "L": c * nq * 4}
-
-
-def torch_kernels(cfg: Config, dims: Dims) -> bool:
-    """The attention kernels are called through PyTorch's ops (``fused_cuda.TorchCUDABackend`` and its subclasses
-    of ``attention/hopper.py``): on CUDA with ``parallel.attention_backend`` torch, cudnn, fa3, fa4, or auto (which
-    ``estimate()`` has resolved to the backend the run picks on the profile's GPU); flash-attn and TransformerEngine
-    take fewer kv heads than query heads and need none of ``kernel_extra``."""
-    return dims.device == "cuda" and cfg.parallel.attention_backend in ("auto", "torch", "cudnn", "fa3", "fa4")
-
-
-def repeats_kv(cfg: Config, dims: Dims) -> bool:
-    """The dense kernel is handed k, v repeated to the query heads: PyTorch's own (flash, memory-efficient), and
-    every backend's fp32 fallback (the memory-efficient kernel); cuDNN's and FlashAttention-3 / 4's take GQA."""
-    return cfg.parallel.attention_backend in ("auto", "torch") or dims.compute_bytes == 4
-
-
-def varlen_extra(dims: Dims, Q: float, KV: float, fq: float, fk: float, backward: bool = True) -> float:
-    """Bytes one block's variable-length calls hold (``fused_cuda.TorchCUDABackend.forward_rects`` /
-    ``backward_rects``: documents or windows on CUDA) above its q, k, v and the fp32 accumulators, the larger of two
-    moments. The rectangles' rows are gathered into packed tensors (no GQA repeat: the kernel takes the kv heads as
-    they are). Forward: at the kernel packed q, k, v and its out (fq·Q twice, fk·KV); then, the packed inputs
-    freed, the out and the accumulator rows it merges into, gathered in fp32 (fq·Q + f·fq·Q; ``merge.merge_into``
-    works in place). Backward: at the kernel packed dout, q, out, k, v and its dq, dk, dv (4 fq·Q, 2 fk·KV); then
-    the grads and each one's fp32 copy for the accumulation (f·(fq·Q + fk·KV) more). Example, Llama3-8B, ring cp 8 at
-    1M with documents (a rank's q Q = 1 GiB in bf16, KV = 0.5 GiB): an earlier rank's block (fq 1, fk 1/2) holds
-    3 GiB in forward, 4.5 GiB in backward."""
-    f = 4 / dims.compute_bytes
-    if not backward:
-        return max(2 * fq * Q + fk * KV, fq * Q * (1 + f))
-    return max(4 * fq * Q + 2 * fk * KV, (fq * Q + fk * KV) + f * max(fq * Q, fk * KV / 2))
-
-
-def kernel_extra(cfg: Config, dims: Dims, Q: float, KV: float, fq: float, fk: float, dout_view: bool = False,
-                 backward: bool = True) -> float:
-    """Bytes one fused CUDA kernel call holds above a kernel that takes the kv heads as they are (0 with other
-    kernels). ``Q``: q of the rank's tokens at the call's heads, ``KV``: k + v at their heads (compute dtype);
-    ``fq``, ``fk``: the call's share of those query and key tokens (ring's zigzag blocks: 1/2 or 1). With GQA
-    (fewer kv than query heads) k and v repeated to the query heads (``_repeat``: 2·fk·Q), and in backward dk, dv
-    at the query heads (2·fk·Q), all alive until the call returns, when dk, dv have been summed to the kv heads;
-    ``dout_view``: dout is a permuted view of the caller's ``[s, b, n, d]`` tensor, made contiguous for the kernel
-    (fq·Q; freed when the kernel returns, before the sums).
-
-    Example, Llama3-8B (32 query, 8 kv heads) on 8 ranks with Ulysses (4 query heads and 1 kv head a rank, all 1M
-    tokens after the all-to-all; Q = 1 GiB, KV = 0.5 GiB): 2 GiB of repeated k, v in forward; in backward, at the
-    kernel, 1 (dout) + 2 + 2 GiB beside dq and at the query heads, dk, dv, in place of dk, dv (0.5): 4.5 GiB more."""
-    if not torch_kernels(cfg, dims):
-        return 0.0
-    ranges = varlen_extra(dims, Q, KV, fq, fk, backward) if dims.ranges else 0.0
-    if dims.rects_everywhere:
-        return ranges  # every block runs the variable-length kernel
-    if not repeats_kv(cfg, dims):
-        return ranges  # cuDNN / FlashAttention-3 / 4 in bf16: k, v and dout as they are
-    return max(ranges, _dense_extra(Q, KV, fq, fk, dout_view, backward))  # full-attention layers: the dense kernels
-
-
-def _dense_extra(Q: float, KV: float, fq: float, fk: float, dout_view: bool, backward: bool) -> float:
-    """``kernel_extra`` of the dense fused kernels (see there)."""
-    copy = fq * Q if dout_view else 0.0
-    if KV >= 2 * Q:  # as many kv heads as query heads: nothing repeated
-        return copy if backward else 0.0
-    if not backward:
-        return 2 * fk * Q
-    return 4 * fk * Q + max(0.0, copy - fk * KV)  # at the kernel (with dout's copy) or at the sums (with dk, dv)
 
 
 def _norm_backward(dims: Dims, rows: float) -> float:
@@ -190,70 +114,6 @@ def _mlp_backward(cfg: Config, dims: Dims, chunk: Optional[float], held: bool = 
     return rows * (2 * dims.ffn_local if dims.swiglu else dims.ffn_local + dims.hidden) * dims.compute_bytes
 
 
-def _ring_backward(cfg: Config, dims: Dims, Q: float, KV: float, R: int, dout_view: bool) -> float:
-    """``ring.ring_backward`` above its inputs (Q = q-sized, KV = k + v in the compute dtype): the diagonal
-    block's dq (the accumulator itself in fp32; its dk, dv and, under bf16, dq are dropped once copied to fp32); the
-    back halves of dout, q and out copied; one off-diagonal block's grads (and the front
-    halves of k, v copied); fp32 dk/dv four times (this rank's, the block's, the one received, their sum); k, v
-    stacked and received (two in flight when R > 2); the fp32 dq accumulator, a copy only under bf16.
-
-    With PyTorch's fused CUDA kernels the blocks' kernels are the peak, taken moment by moment: at step i of the
-    ring, the fp32 dq accumulator and this rank's fp32 dk/dv, the back halves, the k, v in use and (i < R-1) the
-    next ones being received, (i >= 2) the previous block's fp32 dk/dv in flight (sent and being received), and the
-    block's kernel (``kernel_extra``): back queries x all keys of a later rank (dq over half the tokens, dk, dv over
-    all), or all queries x the front keys of an earlier rank (their contiguous copies; dout a view when
-    ``dout_view``, as ``backward_with_lse`` passes it); or the diagonal block first, its k, v already in flight to
-    the next rank (stacked and being received), or the four fp32 dk/dv of the accumulation."""
-    a = dims.compute_bytes
-    f = 4 / a
-    if not torch_kernels(cfg, dims):
-        return (Q if a == 4 else 0.0) + 1.5 * Q + (Q + KV) + 4 * f * KV + (3 if R > 2 else 2) * KV \
-            + (f * Q if a < 4 else 0.0)
-    if dims.rects_everywhere:
-        return _ring_backward_rects(dims, Q, KV, R)
-    later = Q / 2 + KV + kernel_extra(cfg, dims, Q, KV, 0.5, 1.0)  # dq over the back half, dk, dv over all keys
-    earlier = KV / 2 + Q + KV / 2 + kernel_extra(cfg, dims, Q, KV, 1.0, 0.5, dout_view)
-    steps = [f * Q + f * KV + 1.5 * Q + KV * (2 if i + 1 < R else 1) + (2 * f * KV if i >= 2 else 0.0)
-             + max(later, earlier) for i in range(1, R)]
-    diagonal = Q + KV + 2 * KV + kernel_extra(cfg, dims, Q, KV, 1.0, 1.0, dout_view)
-    accumulate = f * Q + 4 * f * KV + 1.5 * Q + 2 * KV
-    return max(diagonal, accumulate, *steps)
-
-
-def _ring_backward_rects(dims: Dims, Q: float, KV: float, R: int) -> float:
-    """``ring._ring_backward_rects`` on CUDA (documents or windows on every layer): no half copies; at step i the
-    fp32 dq accumulator and this rank's fp32 dk/dv, the k, v in use and (i < R-1) the next ones, the block's fp32
-    dk/dv accumulator and (i >= 2) the previous one in flight (sent and being received), and the block's variable-
-    length calls (an earlier rank's block: all queries x half the keys; a later one's: half the queries x all);
-    first the diagonal block's calls beside its fresh fp32 dq, dk, dv and the k, v in flight to the next rank."""
-    f = 4 / dims.compute_bytes
-    block = max(varlen_extra(dims, Q, KV, 1.0, 0.5), varlen_extra(dims, Q, KV, 0.5, 1.0))
-    steps = [f * Q + f * KV + KV * (2 if i + 1 < R else 1) + f * KV + (2 * f * KV if i >= 2 else 0.0) + block
-             for i in range(1, R)]
-    diagonal = f * Q + f * KV + 2 * KV + varlen_extra(dims, Q, KV, 1.0, 1.0)
-    return max(diagonal, *steps)
-
-
-def attention_backward_lse(cfg: Config, dims: Dims) -> float:
-    """The core attention's backward from its merged out and lse (``attention/core.py``'s protocol, which token-wise
-    recompute, Memo and the chunked checkpoints mode call), above q, k, v, out, lse and dout: local, dq, dk, dv;
-    ring, ``_ring_backward``; Ulysses (``ulysses.backward_with_lse``), q, k, v received and copied contiguous (the
-    received ones dropped), out and dout gathered, then the inner core's backward (local or ring); after it only dq,
-    dk, dv, their concatenation and the one received back (each dropped when the next exists). The cores hand the
-    kernels ``[b, n, s, d]`` views of their ``[s, b, n, d]`` tensors, dout included (``kernel_extra``)."""
-    t, d, a = dims.tokens, dims.head_dim, dims.compute_bytes
-    Q = t * dims.heads_local * d * a
-    KV = t * 2 * dims.kv_heads_after_a2a * d * a  # (kv heads replicated for the all-to-all)
-    # dq, dk, dv: the kernel's, or the variable-length calls' fp32 accumulators (``backward_rects``), cast at the end
-    grads = (Q + KV) * (4 / a if torch_kernels(cfg, dims) and dims.rects_everywhere else 1)
-    local = grads + kernel_extra(cfg, dims, Q, KV, 1.0, 1.0, dout_view=True)
-    if not dims.uses_a2a:
-        return local if dims.cp == 1 else _ring_backward(cfg, dims, Q, KV, dims.cp, dout_view=True)
-    R = dims.cp // dims.ulysses
-    inner = local if R == 1 else _ring_backward(cfg, dims, Q, KV, R, dout_view=True)
-    return max(2 * (Q + KV), (Q + KV) + 2 * Q + inner)
-
-
 def tokenwise_backward(cfg: Config, dims: Dims, rerun: float, merged: float = 0.0) -> float:
     """One layer's backward under token-wise recompute / Memo with the dropped tokens (share ``rerun``) re-run at
     once (``memory/memo/steps.py``), above the layer's kept tensors (the rounding buffer or the recompute slot); the
@@ -300,20 +160,6 @@ def tokenwise_backward(cfg: Config, dims: Dims, rerun: float, merged: float = 0.
     moments += [U + Q + pre_no_graph(dims, dropped * t, graph=True),
                 U + Q + pre_saved + merged + attention_backward_lse(cfg, dims)]
     return max(moments)
-
-
-def fpdt_block_backward(cfg: Config, dims: Dims) -> float:
-    """FPDT's block backward (``attention/fpdt/pipeline.py``) above its output grad and the input grad it fills: two
-    q sets fetched (q, out, dout, fp32 dq accumulator, lse of a chunk), a kv chunk and its fp32 dk/dv accumulators,
-    one block's dq, dk, dv; without offload dout and the dq accumulators of every chunk stay on the device."""
-    u, b = dims.fpdt_chunks, fpdt_chunk_bytes(cfg, dims)
-    qset = 3 * b["Q"] + b["Qf"] + b["L"]  # q, out, dout, dq accumulator, lse of one q chunk
-    # one block's dq, dk, dv (a fused kernel: k, v of the chunk repeated, dk, dv at the query heads)
-    grads = b["Q"] + 2 * b["K"] + kernel_extra(cfg, dims, b["Q"], 2 * b["K"], 1.0, 1.0)
-    kv = 2 * b["K"] + 2 * b["Kf"]  # kv chunk in use + its fp32 dk/dv accumulators
-    if cfg.memory.fpdt_offload:  # bench/fpdt_memory.py: 10Q + 2L + 6K (u >= 3), 5Q + L + 6K (u = 1), fp32
-        return kv + (2 * qset if u > 1 else qset) + b["Qf"] + grads
-    return u * (b["Q"] + b["Qf"]) + kv + grads
 
 
 def _fpdt_chunked_backward(cfg: Config, dims: Dims, chunk: float, chunk_saved: float, prefetch: float) -> float:

@@ -12,6 +12,7 @@ import yaml
 
 from megatron_lc.config import ConfigError, load_config, resolve_layout
 from megatron_lc.estimate import estimate, load_hardware
+from megatron_lc.estimate import attention_kernels as K
 from megatron_lc.estimate import transient as T
 from megatron_lc.estimate.dims import Dims
 from megatron_lc.estimate.flops import model_flops_per_sample
@@ -327,14 +328,14 @@ def test_fused_cuda_attention_copies_are_counted_per_kernel_call():
     dims = _dims(uly, 8)
     Q = dims.tokens * dims.heads_local * dims.head_dim * 2
     assert Q == GIB
-    assert T.attention_backward_lse(uly, dims) == 9.5 * Q
+    assert K.attention_backward_lse(uly, dims) == 9.5 * Q
     flash = llama("parallel.attention_backend=flash")
-    assert T.attention_backward_lse(flash, _dims(flash, 8)) == 5 * Q
-    cpu = T.attention_backward_lse(uly, _dims(uly, 8, "cpu"))
-    assert cpu == T.attention_backward_lse(flash, _dims(flash, 8, "cpu"))
+    assert K.attention_backward_lse(flash, _dims(flash, 8)) == 5 * Q
+    cpu = K.attention_backward_lse(uly, _dims(uly, 8, "cpu"))
+    assert cpu == K.attention_backward_lse(flash, _dims(flash, 8, "cpu"))
     ring = llama("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
                  "parallel.context_parallel_size=4", "parallel.cp_comm_type=p2p", "parallel.ulysses_size=1")
-    assert T.attention_backward_lse(ring, _dims(ring, 8)) == 12.5 * Q
+    assert K.attention_backward_lse(ring, _dims(ring, 8)) == 12.5 * Q
 
 
 def test_one_gpu_reruns_pre_moment_and_ropes_temporaries():
