@@ -5,8 +5,6 @@ batch of one document), its token losses summed and divided by the global count 
 the masked packed run must give, forward and backward (tolerances: tests/support/parity.py)."""
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from megatron_lc.config import resolve_layout
@@ -16,7 +14,7 @@ from megatron_lc.parallel.collectives import all_reduce
 from megatron_lc.parallel.token_layout import shard_batch
 from megatron_lc.parallel.topology import Axis, Topology
 from megatron_lc.training.optimizer import sync_gradients
-from tests.support.parity import assert_close_grads, assert_close_loss, build, full_grads, small_config
+from tests.support.parity import assert_close_grads, assert_close_loss, build, full_grads, plain_config, small_config
 
 EOD = 255  # vocab 256: the last id ends a document
 DOCS = ["data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true"]
@@ -46,13 +44,7 @@ def packed_batch(seq: int, lengths: list[list[int]], seed: int = 0, all_padding:
 
 def per_document_reference(cfg, batch: dict, total: float):
     """The plain model on each document alone: (loss sum / total, gradients)."""
-    ref_cfg = copy.deepcopy(cfg)
-    ref_cfg.parallel.tensor_model_parallel_size = ref_cfg.parallel.context_parallel_size = 1
-    ref_cfg.parallel.ulysses_size, ref_cfg.parallel.cp_comm_type = 1, "p2p"
-    ref_cfg.parallel.sequence_parallel = False
-    for k, v in {"mst": False, "recompute_granularity": "none", "activation_offload": "none", "plan": "off",
-                 "layer_chunk_size": None}.items():
-        setattr(ref_cfg.memory, k, v)
+    ref_cfg = plain_config(cfg)
     for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
         setattr(ref_cfg.data, k, False)
     model, _ = build(ref_cfg)

@@ -6,7 +6,6 @@ The reference is the plain single-process model whose attention block is ``Dense
 dense boolean mask of the layer's window and the batch's documents, built here and nowhere in the package."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
@@ -21,7 +20,8 @@ from megatron_lc.parallel.token_layout import shard_batch
 from megatron_lc.parallel.topology import Axis, Topology
 from megatron_lc.training.optimizer import sync_gradients
 from tests.dist_cases.documents import DOCS, packed_batch
-from tests.support.parity import assert_close_grads, assert_close_loss, batch_for, build, full_grads, small_config
+from tests.support.parity import (assert_close_grads, assert_close_loss, batch_for, build, full_grads, plain_config,
+                                   small_config)
 from tests.support.step_watch import StepWatch
 
 
@@ -50,13 +50,7 @@ class DenseMaskedAttention(SelfAttention):
 
 def dense_reference(cfg, batch: dict, total: float):
     """The plain single-process model with ``DenseMaskedAttention``: (loss sum / total, gradients)."""
-    ref_cfg = copy.deepcopy(cfg)
-    ref_cfg.parallel.tensor_model_parallel_size = ref_cfg.parallel.context_parallel_size = 1
-    ref_cfg.parallel.ulysses_size, ref_cfg.parallel.cp_comm_type = 1, "p2p"
-    ref_cfg.parallel.sequence_parallel = False
-    for k, v in {"mst": False, "recompute_granularity": "none", "activation_offload": "none", "plan": "off",
-                 "layer_chunk_size": None}.items():
-        setattr(ref_cfg.memory, k, v)
+    ref_cfg = plain_config(cfg)
     model, _ = build(ref_cfg, adjust_spec=lambda spec: dataclasses.replace(spec, attention_block=DenseMaskedAttention))
     tok = model(batch["tokens"], batch["position_ids"], batch["labels"], batch.get("documents"))
     loss = (tok * batch["loss_mask"]).sum() / total

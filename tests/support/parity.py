@@ -75,18 +75,24 @@ def assert_close_loss(got: float, ref: float, rtol: float = LOSS_RTOL) -> None:
     assert abs(got - ref) <= rtol * abs(ref), f"loss {got!r} vs reference {ref!r}: rel diff {abs(got - ref) / abs(ref):.3e}"
 
 
-def reference_loss_and_grads(cfg: Config, batch: dict):
-    """The plain single-process model (tp=cp=1, no memory features) on the full batch: mean token loss, grads."""
+def plain_config(cfg: Config) -> Config:
+    """A copy of ``cfg`` as the plain single-process model: tp = cp = 1, no memory technique (the references the
+    parity cases compare against)."""
     import copy
 
     ref_cfg = copy.deepcopy(cfg)
-    ref_cfg.parallel.tensor_model_parallel_size = 1
-    ref_cfg.parallel.context_parallel_size = 1
-    ref_cfg.parallel.ulysses_size = 1
-    ref_cfg.parallel.cp_comm_type = "p2p"
+    ref_cfg.parallel.tensor_model_parallel_size = ref_cfg.parallel.context_parallel_size = 1
+    ref_cfg.parallel.ulysses_size, ref_cfg.parallel.cp_comm_type = 1, "p2p"
     ref_cfg.parallel.sequence_parallel = False
-    for k, v in {"mst": False, "recompute_granularity": "none", "activation_offload": "none", "plan": "off"}.items():
+    for k, v in {"mst": False, "recompute_granularity": "none", "activation_offload": "none", "plan": "off",
+                 "layer_chunk_size": None, "checkpoint_every": 1}.items():
         setattr(ref_cfg.memory, k, v)
+    return ref_cfg
+
+
+def reference_loss_and_grads(cfg: Config, batch: dict):
+    """The plain single-process model (tp=cp=1, no memory features) on the full batch: mean token loss, grads."""
+    ref_cfg = plain_config(cfg)
     model, _ = build(ref_cfg)
     tok_loss = model(batch["tokens"], batch["position_ids"], batch["labels"])
     loss = (tok_loss * batch["loss_mask"]).sum() / batch["loss_mask"].sum()

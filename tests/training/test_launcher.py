@@ -45,6 +45,21 @@ def _kill(pids: list[int], tmp_path) -> None:
             pass
 
 
+def _signal_when(launcher: subprocess.Popen, tmp_path, ready, what: str, sig) -> tuple[list[int], str]:
+    """Once ``ready()``, ``sig`` to the launcher; wait for it to end: (its ranks' pids, its stderr). The ranks are
+    killed on the way out when it does not end."""
+    ranks = []
+    try:
+        wait_for(ready, what=what, procs=[launcher])
+        ranks = _ranks(launcher)
+        launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        kill_all([launcher])
+        _kill(ranks, tmp_path)
+    return ranks, err
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -61,16 +76,10 @@ def test_stop_signals_to_the_launcher_save_and_exit_0_with_no_process_left(tmp_p
     sets = [*WORLD, f"checkpoint.save={ck}", f"checkpoint.load={ck}", f"logging.metrics_file={mfile}"]
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         steps = len(metrics(mfile))
-        launcher, ranks = _start(tmp_path, *sets), []
-        try:
-            wait_for(lambda: len(metrics(mfile)) > steps + 1, what="a step of this run", procs=[launcher])
-            ranks = _ranks(launcher)
-            assert len(ranks) == 2
-            launcher.send_signal(sig)
-            _, err = launcher.communicate(timeout=120)
-        finally:
-            kill_all([launcher])
-            _kill(ranks, tmp_path)
+        launcher = _start(tmp_path, *sets)
+        ranks, err = _signal_when(launcher, tmp_path, lambda: len(metrics(mfile)) > steps + 1, "a step of this run",
+                                  sig)
+        assert len(ranks) == 2
         assert launcher.returncode == 0, err[-3000:]
         assert "Traceback" not in err and "error:" not in err, err[-3000:]
         assert f"received {sig.name}: stopping after step" in err
@@ -86,16 +95,8 @@ def test_a_stop_signal_after_the_last_step_changes_nothing(tmp_path):
     ck, marker = tmp_path / "ck", tmp_path / "trained"
     launcher = _start(tmp_path, "train.global_batch_size=4", "train.train_iters=2", f"checkpoint.save={ck}",
                       script=("-m", "tests.support.launch_driver", "2"), hook=(f"signal_after_training:{marker}",))
-    ranks = []
-    try:
-        wait_for(lambda: all(os.path.exists(f"{marker}.{r}") for r in (0, 1)), what="both ranks after training",
-                 procs=[launcher])
-        ranks = _ranks(launcher)
-        launcher.send_signal(signal.SIGUSR1)
-        _, err = launcher.communicate(timeout=120)
-    finally:
-        kill_all([launcher])
-        _kill(ranks, tmp_path)
+    _, err = _signal_when(launcher, tmp_path, lambda: all(os.path.exists(f"{marker}.{r}") for r in (0, 1)),
+                          "both ranks after training", signal.SIGUSR1)
     assert launcher.returncode == 0, err[-3000:]
     assert "Traceback" not in err and "error:" not in err, err[-3000:]
     assert "received SIGUSR1 after the last step: nothing to stop, the run is ending" in err
