@@ -39,7 +39,7 @@ def run(mode: str, saves: int, tmp: str) -> dict:
                                      f"checkpoint.async_save={mode == 'async'}",
                                      f"logging.metrics_file={tmp}/{mode}.jsonl"])
     trainer = Trainer(cfg, Topology())
-    stalls, waits = [], []
+    stalls = []
     original = trainer.save
 
     def timed_save():

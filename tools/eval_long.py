@@ -44,7 +44,7 @@ from megatron_lc.data import DataError, build_dataset, build_tokenizer, with_tok
 from megatron_lc.parallel.topology import Topology  # noqa: E402
 from megatron_lc.training.checkpointing.load import load_checkpoint  # noqa: E402
 from megatron_lc.training.checkpointing.directory import find_latest, is_hf_model_dir  # noqa: E402
-from megatron_lc.training.entry import errors_said_once, setup_done  # noqa: E402
+from megatron_lc.training.entry import errors_said_once  # noqa: E402
 from megatron_lc.training.launcher import follow_launcher, launch_local, worker_args  # noqa: E402
 from megatron_lc.training.eval.by_position import bucket_edges, default_bucket_edges, evaluate_positions  # noqa: E402
 from megatron_lc.training.eval.passkey import PasskeyPrompt, check_passkey, evaluate_passkey  # noqa: E402

@@ -16,15 +16,17 @@ from .spec import ModelParts, ModelSpec, model_spec
 
 def build_model(cfg: Config, layout: Layout, topo: Topology,
                 adjust_spec: Optional[Callable[[ModelSpec], ModelSpec]] = None,
-                execution: Optional[Execution] = None) -> tuple[GPTModel, ModelContext]:
+                execution: Optional[Execution] = None, init: bool = True) -> tuple[GPTModel, ModelContext]:
     """The model for this rank, initialised layout-independently from ``cfg.train.seed`` (on the host), and its
     context. ``adjust_spec``: changes the config's spec before construction (a comparison row or a test double,
     e.g. ``lambda s: dataclasses.replace(s, executor=LayerCheckpointExecutor)``); ``execution``: the run's (its
-    attention kernels; None: those of the tensors' device)."""
+    attention kernels; None: those of the tensors' device); ``init`` False: left as constructed (on the meta
+    device: ``model/init.materialize`` initialises it once FSDP2 has sharded it)."""
     ctx = model_context(cfg, layout)
     spec = model_spec(cfg, layout, ctx)
     if adjust_spec is not None:
         spec = adjust_spec(spec)
     model = GPTModel(cfg.model, ModelParts(cfg, layout, topo, spec, ctx, execution))
-    init_model(model, cfg.train.seed, topo)
+    if init:
+        init_model(model, cfg.train.seed, topo)
     return model, ctx

@@ -78,8 +78,15 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int, base: float, scaling: Optional[dict] = None):
         super().__init__()
+        self.dim, self.base, self.scaling = dim, base, scaling
         inv_freq, self.attention_factor = rope_frequencies(dim, base, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def init_buffers(self, device: torch.device) -> None:
+        """The frequencies again (on the host, as at construction), moved to ``device``: for a model built on the
+        meta device (``model/init.materialize``)."""
+        with torch.device("cpu"):
+            self.inv_freq = rope_frequencies(self.dim, self.base, self.scaling)[0].to(device)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(position_ids.device)

@@ -96,7 +96,8 @@ def apply_fsdp(model: nn.Module, topo: Topology, device: torch.device, *, param_
                cpu_offload: bool, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``model`` in place (layers, then the root); parameter attributes (tp partition, SP) are carried over
     to the sharded parameters, each shard moved to ``device`` (so a model built on the host lands there a shard at
-    a time, never whole). ``param_dtype``: the dtype the weights are all-gathered in (the run's autocast dtype;
+    a time, never whole; ``training/setup.py`` shards the model on the meta device and ``model/init.materialize``
+    makes the shards). ``param_dtype``: the dtype the weights are all-gathered in (the run's autocast dtype;
     None: as stored). Call before the calibrations (they gather the layer they probe: ``gathered``) and the
     optimizer."""
     check_shardable(model)

@@ -47,15 +47,16 @@ class ModelStates:
         return host | set(self.parts) if offloaded else host
 
 
-def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict:
+def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set, absent: frozenset = frozenset()) -> dict:
     """Device / host live bytes after every event, the peaks and their moments, the breakdown at the device peak;
     the peak of the training steps alone (``step_peak_bytes``: what the estimator's peak is set beside) and each
     part of the job's (``phases``: ``setup``, ``steps``, ``validation``, ``save``... -- ``Moments.segments``).
 
-    A GPU run builds the model on the host (setup's ``build`` stage) and its ``device`` stage moves it: what the build
-    made and the device stage freed (FSDP2's full weights, once sharded) was host memory only; what the build made
-    and is still alive after the device stage is where a GPU run's ``.to(device)`` put its copy -- in a rehearsal,
-    built on the stand-in device, the same storages, counted as host until then and as device from then on."""
+    A GPU run without FSDP2 builds the model on the host (setup's ``build`` stage) and its ``device`` stage moves it:
+    what the build made and is still alive after the device stage is where a GPU run's ``.to(device)`` put its copy
+    -- in a rehearsal, built on the stand-in device, the same storages, counted as host until then and as device from
+    then on. With FSDP2 the build is on the meta device: ``absent`` (storages that hold no memory anywhere, the meta
+    device's) count 0 bytes."""
     events = trace.events
     start = {label: i for i, label in reversed(moments.log)}  # the first index of every label
     build = (start.get("setup build", 0), start.get("setup device", 0))
@@ -82,8 +83,8 @@ def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict
         seg = parts_of_job.setdefault(moments.segments[nxt - 1][1], [0, i, 0])
         side = "host" if e.id in host or e.id in built else "device"
         if e.op == "malloc":
-            sizes[e.id] = e.size
-            live[side] += e.size
+            sizes[e.id] = 0 if e.id in absent else e.size
+            live[side] += sizes[e.id]
         else:
             live[side] -= sizes.pop(e.id, 0)
         series.append(live["device"])
@@ -99,7 +100,7 @@ def rank_figures(trace: Trace, moments: Moments, parts: dict, host: set) -> dict
     breakdown: dict = {}
     alive = {}
     for i, e in enumerate(events[:at + 1]):
-        if e.op == "malloc":
+        if e.op == "malloc" and e.id not in absent:
             alive[e.id] = e.size
         else:
             alive.pop(e.id, None)

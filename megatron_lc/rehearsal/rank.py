@@ -129,7 +129,8 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
             host |= {e.id for e in tracer.select("cpu") if e.op == "malloc"}
         out = {"rank": rank, "world": world, "seconds": seconds, "events": len(trace.events), "stopped": stopped,
                "job": [name for _, name in moments.segments[2:]], **job}
-        out.update(rank_figures(trace, moments, states.parts, host))
+        meta = frozenset(e.id for e in tracer.select("meta") if e.op == "malloc")  # (nothing allocated)
+        out.update(rank_figures(trace, moments, states.parts, host, meta))
         out["host"].update(host_figures(trainer))
         out["comm_bytes_per_step"] = {f"{tag}/{op}": n for (tag, op), n in sorted(topo.comm.bytes.items())}
         out["violations"] = mixes.violations + host_math.violations + [

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import signal
 import sys
 from typing import Optional
@@ -38,7 +39,7 @@ from .checkpointing.lock import lock_save_dir
 
 log = logging.getLogger("megatron_lc")
 
-OUTCOME = "megatron_lc/outcome/0"
+STORE_OUTCOME = "megatron_lc/outcome/0"  # the store key of the first error (rank 0's line)
 
 
 def prepare_data(cfg: Config, rank: int) -> None:
@@ -65,11 +66,11 @@ def say_once(e: Exception, rank: int, cfg: Config) -> None:
     if rank == 0 or store is None:
         print(f"error: {e}", file=sys.stderr, flush=True)
         if store is not None:
-            store.set(OUTCOME, str(e))
+            store.set(STORE_OUTCOME, str(e))
     else:
         try:
-            store.wait([OUTCOME], datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
-            same = store.get(OUTCOME).decode() == str(e)
+            store.wait([STORE_OUTCOME], datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+            same = store.get(STORE_OUTCOME).decode() == str(e)
         except (RuntimeError, dist.DistError):  # rank 0 never answered, or its store is gone
             same = False
         if not same:
@@ -80,7 +81,7 @@ def say_once(e: Exception, rank: int, cfg: Config) -> None:
 def setup_done(rank: int) -> None:
     """Rank 0 is set up: an error from now on is each rank's own (posted as an empty outcome)."""
     if rank == 0 and _store() is not None:
-        _store().set(OUTCOME, "")
+        _store().set(STORE_OUTCOME, "")
 
 
 @contextlib.contextmanager
@@ -94,7 +95,7 @@ def errors_said_once(cfg: Config, rank: int):
         raise
     except BaseException as e:
         if rank == 0 and _store() is not None:
-            _store().set(OUTCOME, f"{type(e).__name__}")
+            _store().set(STORE_OUTCOME, f"{type(e).__name__}")
         raise
 
 
@@ -133,7 +134,8 @@ def run(cfg: Config) -> TrainState:
                 try:
                     write_outcome(cfg.checkpoint.save, *outcome(cfg, state))
                 except OSError as e:
-                    log.warning("could not write %s (%s): a job script cannot tell how this run ended", OUTCOME, e)
+                    log.warning("could not write %s (%s): a job script cannot tell how this run ended",
+                                os.path.join(cfg.checkpoint.save, OUTCOME), e)
             return state
     finally:
         if lock is not None:

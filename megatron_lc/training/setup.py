@@ -1,8 +1,8 @@
 """Everything a run needs before step 1, in order, each step a call you can see::
 
-    config -> layout -> execution (device, dtypes) -> topology -> data -> model (pure, on the host)
-           -> FSDP2 (sharding: the shards go to the device) -> device -> technique runtimes (bind, calibrate,
-           allocate; the memory plan last) -> optimizer -> checkpoint
+    config -> layout -> execution (device, dtypes) -> topology -> data -> model (pure, on the host; with FSDP2
+           on the meta device) -> FSDP2 (sharding, then each rank's shards made on the device and drawn) -> device
+           -> technique runtimes (bind, calibrate, allocate; the memory plan last) -> optimizer -> checkpoint
 
 ``pretrain_gpt.py`` resolves the layout and builds the topology first (``runtime.init_distributed``: the layout's
 errors come before any process group exists) and hands both to ``setup_training``; tests and tools pass a
@@ -23,6 +23,7 @@ from ..config import Config, ConfigError, Execution, Layout, resolve_execution, 
 from ..data import DataSplits, build_dataset, split_sizes
 from ..device import check_pool_budget
 from ..memory.arena import PlannedArena
+from ..model.init import materialize
 from ..parallel.fsdp import apply_fsdp
 from ..parallel.topology import Topology
 from ..planning.memory_plan import check_plan_setting
@@ -113,14 +114,20 @@ def build_and_calibrate(cfg: Config, layout: Layout, topo: Topology, execution: 
     step (the memory plan); ``stage``: told each stage's name as it starts (``setup_training``). Returns (model,
     context)."""
     stage("build")
-    with torch.device(execution.device) if execution.build_on_device else contextlib.nullcontext():
-        model, ctx = build_model(cfg, layout, topo, adjust_spec, execution)  # pure: host memory, no communication
+    fsdp2 = cfg.parallel.use_torch_fsdp2
+    # FSDP2: built on the meta device (no storage), so no rank ever holds the whole model, on the host or the
+    # device; else on the host (or the device of a rehearsal)
+    where = torch.device("meta") if fsdp2 else execution.device if execution.build_on_device else None
+    with torch.device(where) if where is not None else contextlib.nullcontext():
+        model, ctx = build_model(cfg, layout, topo, adjust_spec, execution, init=not fsdp2)  # pure: no communication
     stage("device")
-    if cfg.parallel.use_torch_fsdp2:  # weights, gradients and (so) AdamW states sharded over dp x cp: the shards
-        # move to the device one by one, so the whole model never lands there (the calibrations gather the layer
-        # they probe, the step each layer it runs)
+    if fsdp2:  # weights, gradients and (so) AdamW states sharded over dp x cp, then each rank's shards made and
+        # initialised on the device (the host with CPU offload); the calibrations gather the layer they probe, the
+        # step each layer it runs
         apply_fsdp(model, topo, execution.device, param_dtype=execution.autocast_dtype,
                    cpu_offload=cfg.parallel.fsdp_cpu_offload)
+        materialize(model, cfg.train.seed, topo, torch.device("cpu") if cfg.parallel.fsdp_cpu_offload
+                    else execution.device, buffer_device=execution.device)
     elif any(p.device != execution.device for p in model.parameters()):
         # (not under FSDP2: it placed the shards, on the host with fsdp_cpu_offload -- a move here would put the
         # offloaded shards on the device and FSDP2 refuses them at the first forward)
@@ -143,7 +150,7 @@ def setup_training(cfg: Config, topo: Topology, device: Optional[torch.device] =
     """Build a run (see module doc). ``layout``: already resolved for ``topo``'s world (else resolved here, once);
     ``adjust_spec``: see ``compose.build_model``; ``execution``: given instead of resolved from ``device`` (a
     rehearsal: a GPU run's dtypes on a stand-in device); ``stage``: told the name of each stage as it starts --
-    data, build (the model on the host), device (FSDP2's shards, the move), runtimes, optimizer, checkpoint (a
+    data, build (the model on the host, on the meta device with FSDP2), device (FSDP2's shards, the move), runtimes, optimizer, checkpoint (a
     rehearsal marks its trace with them)."""
     layout = layout or resolve_layout(cfg, topo.world_size)  # every layout rule and refused feature pair
     check_topology(layout, topo)

@@ -15,9 +15,7 @@ from megatron_lc.attention.backends import Kernels, MathBackend, TorchCPUBackend
 from megatron_lc.attention.fused_cuda import TorchCUDABackend
 from megatron_lc.attention.hopper import CudnnBackend, RegisteredFlashBackend
 from megatron_lc.attention.kernel_table import parse_table
-from megatron_lc.attention.ranges import block_rects
 from megatron_lc.config import ConfigError, load_config, resolve_layout
-from megatron_lc.config.documents import DocumentRanges
 from tests.attention import test_attention_backends as same_as_sdpa, test_ranges as same_as_masked
 from tests.attention.test_attention_backends import StandInKernels
 from tests.attention.test_ranges import StandInVarlen

@@ -5,16 +5,16 @@ batch of one document), its token losses summed and divided by the global count 
 the masked packed run must give, forward and backward (tolerances: tests/support/parity.py)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_lc.config import resolve_layout
 from megatron_lc.config.documents import DocumentRanges
 from megatron_lc.data.dataset import document_fields
-from megatron_lc.parallel.collectives import all_reduce
-from megatron_lc.parallel.token_layout import shard_batch
-from megatron_lc.parallel.topology import Axis, Topology
-from megatron_lc.training.optimizer import sync_gradients
-from tests.support.parity import assert_close_grads, assert_close_loss, build, full_grads, plain_config, small_config
+from megatron_lc.parallel.topology import Topology
+from tests.support.parity import (assert_close_grads, assert_close_loss, build, full_grads, plain_config, sharded_loss,
+                                   small_config)
 
 EOD = 255  # vocab 256: the last id ends a document
 DOCS = ["data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true"]
@@ -71,25 +71,17 @@ def document_parity(rank, world, overrides, lengths, seq, tp=1, all_padding=Fals
     if not masks:  # the same tokens as one causal sequence
         del batch["document_ids"], batch["documents"]
         batch["position_ids"] = torch.arange(seq).expand_as(batch["tokens"]).contiguous()
-    topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
-    model, _ = build(cfg, topo)
-    local = shard_batch(batch, layout, topo)
-    tok = model(local["tokens"], local["position_ids"], local["labels"], local.get("documents"))
-    loss = (tok * local["loss_mask"]).sum() / total
-    loss.backward()
-    sync_gradients(model, topo)
-    got = loss.detach().clone()
-    all_reduce(got, topo, Axis.CP)
-    assert torch.isfinite(got), got
+    got, model, topo = sharded_loss(cfg, layout, batch, total)
+    assert math.isfinite(got), got
     if not masks:
-        return float(got), ref_loss
+        return got, ref_loss
     if all_padding:
-        assert float(got) == 0.0 and ref_loss == 0.0
+        assert got == 0.0 and ref_loss == 0.0
         assert all(torch.isfinite(g).all() and not g.any() for g in full_grads(model, topo).values())
-        return float(got)
-    assert_close_loss(float(got), ref_loss)
+        return got
+    assert_close_loss(got, ref_loss)
     assert_close_grads(full_grads(model, topo), ref_grads)
-    return float(got)
+    return got
 
 
 def document_parity_cases(rank, world, cases):

@@ -38,6 +38,15 @@ FAMILIES = {
 }
 
 
+def plain_model(overrides: list):
+    """The tiny model under ``overrides``, plain, on one process (its parameters' sizes)."""
+    from megatron_lc.compose import build_model
+    from megatron_lc.config import resolve_layout
+
+    cfg = load_config(TINY, overrides)
+    return build_model(cfg, resolve_layout(cfg, 1), Topology())[0]
+
+
 def rehearse_families(rank, world, names, ranks=(0, 7), steps=2) -> dict:
     """Every family of ``names`` on 8 simulated ranks: the figures of ``ranks``."""
     out = {}

@@ -15,13 +15,11 @@ from megatron_lc.config import load_config, resolve_layout
 from megatron_lc.config.documents import DocumentRanges
 from megatron_lc.data.dataset import document_fields
 from megatron_lc.model.attention import SelfAttention
-from megatron_lc.parallel.collectives import all_reduce
 from megatron_lc.parallel.token_layout import shard_batch
-from megatron_lc.parallel.topology import Axis, Topology
-from megatron_lc.training.optimizer import sync_gradients
+from megatron_lc.parallel.topology import Topology
 from tests.dist_cases.documents import DOCS, packed_batch
 from tests.support.parity import (assert_close_grads, assert_close_loss, batch_for, build, full_grads, plain_config,
-                                   small_config)
+                                   sharded_loss, small_config)
 from tests.support.step_watch import StepWatch
 
 
@@ -68,18 +66,10 @@ def window_parity(rank, world, overrides, tp=1, lengths=None, seq=32):
     batch = packed_batch(seq, lengths) if lengths else batch_for(cfg)
     total = float(batch["loss_mask"].sum())
     ref_loss, ref_grads = dense_reference(cfg, batch, total)
-    topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
-    model, _ = build(cfg, topo)
-    local = shard_batch(batch, layout, topo)
-    tok = model(local["tokens"], local["position_ids"], local["labels"], local.get("documents"))
-    loss = (tok * local["loss_mask"]).sum() / total
-    loss.backward()
-    sync_gradients(model, topo)
-    got = loss.detach().clone()
-    all_reduce(got, topo, Axis.CP)
-    assert_close_loss(float(got), ref_loss)
+    got, model, topo = sharded_loss(cfg, layout, batch, total)
+    assert_close_loss(got, ref_loss)
     assert_close_grads(full_grads(model, topo), ref_grads)
-    return float(got)
+    return got
 
 
 def window_parity_cases(rank, world, cases):

@@ -14,7 +14,6 @@ import json
 import os
 import random
 
-import numpy as np
 import pytest
 
 from megatron_lc.planning.solver import native

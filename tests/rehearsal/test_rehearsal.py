@@ -94,6 +94,15 @@ def test_every_layout_family_rehearses_on_8_ranks_to_the_end_of_2_steps():
             assert 0 < dev["setup_peak_bytes"] <= dev["peak_bytes"], (name, rank, dev)
             assert r["violations"] == [], (name, rank, r["violations"])
             assert r["comm_bytes_per_step"], (name, rank)
+    # FSDP2 builds on the meta device and makes each rank's shards alone: no setup holds the whole model (built on
+    # the host, every rank held all of it -- Llama-3.1-70B's 263 GiB, eight times on a node), only its shards
+    # (1/8, fp32, on the host with the CPU offload) and, while it draws one, one parameter's full tensor -- and
+    # small tensors, less than 64 KiB (measured: 1 KiB more; built on the host: 30 MB, the whole model)
+    sizes = [p.numel() * 4 for p in cases.plain_model(cases.EIGHT).parameters()]
+    for name in ("fsdp2", "fsdp2-offload"):
+        for rank, r in got[name].items():
+            host = r["phases"]["setup"]["host_peak_bytes"]
+            assert host <= sum(sizes) / 8 + max(sizes) + 2 ** 16, (name, rank, host, sum(sizes), max(sizes))
 
 
 def test_the_command_line_prints_the_summary_line_last_and_writes_its_json(tmp_path):

@@ -98,3 +98,23 @@ def reference_loss_and_grads(cfg: Config, batch: dict):
     loss = (tok_loss * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
     loss.backward()
     return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def sharded_loss(cfg: Config, layout, batch: dict, total: float):
+    """The model under ``cfg``'s ``layout`` on this rank's shard of ``batch`` (documents too), forward and backward,
+    its gradients synced: (the loss of every rank's tokens over ``total``, all-reduced over cp; the model; its
+    topology)."""
+    from megatron_lc.parallel.collectives import all_reduce
+    from megatron_lc.parallel.token_layout import shard_batch
+    from megatron_lc.training.optimizer import sync_gradients
+
+    topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
+    model, _ = build(cfg, topo)
+    local = shard_batch(batch, layout, topo)
+    tok = model(local["tokens"], local["position_ids"], local["labels"], local.get("documents"))
+    loss = (tok * local["loss_mask"]).sum() / total
+    loss.backward()
+    sync_gradients(model, topo)
+    got = loss.detach().clone()
+    all_reduce(got, topo, Axis.CP)
+    return float(got), model, topo

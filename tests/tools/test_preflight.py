@@ -3,7 +3,6 @@ import os
 import sys
 import types
 
-import pytest
 import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import FSDPModule
 
