@@ -37,6 +37,9 @@ def rank1_faults(rank, world, run, marker):
         save_error = str(e)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    # every rank has named the checkpoint kept before rank 0 rewrites its meta.json (rank 1, later under load, read
+    # it half-written: "none yet")
+    dist.barrier()
     if rank == 0:
         ckpt = f"{run}/iter_0000002"
         buf = io.BytesIO()
