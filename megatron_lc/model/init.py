@@ -14,6 +14,7 @@ import zlib
 import torch
 from torch import nn
 
+from ..parallel.fsdp import is_sharded, local
 from ..parallel.tensor_parallel import full_shape, shard_full_tensor
 from ..parallel.topology import Topology
 from .rope import RotaryEmbedding
@@ -26,7 +27,7 @@ def param_seed(seed: int, name: str) -> int:
 def _fsdp_shard(piece: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """This rank's FSDP2 shard of ``piece`` (``p``'s full tp-local tensor) when ``p`` is a DTensor sharded over a
     1-D mesh (``parallel/fsdp.py``), else ``piece``: chunk ``mesh rank`` of ``torch.chunk`` along the shard dim."""
-    if not hasattr(p, "device_mesh"):
+    if not is_sharded(p):
         return piece
     (placement,) = p.placements
     chunks = torch.chunk(piece, p.device_mesh.size(), placement.dim)
@@ -46,8 +47,8 @@ def init_model(model: nn.Module, seed: int, topo: Topology) -> None:
         else:
             g = torch.Generator().manual_seed(param_seed(seed, name))
             full = torch.empty(shape).normal_(0.0, kind[1], generator=g)
-        local = p.to_local() if hasattr(p, "to_local") else p
-        local.copy_(_fsdp_shard(shard_full_tensor(full, p, topo), p).to(local.device, local.dtype))
+        mine = local(p)
+        mine.copy_(_fsdp_shard(shard_full_tensor(full, p, topo), p).to(mine.device, mine.dtype))
 
 
 def materialize(model: nn.Module, seed: int, topo: Topology, device: torch.device,
