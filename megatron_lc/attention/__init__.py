@@ -2,7 +2,7 @@
 layout. FPDT, an attention block rather than a core attention, is in ``fpdt/``.
 
     cp == 1                 LocalCausalAttention (one kernel on the whole local sequence)             (local.py)
-    cp_comm_type p2p        RingAttention over the ring axis (= cp), zigzag layout                      (ring.py)
+    cp_comm_type p2p        RingAttention over the ring axis (= cp), zigzag or balanced layout          (ring.py)
     cp_comm_type a2a        UlyssesAttention over the ulysses axis (= cp), contiguous layout         (ulysses.py)
     cp_comm_type a2a+p2p    UlyssesAttention (ulysses_size) around RingAttention (cp / ulysses_size)
 
@@ -33,7 +33,9 @@ def build_core_attention(layout: Layout, topo: Topology, backend, layer_number: 
         raise ConfigError(f"parallel.cp_comm_type {layout.cp_comm_type} has no core attention (FPDT replaces the "
                           f"attention block)")
     tag = f"layer{layer_number}.attn"
-    ring = RingAttention(topo, backend=backend, tag=tag, window=window)  # ring of size 1 = local causal attention
+    # ring of size 1 = local causal attention
+    ring = RingAttention(topo, backend=backend, tag=tag, window=window, balanced=layout.cp_layout == "balanced",
+                         balance_window=layout.balance_window)
     if topo.ulysses == 1:
         return ring
     return UlyssesAttention(topo, ring, layout.heads, layout.kv_heads, layout.kv_replication, tag=tag)

@@ -45,11 +45,14 @@ import torch.nn.functional as F
 from ..config import ConfigError
 from ..config.documents import DocumentRanges
 from ..parallel.collectives import count_send
+from ..parallel.token_layout import ring_spans
 from ..parallel.topology import Axis, Topology
 from .backends import Kernels
 from .core import CoreAttention, to_bnsd, to_sbnd
 from .merge import merge
-from .ranges import block_rects
+from .kv_plan import KvPlan, kv_plan
+from .ranges import block_rects, spans as laid_out
+from .ring_exchange import exchange_backward, exchange_forward
 
 KV_TAG, DKV_TAG = 11, 12  # distinct p2p tags: k/v and dk/dv transfers between the same two ranks overlap
 
@@ -90,19 +93,32 @@ class RingComm:
         ops = [dist.P2POp(dist.isend, t, self.next, group=self.group, tag=tag),
                dist.P2POp(dist.irecv, buf, self.prev, group=self.group, tag=tag)]
         count_send(self.topo, t.numel() * t.element_size(), op)
+        self.topo.comm.add_received(op, buf.numel() * buf.element_size())
         return _Pending(dist.batch_isend_irecv(ops), t, buf)
+
+    def exchange(self, t: Optional[torch.Tensor], to: int, recv: Optional[torch.Tensor], frm: int, tag: int,
+                 op: str) -> _Pending:
+        """Post ``isend(t -> ring rank to)`` and ``irecv(recv <- ring rank frm)``, either None when nothing goes
+        that way (both ends know it from the same plan); ``wait()`` returns ``recv``."""
+        ranks, ops = self.topo.ranks(self.axis), []
+        if t is not None:
+            t = t.contiguous()
+            ops.append(dist.P2POp(dist.isend, t, ranks[to], group=self.group, tag=tag))
+            count_send(self.topo, t.numel() * t.element_size(), op)
+        if recv is not None:
+            ops.append(dist.P2POp(dist.irecv, recv, ranks[frm], group=self.group, tag=tag))
+            self.topo.comm.add_received(op, recv.numel() * recv.element_size())
+        return _Pending(dist.batch_isend_irecv(ops) if ops else [], t, recv)
 
 
 class RingCuts:
-    """The rectangles of the block (queries of ring rank r, keys of ring rank j) under documents and a window, for a
-    ring of R ranks over ``s`` tokens: rank j's spans are its zigzag chunks j and 2R-1-j (one span when R == 1).
+    """The rectangles of the block (queries of ring rank r, keys of ring rank j) under documents and a window, for
+    ring ranks holding ``spans`` (``parallel/cp_balance.zigzag_spans``: rank j's zigzag chunks j and 2R-1-j).
     Example, s = 8, R = 2: rank 0 ``((0, 2, 0), (6, 8, 2))``, rank 1 ``((2, 4, 0), (4, 6, 2))``."""
 
-    def __init__(self, documents: Optional[DocumentRanges], window: Optional[int], s: int, R: int):
+    def __init__(self, documents: Optional[DocumentRanges], window: Optional[int], spans: tuple):
         self.documents, self.window = documents, window
-        c = s // (2 * R)
-        self.spans = [((0, s, 0),)] if R == 1 else [((j * c, (j + 1) * c, 0), ((2 * R - 1 - j) * c, (2 * R - j) * c, c))
-                                                    for j in range(R)]
+        self.spans = [laid_out(list(sp)) for sp in spans]
 
     def rects(self, r: int, j: int):
         return block_rects(self.documents, self.window, self.spans[r], self.spans[j])
@@ -114,9 +130,12 @@ def _post_own_kv(k, v, comm: RingComm, op: str):
     return comm.send_recv(torch.stack([k, v]), KV_TAG, op) if comm.size > 1 else None
 
 
-def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None, cuts: Optional[RingCuts] = None):
+def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None, cuts=None):
     """Forward of ring attention on zigzag-local tensors ``[b, n, 2c, d]``; returns fp32 (out, lse). ``cuts``: the
-    blocks' rectangles under documents / a window (None: causal over the whole sequence)."""
+    blocks' rectangles under documents / a window (None: causal over the whole sequence), or the balanced layout's
+    ``KvPlan`` (``ring_exchange.py``: any local order)."""
+    if isinstance(cuts, KvPlan):
+        return exchange_forward(q, k, v, comm, backend, scale, cuts)
     if cuts is not None:
         return _ring_forward_rects(q, k, v, comm, backend, scale, cuts)
     R, r = comm.size, comm.rank
@@ -161,9 +180,10 @@ def _ring_forward_rects(q, k, v, comm: RingComm, backend, scale, cuts: RingCuts)
     return acc
 
 
-def ring_backward(dout, q, k, v, out, lse, comm: RingComm, backend, scale: Optional[float] = None,
-                  cuts: Optional[RingCuts] = None):
+def ring_backward(dout, q, k, v, out, lse, comm: RingComm, backend, scale: Optional[float] = None, cuts=None):
     """Backward of ``ring_forward`` given the merged ``out`` and ``lse``; returns dq, dk, dv in input dtypes."""
+    if isinstance(cuts, KvPlan):
+        return exchange_backward(dout, q, k, v, out, lse, comm, backend, scale, cuts)
     if cuts is not None:
         return _ring_backward_rects(dout, q, k, v, out, lse, comm, backend, scale, cuts)
     R, r = comm.size, comm.rank
@@ -231,7 +251,7 @@ class RingAttnFunction(torch.autograd.Function):
     """q ``[b, nq, 2c, d]``, k/v ``[b, nkv, 2c, d]`` (zigzag-local order) -> out ``[b, nq, 2c, d]``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: RingComm, backend, tag: str, scale: Optional[float], cuts: Optional[RingCuts]):
+    def forward(ctx, q, k, v, comm: RingComm, backend, tag: str, scale: Optional[float], cuts):
         ctx.comm, ctx.backend, ctx.tag, ctx.scale, ctx.cuts = comm, backend, tag, scale, cuts
         with comm.topo.comm.tag(tag):
             out, lse = ring_forward(q, k, v, comm, backend, scale, cuts)
@@ -249,15 +269,19 @@ class RingAttnFunction(torch.autograd.Function):
 
 
 class RingAttention(CoreAttention):
-    """Core attention over the ring axis: q/k/v ``[s_local, b, n, d]`` (zigzag-local order) -> ``[s_local, b, nq, d]``.
+    """Core attention over the ring axis: q/k/v ``[s_local, b, n, d]`` (the layout's local order) ->
+    ``[s_local, b, nq, d]``.
 
     With a ring of size 1 this is plain causal attention through the chosen kernel (used by Ulysses when
-    cp_comm_type is a2a). ``window``: the layer's causal sliding window in tokens (None: every earlier token)."""
+    cp_comm_type is a2a). ``window``: the layer's causal sliding window in tokens (None: every earlier token).
+    ``balanced``: the ranks hold the balanced layout of ``balance_window`` (``parallel.cp_layout``,
+    ``token_layout.ring_spans``) and exchange only the k/v their queries see; else the zigzag and the whole ring."""
 
     def __init__(self, topo: Topology, backend="auto", tag: str = "attn", axis: Axis = Axis.RING,
-                 window: Optional[int] = None):
+                 window: Optional[int] = None, balanced: bool = False, balance_window: Optional[int] = None):
         super().__init__()
         self.tag, self.window = tag, window
+        self.balanced, self.balance_window = balanced, balance_window
         self.kernels = Kernels.of(backend)
         self.comm = RingComm(topo, axis)
 
@@ -267,11 +291,16 @@ class RingAttention(CoreAttention):
                               f"rank, ring size {self.comm.size}); the full sequence must be divisible by "
                               f"{2 * self.comm.size} x ulysses size")
 
-    def cuts(self, documents: Optional[DocumentRanges], s_local: int) -> Optional[RingCuts]:
-        """The blocks' rectangles for this ring (None: no documents, no window)."""
+    def cuts(self, documents: Optional[DocumentRanges], s_local: int):
+        """The blocks' rectangles for this ring (None: no documents, no window: the causal zigzag), or the
+        balanced layout's exchange plan."""
         if documents is None and self.window is None:
             return None
-        return RingCuts(documents, self.window, s_local * self.comm.size, self.comm.size)
+        s, R = s_local * self.comm.size, self.comm.size
+        spans = ring_spans(self.balanced, self.balance_window, documents, s, R)
+        if self.balanced:
+            return kv_plan(documents, self.window, spans, s)
+        return RingCuts(documents, self.window, spans)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
         self._check_length(q.shape[0])

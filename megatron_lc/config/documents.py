@@ -8,6 +8,8 @@ A row's documents are its ``cu`` offsets (``cu_seqlens`` in the kernels' name): 
     .within(0, 2, 6)   -> [(2, 3), (3, 5), (5, 6)]      documents clipped to global positions [2, 6)
     .ids()             -> tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
     .attended_pairs()  -> 3^2/2 + 2^2/2 + 3^2/2 = 11.0  (the model-FLOPs count of ``training/metrics.py``)
+    .token_work()      -> [1, 2, 3, 1, 2, 1, 2, 3]      keys each query sees (its position in its document + 1)
+    .keys_seen(4, 6)   -> [(3, 6)]                      the keys queries 4-5 see: their documents' up to query 5
 
 The attention turns a block's global query and key positions and these offsets into rectangles
 (``attention/ranges.py``); the cut is cached here, per block and window, so every layer of the micro-batch and its
@@ -30,6 +32,18 @@ def window_pairs(length: int, window: Optional[int]) -> float:
     if window is None or length <= window:
         return length * length / 2
     return window * window / 2 + (length - window) * window
+
+
+def union(ranges) -> list[tuple[int, int]]:
+    """Sorted disjoint ``[a, b)`` ranges covering the given ones (touching ranges joined).
+    Example: ``[(5, 7), (0, 2), (1, 3), (3, 4)]`` -> ``[(0, 4), (5, 7)]``."""
+    out = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,30 @@ class DocumentRanges:
         """Attended (query, key) pairs of the batch, counted as ``window_pairs`` counts one document."""
         return float(sum(window_pairs(n, window) for r in range(self.rows) for n in self.lengths(r)))
 
+    def token_work(self, window: Optional[int] = None) -> np.ndarray:
+        """Keys each query sees, summed over the rows, ``[s]`` int64: its position in its document + 1, at most
+        ``window`` -- the (query, key) pairs its attention runs wherever its keys are (``parallel/cp_balance.py``
+        balances the cp ranks by it)."""
+        s = self.seq_length
+        out = np.zeros(s, dtype=np.int64)
+        for c in self.cu:
+            c = np.asarray(c, dtype=np.int64)
+            w = np.arange(s, dtype=np.int64) - np.repeat(c[:-1], np.diff(c)) + 1
+            out += w if window is None else np.minimum(w, window)
+        return out
+
+    def keys_seen(self, lo: int, hi: int, window: Optional[int] = None) -> list[tuple[int, int]]:
+        """The keys some query of ``[lo, hi)`` sees in some row, as sorted disjoint ranges: in each document from
+        its start (or the window's, ``W - 1`` keys before the first query) to the last query."""
+        ranges = []
+        for c in self.cu:
+            k = bisect.bisect_right(c, lo) - 1
+            while k + 1 < len(c) and c[k] < hi:
+                q0, q1 = max(c[k], lo), min(c[k + 1], hi)
+                ranges.append((c[k] if window is None else max(c[k], q0 - window + 1), q1))
+                k += 1
+        return union(ranges)
+
     def cached(self, key, make):
         """``make()`` once per micro-batch and ``key`` (a block's cut into rectangles: ``attention/ranges.py``)."""
         if key not in self.cache:
@@ -106,4 +144,4 @@ class DocumentRanges:
         return self.cache[key]
 
 
-__all__ = ["DocumentRanges", "window_pairs"]
+__all__ = ["DocumentRanges", "union", "window_pairs"]

@@ -54,6 +54,9 @@ class Layout:
     ring: int
     ulysses: int
     cp_comm_type: str
+    # the ring ranks' tokens (parallel/token_layout.ring_spans): "zigzag" or "balanced" (parallel.cp_layout resolved;
+    # "zigzag" wherever there is no ring)
+    cp_layout: str
     sequence_parallel: bool  # Megatron SP in effect: parallel.sequence_parallel and tp > 1
     seq_length: int
     seq_multiple: int  # the sequence length must be a multiple of this for the layout
@@ -69,6 +72,12 @@ class Layout:
     # each layer's RoPE as (theta, rope_scaling applies) (None without RoPE; model.rope_local_base_freq on the
     # sliding_attention layers): the model computes each distinct table once a step and hands layer n ropes[n]'s
     ropes: tuple = ()
+
+    @property
+    def balance_window(self):
+        """The window the balanced layout weighs the tokens' work by: the layers' common one, None when any layer
+        attends every earlier key (those layers' work dominates) -- one layout serves every layer."""
+        return None if not self.windows or None in self.windows or len(set(self.windows)) > 1 else self.windows[0]
 
     def window(self, layer_number: int):
         """Layer ``layer_number``'s window (None: every earlier key)."""
@@ -162,7 +171,9 @@ def resolve_layout(cfg, world_size: int) -> Layout:
     check(gbs % (mbs * dp) == 0,
           f"train.global_batch_size ({gbs}) must be divisible by micro_batch_size ({mbs}) x dp ({dp})")
     return Layout(world_size=world_size, dp=dp, tp=tp, cp=cp, ring=p.ring_size, ulysses=p.ulysses_size,
-                  cp_comm_type=p.cp_comm_type, sequence_parallel=sp, seq_length=s, seq_multiple=mult, fpdt_chunks=u,
+                  cp_comm_type=p.cp_comm_type, sequence_parallel=sp,
+                  cp_layout="balanced" if p.cp_layout != "zigzag" and p.ring_size > 1 else "zigzag",
+                  seq_length=s, seq_multiple=mult, fpdt_chunks=u,
                   heads=heads, kv_heads=kv_heads, kv_replication=rep, micro_batch_size=mbs, global_batch_size=gbs,
                   windows=m.attention_windows(), ropes=m.layer_ropes())
 

@@ -18,6 +18,12 @@ class ParallelConfig:
     context_parallel_size: int = 1
     cp_comm_type: Literal["p2p", "a2a", "a2a+p2p", "fpdt"] = "p2p"
     ulysses_size: Optional[int] = None  # a2a sub-axis of cp for a2a+p2p; default: cp for a2a/fpdt, 1 for p2p
+    # which tokens each ring rank holds (parallel/token_layout.py): zigzag (2R equal chunks, balanced for one causal
+    # sequence; k/v travel the whole ring) or balanced (from each micro-batch's packed documents and the window:
+    # equal attention work per rank, only the k/v a rank's queries see are sent: parallel/cp_balance.py,
+    # attention/kv_plan.py); auto = balanced wherever there is a ring (ring size > 1), which without documents or a
+    # window is the zigzag itself
+    cp_layout: Literal["auto", "zigzag", "balanced"] = "auto"
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False  # ZeRO-1: optimizer states sharded over the dp x cp group
     # FSDP2 (parallel/fsdp.py): weights, gradients and optimizer states sharded over dp x cp (Megatron-LM's
@@ -52,6 +58,11 @@ class ParallelConfig:
             check(self.ulysses_size == cp,
                   f"parallel.ulysses_size ({self.ulysses_size}) must equal parallel.context_parallel_size ({cp}) "
                   f"for cp_comm_type {self.cp_comm_type}")
+        check(self.cp_layout != "balanced" or self.ring_size > 1,
+              f"parallel.cp_layout=balanced with parallel.cp_comm_type={self.cp_comm_type} and a ring of "
+              f"{self.ring_size} (context_parallel_size {cp} / ulysses_size {self.ulysses_size}): the balanced layout "
+              f"places tokens on ring ranks; Ulysses and FPDT split heads, balanced whatever the documents; use "
+              f"cp_layout auto")
         if self.cp_comm_type == "p2p":
             check(self.ulysses_size == 1,
                   f"parallel.ulysses_size ({self.ulysses_size}) must be 1 for cp_comm_type p2p (use a2a+p2p)")

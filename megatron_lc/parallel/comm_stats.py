@@ -7,11 +7,13 @@ from typing import Optional
 
 
 class CommStats:
-    """Bytes sent, keyed by (tag, op). ``tag`` is set by the caller (e.g. the layer name)."""
+    """Bytes sent, keyed by (tag, op). ``tag`` is set by the caller (e.g. the layer name). Point-to-point transfers
+    also count what they receive (``received``): in a sparse exchange the two differ by rank."""
 
     def __init__(self) -> None:
         self.bytes: dict = defaultdict(int)
         self.calls: dict = defaultdict(int)
+        self.received: dict = defaultdict(int)
         self._tag = "untagged"
 
     @contextlib.contextmanager
@@ -26,9 +28,13 @@ class CommStats:
         self.bytes[(self._tag, op)] += int(nbytes)
         self.calls[(self._tag, op)] += 1
 
+    def add_received(self, op: str, nbytes: float) -> None:
+        self.received[(self._tag, op)] += int(nbytes)
+
     def total(self, tag: Optional[str] = None, op: Optional[str] = None) -> int:
         return sum(v for (t, o), v in self.bytes.items() if (tag is None or t == tag) and (op is None or o == op))
 
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.received.clear()

@@ -6,9 +6,12 @@ reads the positions; the loss is per token).
 
     p2p      zigzag: 2*cp chunks, cp rank r holds chunks r and 2cp-1-r (causal load balance).
              cp=4, s=16: rank 0 [0 1 | 14 15], rank 1 [2 3 | 12 13], rank 2 [4 5 | 10 11], rank 3 [6 7 | 8 9]
+             balanced (``parallel.cp_layout``, the default): the spans ``cp_balance.balanced_spans`` gives each
+             micro-batch's documents (the zigzag itself for one causal sequence). cp=2, s=16, documents of 10, 3,
+             3 tokens: rank 0 [0 1 2 | 8 9 | 13 14 15], rank 1 [3 4 5 6 7 | 10 11 12]
     a2a      contiguous: rank r holds tokens [r*s/cp, (r+1)*s/cp).
              cp=2, s=8: rank 0 [0 1 2 3], rank 1 [4 5 6 7]
-    a2a+p2p  zigzag over the ring (2R chunks; ring rank r's part is [chunk r | chunk 2R-1-r]), then that part cut
+    a2a+p2p  zigzag (or balanced) over the ring (2R chunks; ring rank r's part is [chunk r | chunk 2R-1-r]), then that part cut
              into U contiguous pieces, ulysses rank u holding piece u (so the Ulysses all-to-all gathers exactly
              the ring rank's zigzag part, in order). cp=4 = ring 2 x ulysses 2, s=16, cp rank = ring*U + ulysses:
              cp rank 0 [0 1 2 3], 1 [12 13 14 15]  (ring 0: chunks 0 and 3)
@@ -39,23 +42,16 @@ column linear's all-gather of one sub-chunk restores that chunk in order. Exampl
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..config import ConfigError, Layout
+from ..config.documents import DocumentRanges
+from .cp_balance import balanced_spans, zigzag_spans
 from .topology import Topology
 
 SEQ_KEYS = ("tokens", "labels", "position_ids", "loss_mask")
-
-
-def zigzag_index(seq_length: int, ring: int, ring_rank: int) -> torch.Tensor:
-    """Tokens of chunks ``ring_rank`` and ``2*ring-1-ring_rank`` of ``2*ring`` equal chunks, in that order."""
-    if seq_length % (2 * ring) != 0:
-        raise ConfigError(f"sequence length ({seq_length}) must be divisible by 2 x ring size ({2 * ring}) for the "
-                          f"zigzag layout")
-    c = seq_length // (2 * ring)
-    front = torch.arange(ring_rank * c, (ring_rank + 1) * c)
-    back = torch.arange((2 * ring - 1 - ring_rank) * c, (2 * ring - ring_rank) * c)
-    return torch.cat([front, back])
 
 
 def contiguous_index(seq_length: int, n: int, rank: int) -> torch.Tensor:
@@ -94,9 +90,23 @@ def chunk_rows(s_local: int, num_chunks: int, sp_tp: int = 1) -> list[torch.Tens
     return [(t * (s_local // sp_tp) + i * part + j).reshape(-1) for i in range(num_chunks)]
 
 
-def local_token_index(layout: Layout, topo: Topology, seq_length: int) -> torch.Tensor:
+def ring_spans(balanced: bool, balance_window: Optional[int], documents: Optional[DocumentRanges], seq_length: int,
+               R: int) -> tuple:
+    """Each ring rank's global ``(start, end)`` spans in local order: the balanced layout of the micro-batch's
+    documents and ``balance_window`` (``Layout.balance_window``) when ``balanced``, else the zigzag."""
+    return balanced_spans(documents, seq_length, R, balance_window) if balanced else zigzag_spans(seq_length, R)
+
+
+def spans_index(spans) -> torch.Tensor:
+    """``((g0, g1), ...)`` -> the positions, in that order."""
+    return torch.cat([torch.arange(a, b) for a, b in spans])
+
+
+def local_token_index(layout: Layout, topo: Topology, seq_length: int,
+                      documents: Optional[DocumentRanges] = None) -> torch.Tensor:
     """Indices into the full sequence of the tokens this rank holds, in local order (``seq_length`` is the
-    batch's: a batch of another length than the config's is refused with the layout's rule)."""
+    batch's: a batch of another length than the config's is refused with the layout's rule; ``documents``: the
+    micro-batch's, which the balanced layout follows)."""
     if layout.cp_comm_type == "fpdt":  # strided chunks, also for cp == 1 (SP splits each chunk over tp)
         return fpdt_token_index(seq_length, topo.cp, topo.cp_rank, layout.fpdt_chunks, layout.sp_degree)
     if topo.cp == 1:
@@ -105,8 +115,11 @@ def local_token_index(layout: Layout, topo: Topology, seq_length: int) -> torch.
     if seq_length % layout.seq_multiple != 0:
         raise ConfigError(f"sequence length ({seq_length}) must be divisible by {layout.seq_multiple} for cp "
                           f"({topo.cp}, {kind}); pad the data or change data.seq_length")
-    # p2p: ulysses = 1 (pure zigzag); a2a: ring = 1 (zigzag of 2 chunks = whole sequence, then contiguous).
-    part = zigzag_index(seq_length, topo.ring, topo.ring_rank) if topo.ring > 1 else torch.arange(seq_length)
+    # p2p: ulysses = 1 (the ring rank's spans); a2a: ring = 1 (the whole sequence, then contiguous pieces).
+    part = torch.arange(seq_length)
+    if topo.ring > 1:
+        spans = ring_spans(layout.cp_layout == "balanced", layout.balance_window, documents, seq_length, topo.ring)
+        part = spans_index(spans[topo.ring_rank])
     return part[contiguous_index(part.numel(), topo.ulysses, topo.ulysses_rank)]
 
 
@@ -114,5 +127,5 @@ def shard_batch(batch: dict, layout: Layout, topo: Topology) -> dict:
     """Keep this cp rank's tokens of every per-token tensor of ``batch`` (``[b, s]`` -> ``[b, s_local]``)."""
     if topo.cp == 1 and layout.cp_comm_type != "fpdt":
         return batch
-    idx = local_token_index(layout, topo, batch["tokens"].shape[1])
+    idx = local_token_index(layout, topo, batch["tokens"].shape[1], batch.get("documents"))
     return {k: (v.index_select(1, idx).contiguous() if k in SEQ_KEYS else v) for k, v in batch.items()}

@@ -12,11 +12,14 @@ from megatron_lc.attention.fpdt import pipeline
 from megatron_lc.attention.fpdt.block import FPDTSelfAttention
 from megatron_lc.attention.fpdt.buffers import ChunkStore, FPDTBuffers
 from megatron_lc.attention.fpdt.host_share import reserve_for_layers
+from megatron_lc.attention import ring_exchange
+from megatron_lc.attention.kv_plan import kv_plan
 from megatron_lc.attention.ring import KV_TAG, RingCuts, ring_backward, ring_forward
 from megatron_lc.config.documents import DocumentRanges
 from megatron_lc.device import BufferAccount, HostPool, StreamCheck
 from megatron_lc.memory.arena import Arena
 from megatron_lc.model.rope import RotaryEmbedding
+from megatron_lc.parallel.cp_balance import balanced_spans, zigzag_spans
 from tests.support.parity import block_parts, small_config
 
 
@@ -41,6 +44,11 @@ class RecordingRing:
         self.log.append(f"post {'kv' if tag == KV_TAG else 'dkv'}")
         return _Pending(self.log, t.clone())
 
+    def exchange(self, t, to, recv, frm, tag, op):
+        """The balanced layout's direct transfer (``ring_exchange.py``): the received rows come back as zeros."""
+        self.log.append(f"post {'kv' if tag == ring_exchange.KV_TAG else 'dkv'}")
+        return _Pending(self.log, None if recv is None else recv.zero_())
+
 
 class RecordingKernel(TorchCPUBackend):
     def __init__(self, log):
@@ -63,10 +71,14 @@ class RecordingKernel(TorchCPUBackend):
         return super().backward_rects(dout, q, k, v, out, lse, rects, scale, grads)
 
 
-@pytest.mark.parametrize("documents", [None, DocumentRanges(((0, 5, 16),))], ids=["causal", "rectangles"])
-def test_ring_posts_its_first_kv_before_the_diagonal_block(documents):
+DOCUMENTS = DocumentRanges(((0, 5, 16),))
+
+
+@pytest.mark.parametrize("cuts", [None, RingCuts(DOCUMENTS, None, zigzag_spans(16, 2)),
+                                  kv_plan(DOCUMENTS, None, balanced_spans(DOCUMENTS, 16, 2, None), 16)],
+                         ids=["causal", "rectangles", "balanced"])
+def test_ring_posts_its_first_kv_before_the_diagonal_block(cuts):
     q, k, v = (torch.randn(1, n, 8, 4) for n in (4, 2, 2))
-    cuts = None if documents is None else RingCuts(documents, None, 16, 2)
     log: list = []
     comm, kernel = RecordingRing(log), RecordingKernel(log)
     out, lse = ring_forward(q, k, v, comm, kernel, cuts=cuts)

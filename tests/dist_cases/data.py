@@ -51,7 +51,8 @@ def read_batches(rank, world, data_path, cache, layouts, steps):
                 full = {"sample_ids": ids}
                 for k in FIELDS:
                     v = b[k]
-                    full[k] = (v if k == "document_ids" else gather_sequence(v, layout, topo, cfg.data.seq_length))
+                    full[k] = (v if k == "document_ids" else gather_sequence(v, layout, topo, cfg.data.seq_length,
+                                                                                  b.get("documents")))
                 for i, sid in enumerate(ids):
                     rows[sid] = {k: full[k][i].numpy() for k in FIELDS}
             per_step.append(rows)
@@ -80,7 +81,7 @@ def record_full_batches(rank, world, data_path, cache, overrides):
         batches = original(consumed)
         rows = {}
         for b in batches:
-            tokens = gather_sequence(b["tokens"], layout, topo, cfg.data.seq_length)
+            tokens = gather_sequence(b["tokens"], layout, topo, cfg.data.seq_length, b.get("documents"))
             rows.update({int(s): tokens[i].numpy() for i, s in enumerate(b["sample_ids"].tolist())})
         seen.append(rows)
         return batches

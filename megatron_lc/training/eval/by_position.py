@@ -36,12 +36,14 @@ from ...parallel.topology import Axis, Topology
 log = logging.getLogger("megatron_lc")
 
 # ---- forward pieces ----------------------------------------------------------------------------------------------
-def gather_sequence(local: torch.Tensor, layout: Layout, topo: Topology, seq_length: int) -> torch.Tensor:
+def gather_sequence(local: torch.Tensor, layout: Layout, topo: Topology, seq_length: int,
+                    documents=None) -> torch.Tensor:
     """``[b, s_local]`` values of this rank's tokens (local order) -> ``[b, s]`` in global order, on every rank.
 
     The global positions of each rank's tokens travel with the values (one more all-gather, ``s`` integers), so the
-    reordering holds for every layout ``local_token_index`` knows (zigzag, contiguous, hybrid, FPDT strided)."""
-    idx = local_token_index(layout, topo, seq_length).to(local.device)
+    reordering holds for every layout ``local_token_index`` knows (zigzag, balanced from ``documents``,
+    contiguous, hybrid, FPDT strided)."""
+    idx = local_token_index(layout, topo, seq_length, documents).to(local.device)
     parts = all_gather(local.contiguous(), topo, Axis.CP, dim=1)  # [b, s], columns in cp-rank order
     order = all_gather(idx, topo, Axis.CP, dim=0)  # [s]: global position of each gathered column
     return torch.empty_like(parts).index_copy_(1, order, parts)
@@ -53,7 +55,7 @@ def token_losses_global(model, batch: dict, layout: Layout, topo: Topology) -> t
     local = shard_batch(batch, layout, topo)
     with torch.no_grad():
         loss = model(local["tokens"], local["position_ids"], local["labels"], local.get("documents"))
-    return gather_sequence(loss.float(), layout, topo, batch["tokens"].shape[1])
+    return gather_sequence(loss.float(), layout, topo, batch["tokens"].shape[1], batch.get("documents"))
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, topo: Topology, vocab_size: int) -> torch.Tensor:
@@ -84,7 +86,7 @@ def predict_tokens(model, batch: dict, positions: torch.Tensor, layout: Layout, 
     takes the vocab-parallel argmax over tp and the cp ranks combine by an all-reduce (max over -1 and the id).
     Ring cp=2, s=8, positions [[7, 2]]: rank 0 holds 7 and fills [[id, -1]], rank 1 holds 2 and fills [[-1, id]]."""
     local = shard_batch(batch, layout, topo)
-    idx = local_token_index(layout, topo, batch["tokens"].shape[1]).to(positions.device)
+    idx = local_token_index(layout, topo, batch["tokens"].shape[1], batch.get("documents")).to(positions.device)
     where = positions.unsqueeze(-1) == idx.view(1, 1, -1)  # [b, k, s_local]
     rows_b, rows_k = where.any(-1).nonzero(as_tuple=True)
     out = torch.full(positions.shape, -1, dtype=torch.long, device=positions.device)
