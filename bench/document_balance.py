@@ -1,21 +1,22 @@
-"""Per-rank attention work of ring attention's zigzag layout when packed documents do not attend to each other
-(``data.reset_attention_mask``), on the demo corpus: how far from balanced the cp ranks are.
+"""Ring attention under packed documents, zigzag vs the balanced layout, side by side in one run: how far the
+slowest cp rank's attention work is from the mean, and how many k/v bytes each layout moves against what the
+ranks' queries need.
 
-    python bench/document_balance.py [--seq 16384 65536] [--cp 2 4 8] [--samples 64]   # JSON on stdout
+    python bench/document_balance.py [--seeds 8] [--cases 1m-64k 8m-64k ...]    # JSON on stdout
 
-Without masks the zigzag layout gives every ring rank the same causal work (chunks r and 2R-1-r). With masks a
-query sees only the earlier tokens of its own document, so a rank whose chunks fall in short documents does less.
-Counted per sample (b = 1: every layer waits for the slowest rank), two ways:
+Each case is a sequence, a ring size and mock documents (``data/dataset.mock_document_ends``: lognormal lengths of
+the given length-weighted mean, the sample starting inside a document; ``long-tail``: one 512K document at a random
+place among documents of 1K-4K tokens), ``--seeds`` samples each. For both layouts (``parallel/cp_balance.py``:
+``zigzag_spans``, ``balanced_spans``) and every rank, with the functions the trainer calls:
 
-* ``visible``: the (query, key) pairs the masks let through -- the work of an ideal varlen kernel;
-* ``blocks``: the pairs of the blocks ``attention/ring.py`` computes -- a block of one ring step is computed whole
-  (dense, masked) when any of its queries shares a document with its keys, and skipped otherwise.
+* ``pairs``: the (query, key) pairs its attention runs (``rank_work``; the rectangles run exactly these);
+* ``received``: the k/v rows it receives in one layer's forward -- the zigzag ring passes every rank's k/v to every
+  other ((R-1) x s/R rows), the balanced layout only the rows of ``attention/kv_plan.KvPlan``;
+* ``needed``: the rows it does not hold that some query of it sees (the plan's rows for that layout).
 
-For each, ``max/mean`` over ranks (1.0 = balanced), its mean and worst over samples, and the fraction of the
-causal work that is left. Ulysses and FPDT split heads, not tokens: every rank attends the whole sequence for its
-heads, balanced whatever the documents. Also printed: the corpus' length-weighted mean document length, the value
-of ``data.mean_document_length`` for the estimator. The demo corpus (Python stdlib sources, SentencePiece 8000) is
-built under data/demo/ when missing (a few minutes), or pass ``--data-path`` and ``--eod``.
+Printed per case: slowest / mean rank pairs (mean and worst over seeds), received / needed bytes (the sum over
+ranks), the slowest rank's received rows in units of a rank's share (s/R), and the balanced layout's bytes as a
+fraction of the ring's. Goal (causal documents, no window): slowest / mean <= 1.05 and received / needed <= 1.10.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -30,108 +32,67 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from megatron_lc.attention.kv_plan import kv_plan  # noqa: E402
+from megatron_lc.config.documents import DocumentRanges  # noqa: E402
+from megatron_lc.data.dataset import mock_document_ends  # noqa: E402
+from megatron_lc.parallel.cp_balance import balanced_spans, rank_work, zigzag_spans  # noqa: E402
 
-def documents_of(tokens: np.ndarray, eod: int) -> np.ndarray:
-    """Document index of every token (the EOD belongs to the document it ends), as ``data/dataset.py`` does."""
-    is_eod = (tokens == eod).astype(np.int64)
-    return np.cumsum(is_eod) - is_eod
-
-
-def visible_per_token(doc: np.ndarray) -> np.ndarray:
-    """Keys each query sees: its position in its document + 1."""
-    pos = np.arange(len(doc))
-    starts = np.concatenate([[0], np.flatnonzero(np.diff(doc)) + 1])
-    return pos - starts[doc - doc[0]] + 1
+M, K = 1 << 20, 1 << 10
+CASES = {  # name: (sequence, ring size, length-weighted mean document length, or "long-tail")
+    "1m-64k": (M, 8, 64 * K), "1m-16k": (M, 8, 16 * K), "1m-2k": (M, 8, 2 * K), "4m-64k": (4 * M, 8, 64 * K),
+    "8m-64k": (8 * M, 32, 64 * K), "long-tail": (M, 8, "long-tail"),
+}
 
 
-def zigzag_chunks(s: int, R: int, r: int) -> tuple[slice, slice]:
-    c = s // (2 * R)
-    return slice(r * c, (r + 1) * c), slice((2 * R - 1 - r) * c, (2 * R - r) * c)
+def documents(s: int, mean, seed: int) -> DocumentRanges:
+    """One sample's documents (module doc)."""
+    rng = np.random.default_rng([seed, s])
+    if mean == "long-tail":
+        lengths = list(rng.integers(K, 4 * K + 1, s // (2 * K)))
+        at = int(rng.integers(0, len(lengths)))
+        lengths = lengths[:at] + [512 * K] + lengths[at:]
+        ends = np.cumsum(lengths)
+        ends = ends[ends < s]
+    else:
+        ends = mock_document_ends(rng, s, mean) + 1  # an EOD ends its document
+        ends = ends[ends < s]
+    return DocumentRanges(((0, *(int(e) for e in ends), s),))
 
 
-def ring_work(doc: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray]:
-    """(visible pairs, computed block pairs) of every ring rank for one sample (see module doc)."""
-    s = len(doc)
-    c = s // (2 * R)
-    vis = visible_per_token(doc)
-    visible, blocks = np.zeros(R), np.zeros(R)
-
-    def overlap(a: slice, b: slice) -> bool:
-        return doc[a].min() <= doc[b].max() and doc[b].min() <= doc[a].max()
-
-    for r in range(R):
-        f, b = zigzag_chunks(s, R, r)
-        visible[r] = vis[f].sum() + vis[b].sum()
-        work = (2 * c) * (2 * c + 1) / 2  # step 0: own chunks, causal on the local order
-        for j in range(R):
-            if j == r:
-                continue
-            fj, bj = zigzag_chunks(s, R, j)
-            if j < r:  # all queries x j's front keys
-                if overlap(f, fj) or overlap(b, fj):
-                    work += 2 * c * c
-            elif overlap(b, fj) or overlap(b, bj):  # back queries x all of j's keys
-                work += c * 2 * c
-        blocks[r] = work
-    return visible, blocks
+def layout_figures(docs: DocumentRanges, s: int, R: int, spans, ring: bool) -> dict:
+    pairs = np.array(rank_work(docs, s, spans, None), dtype=np.float64)
+    plan = kv_plan(docs, None, spans, s)
+    needed = np.array([plan.received_rows(r) for r in range(R)], dtype=np.float64)
+    received = np.full(R, (R - 1) * s // R, dtype=np.float64) if ring else needed
+    return {"pairs_max_over_mean": pairs.max() / pairs.mean(), "received_over_needed": received.sum() / needed.sum(),
+            "slowest_received_shares": received.max() / (s // R), "received": received.sum()}
 
 
-def summarize(ratios: list, left: list) -> dict:
-    return {"max_over_mean_mean": round(float(np.mean(ratios)), 4), "max_over_mean_worst": round(float(max(ratios)), 4),
-            "work_left_of_causal": round(float(np.mean(left)), 4)}
+def run_case(s: int, R: int, mean, seeds: int) -> dict:
+    rows = {"zigzag": [], "balanced": []}
+    t0 = time.perf_counter()
+    for seed in range(seeds):
+        docs = documents(s, mean, seed)
+        rows["zigzag"].append(layout_figures(docs, s, R, zigzag_spans(s, R), ring=True))
+        rows["balanced"].append(layout_figures(docs, s, R, balanced_spans(docs, s, R, None), ring=False))
+    out = {"seq": s, "cp": R, "mean_document_length": mean, "seeds": seeds,
+           "solver_and_plan_seconds_per_sample": round((time.perf_counter() - t0) / seeds / 2, 3)}
+    for name, rs in rows.items():
+        pm = [r["pairs_max_over_mean"] for r in rs]
+        out[name] = {"pairs_max_over_mean": round(float(np.mean(pm)), 4), "pairs_max_over_mean_worst": round(max(pm), 4),
+                     "received_over_needed": round(float(np.mean([r["received_over_needed"] for r in rs])), 4),
+                     "slowest_received_shares": round(float(np.mean([r["slowest_received_shares"] for r in rs])), 3)}
+    out["balanced_bytes_over_zigzag"] = round(float(np.mean([b["received"] / z["received"] for b, z in
+                                                             zip(rows["balanced"], rows["zigzag"])])), 4)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, nargs="+", default=[16384, 65536])
-    ap.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--samples", type=int, default=64)
-    ap.add_argument("--data-path", default=None, help=".bin/.idx prefix (default: the demo corpus)")
-    ap.add_argument("--eod", type=int, default=None, help="end-of-document id (default: the demo tokenizer's)")
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     args = ap.parse_args()
-
-    from megatron_lc.config import load_config
-    from megatron_lc.data import build_dataset
-    from megatron_lc.data.indexed import open_indexed
-
-    data_path, eod = args.data_path, args.eod
-    if data_path is None:
-        from megatron_lc.config.data import demo_files
-        from megatron_lc.data.demo import prepare_demo_data
-        from megatron_lc.data.tokenizer import SentencePieceTokenizer
-
-        data_path, tok_model = demo_files(8000)
-        prepare_demo_data(data_path, tok_model, 8000)
-        eod = SentencePieceTokenizer(tok_model).eod
-        tok = [f"data.tokenizer_model={tok_model}", "model.vocab_size=8000"]
-    elif eod is None:
-        sys.exit("--eod is required with --data-path")
-    else:  # the files' ids are below the end-of-document id (NullTokenizer's rule)
-        tok = ["data.tokenizer_type=NullTokenizer", f"data.vocab_size={eod}"]
-    indexed = open_indexed(data_path)
-    lengths = np.asarray(indexed.sequence_lengths, dtype=np.float64) + 1  # + EOD
-    out = {"data_path": data_path, "documents": len(lengths),
-           "mean_document_length": round(float(lengths.mean()), 1),
-           "length_weighted_mean_document_length": round(float((lengths ** 2).sum() / lengths.sum()), 1),
-           "rows": []}
-    for s in args.seq:  # the training split's first samples (megatron-core's GPTDataset, data/gpt.py)
-        cfg = load_config(None, tok + [f"data.data_path={data_path}", f"data.seq_length={s}", "train.seed=1234"])
-        ds = build_dataset(cfg, [args.samples, 0, 0]).train
-        docs = [documents_of(ds[k][:-1], eod) for k in range(args.samples)]
-        causal = s * (s + 1) / 2
-        for R in args.cp:
-            if s % (2 * R):
-                continue
-            vr, br, vl, bl = [], [], [], []
-            for doc in docs:
-                visible, blocks = ring_work(doc, R)
-                vr.append(visible.max() / visible.mean())
-                br.append(blocks.max() / blocks.mean())
-                vl.append(visible.sum() / causal)
-                bl.append(blocks.sum() / causal)
-            out["rows"].append({"seq": s, "cp": R, "samples": len(docs),
-                                "documents_per_sample": round(float(np.mean([d[-1] - d[0] + 1 for d in docs])), 2),
-                                "visible": summarize(vr, vl), "blocks": summarize(br, bl)})
+    out = {"cases": {name: run_case(*CASES[name], args.seeds) for name in args.cases}}
     print(json.dumps(out, indent=1))
 
 

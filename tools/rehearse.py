@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_lc.config import ConfigError, load_config, resolve_layout
     from megatron_lc.estimate import load_hardware
-    from megatron_lc.rehearsal.report import one_step_note, phase_lines, plot, summarize, summary_line
+    from megatron_lc.rehearsal.report import attention_line, one_step_note, phase_lines, plot, summarize, summary_line
     from megatron_lc.units import GIB
 
     try:
@@ -178,6 +178,8 @@ def main(argv=None) -> int:
         print("layer 0 attention sent per step by a rank: " + ", ".join(
             f"{k} {sent['rehearsed'].get(k, 0) / GIB:.2f} GiB (formula {sent['formula'][k] / GIB:.2f})"
             for k in ("fwd", "bwd")))
+    if attention_line(summary):
+        print(attention_line(summary))
     for line in phase_lines(summary):
         print(line)
     if args.steps < 2:

@@ -21,7 +21,11 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+from ..config import Layout
 from ..config.documents import DocumentRanges, union
+from ..parallel.cp_balance import rank_work
+from ..parallel.token_layout import local_token_index, ring_spans
+from ..parallel.topology import Topology
 from .ranges import block_rects, spans as laid_out
 
 
@@ -99,4 +103,48 @@ def kv_plan(documents: Optional[DocumentRanges], window: Optional[int], spans: t
     return documents.cached(("kv_plan", window, spans), lambda: KvPlan(documents, window, spans, seq_length))
 
 
-__all__ = ["KvPlan", "kv_plan"]
+def _joined(index) -> list:
+    """Positions -> ``[[start, end], ...]`` of their runs, in order."""
+    out = []
+    for t in index.tolist():
+        if out and out[-1][1] == t:
+            out[-1][1] += 1
+        else:
+            out.append([t, t + 1])
+    return out
+
+
+def cp_rank_figures(layout: Layout, documents: Optional[DocumentRanges], head_dim: int, element_bytes: int) -> list:
+    """Per cp rank, in cp-rank order, what the trainer's layout gives it for a micro-batch of ``documents``:
+    ``tokens`` (its global ranges in local order: ``token_layout.local_token_index``), ``pairs`` (the (query, key)
+    pairs its attention runs for each of its heads: its ring rank's queries, the whole sequence under Ulysses /
+    FPDT) and ``kv_received_bytes_per_layer`` (the k/v its ring attention receives in one layer's forward: the
+    plan's rows under the balanced layout, every other ring rank's tokens under the zigzag, 0 without a ring), each
+    the mean over the layers' windows. ``documents`` None: one causal sequence a row (``layout.micro_batch_size``
+    rows)."""
+    s, R, U = layout.seq_length, layout.ring, layout.ulysses
+    rows = documents.rows if documents is not None else layout.micro_batch_size
+    kv_heads = layout.kv_heads * layout.kv_replication // U  # per rank after the Ulysses head scatter
+    row_bytes = 2 * rows * kv_heads * head_dim * element_bytes
+    balanced = layout.cp_layout == "balanced"
+    spans = ring_spans(balanced, layout.balance_window, documents, s, R)
+    windows = layout.windows or (None,)
+    pairs, received = [0.0] * R, [0.0] * R
+    for w in windows:
+        for r, n in enumerate(rank_work(documents, s, spans, w)):
+            pairs[r] += n / len(windows)
+        if R > 1 and balanced:
+            plan = kv_plan(documents, w, spans, s)
+            for r in range(R):
+                received[r] += plan.received_rows(r) * row_bytes / len(windows)
+        elif R > 1:
+            received = [(R - 1) * (s // R) * row_bytes] * R
+    out = []
+    for c in range(layout.cp):
+        topo = Topology(world_size=layout.cp, rank=c, cp=layout.cp, ulysses=U)
+        out.append({"tokens": _joined(local_token_index(layout, topo, s, documents)), "pairs": int(pairs[c // U]),
+                    "kv_received_bytes_per_layer": int(received[c // U])})
+    return out
+
+
+__all__ = ["KvPlan", "cp_rank_figures", "kv_plan"]

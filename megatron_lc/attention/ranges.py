@@ -140,6 +140,18 @@ def block_rects(documents: Optional[DocumentRanges], window: Optional[int], q_sp
         r for row, cu in enumerate(documents.cu) for r in _rects(cu, row, window, q_spans, k_spans)))
 
 
+def rect_pairs(rects, rows: int) -> int:
+    """The (query, key) pairs ``rects`` run for each head (``rows``: the batch's, for rectangles of every row):
+    FULL ``m x n``, CAUSAL and ANTI squares ``m (m + 1) / 2``; kept with the rectangles."""
+    if rects is None:
+        return 0
+    key = ("pairs", rows)
+    if key not in rects.packed:
+        rects.packed[key] = sum((r.q1 - r.q0) * (r.k1 - r.k0 if r.kind == FULL else r.q1 - r.q0 + 1)
+                                // (1 if r.kind == FULL else 2) * (rows if r.row is None else 1) for r in rects)
+    return rects.packed[key]
+
+
 def _joined(sp: tuple) -> tuple:
     """Spans with the ones that continue each other (globally and locally) joined: fewer, larger rectangles."""
     out = []
@@ -162,4 +174,4 @@ def spans(globals_: list, local_start: int = 0) -> tuple:
     return tuple(out)
 
 
-__all__ = ["ANTI", "CAUSAL", "FULL", "Rect", "Rects", "block_rects", "spans"]
+__all__ = ["ANTI", "CAUSAL", "FULL", "Rect", "Rects", "block_rects", "rect_pairs", "spans"]

@@ -51,7 +51,7 @@ from .backends import Kernels
 from .core import CoreAttention, to_bnsd, to_sbnd
 from .merge import merge
 from .kv_plan import KvPlan, kv_plan
-from .ranges import block_rects, spans as laid_out
+from .ranges import block_rects, rect_pairs, spans as laid_out
 from .ring_exchange import exchange_backward, exchange_forward
 
 KV_TAG, DKV_TAG = 11, 12  # distinct p2p tags: k/v and dk/dv transfers between the same two ranks overlap
@@ -140,6 +140,8 @@ def ring_forward(q, k, v, comm: RingComm, backend, scale: Optional[float] = None
         return _ring_forward_rects(q, k, v, comm, backend, scale, cuts)
     R, r = comm.size, comm.rank
     c = q.shape[2] // 2
+    n = q.shape[2]
+    comm.topo.comm.add_pairs(q.shape[0] * (n * (n + 1) // 2 + (R - 1) * 2 * c * c))  # the diagonal, R-1 half blocks
     pending = _post_own_kv(k, v, comm, "p2p_fwd")  # in flight during the diagonal block
     out, lse = backend.forward(q, k, v, True, scale)  # step 0: own k/v, causal on the local order
     out, lse = out.float(), lse.float()
@@ -167,6 +169,7 @@ def _ring_forward_rects(q, k, v, comm: RingComm, backend, scale, cuts: RingCuts)
     """``ring_forward`` over the blocks' rectangles, merged in place into one pair of fp32 accumulators."""
     R, r = comm.size, comm.rank
     pending = _post_own_kv(k, v, comm, "p2p_fwd")  # in flight during the diagonal block
+    comm.topo.comm.add_pairs(sum(rect_pairs(cuts.rects(r, j), q.shape[0]) for j in range(R)))
     acc = backend.forward_rects(q, k, v, cuts.rects(r, r), scale)
     if R == 1:
         return acc

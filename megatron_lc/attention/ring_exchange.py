@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from .kv_plan import KvPlan
+from .ranges import rect_pairs
 
 KV_TAG, DKV_TAG = 13, 14  # distinct from the zigzag ring's tags
 
@@ -70,6 +71,8 @@ def exchange_forward(q, k, v, comm, backend, scale, plan: KvPlan):
     steps = _Steps(plan, comm, k)
     R, r = steps.R, steps.r
     pending = steps.post_kv(1, k, v, "p2p_fwd") if R > 1 else None  # in flight during the diagonal block
+    comm.topo.comm.add_pairs(rect_pairs(plan.own_rects(r), q.shape[0])
+                             + sum(rect_pairs(plan.recv_rects(r, j), q.shape[0]) for j in range(R) if j != r))
     acc = backend.forward_rects(q, k, v, plan.own_rects(r), scale)
     for i in range(1, R):
         kv = pending.wait()

@@ -8,12 +8,15 @@ from typing import Optional
 
 class CommStats:
     """Bytes sent, keyed by (tag, op). ``tag`` is set by the caller (e.g. the layer name). Point-to-point transfers
-    also count what they receive (``received``): in a sparse exchange the two differ by rank."""
+    also count what they receive (``received``): in a sparse exchange the two differ by rank. Beside the traffic,
+    ``pairs``: the (query, key) pairs the core attention of each tag ran for each head (forward calls, recomputes
+    included) -- the compute a layout balances."""
 
     def __init__(self) -> None:
         self.bytes: dict = defaultdict(int)
         self.calls: dict = defaultdict(int)
         self.received: dict = defaultdict(int)
+        self.pairs: dict = defaultdict(int)
         self._tag = "untagged"
 
     @contextlib.contextmanager
@@ -31,6 +34,9 @@ class CommStats:
     def add_received(self, op: str, nbytes: float) -> None:
         self.received[(self._tag, op)] += int(nbytes)
 
+    def add_pairs(self, n: int) -> None:
+        self.pairs[self._tag] += int(n)
+
     def total(self, tag: Optional[str] = None, op: Optional[str] = None) -> int:
         return sum(v for (t, o), v in self.bytes.items() if (tag is None or t == tag) and (op is None or o == op))
 
@@ -38,3 +44,4 @@ class CommStats:
         self.bytes.clear()
         self.calls.clear()
         self.received.clear()
+        self.pairs.clear()

@@ -19,11 +19,16 @@ step instead, and the steady-state figure after it::
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..attention.cp_bytes import cp_attention_bytes
+from ..attention.kv_plan import cp_rank_figures
 from ..config import Config, resolve_execution, resolve_layout
+from ..data import build_dataset, make_batch, microbatch_sample_ids
 from ..estimate import estimate
+from ..parallel.topology import Topology
 from ..units import GIB
 from .moments import phase
 
@@ -57,7 +62,8 @@ def summarize(cfg: Config, hw, world: int, ranks: dict, steps: int = 2) -> dict:
             "violations": sum(len(r.get("violations", [])) for r in ranks.values()),
             "stopped": {k: r["stopped"] for k, r in ranks.items() if r.get("stopped")},
             "phases": phase_figures(ranks, est.memory), "job": next(iter(ranks.values())).get("job", []),
-            "layer0_attention_bytes": attention_bytes(cfg, world, ranks)}
+            "layer0_attention_bytes": attention_bytes(cfg, world, ranks),
+            "attention_balance": attention_balance(cfg, world, ranks, steps)}
 
 
 PERSISTENT = ("parameters", "gradients", "optimizer states (+ master weights)", "autocast bf16 weight copies",
@@ -119,6 +125,56 @@ def attention_bytes(cfg: Config, world: int, ranks: dict) -> dict:
                 phase = "bwd" if op.endswith("bwd") else "fwd"
                 seen[phase] = max(seen.get(phase, 0), n)
     return {"rehearsed": seen, "formula": formula}
+
+
+def attention_balance(cfg: Config, world: int, ranks: dict, steps: int) -> dict:
+    """Per rehearsed rank, one layer's attention in the last step: the (query, key) pairs it ran and the k/v bytes
+    its ring attention received in forward (the step's counts over layers x micro-batches), beside what
+    ``tools/cp_layout.py`` prints for the same micro-batches (``kv_plan.cp_rank_figures``: the mean over them), and
+    the slowest / mean rank of both over the rehearsed ranks (``{}`` for a rehearsal that counted none)."""
+    if not all("attention" in r for r in ranks.values()):
+        return {}
+    layout = resolve_layout(cfg, world)
+    elem = resolve_execution(cfg, torch.device("cuda")).compute_dtype.itemsize
+    cfg = copy.deepcopy(cfg)
+    cfg.data.mock_data = True  # the rehearsal's data (rank.rehearsal_config)
+    gbs, mbs, n = layout.global_batch_size, layout.micro_batch_size, layout.num_micro_batches
+    data = build_dataset(cfg, [steps * gbs, 0, 0]).train
+    per, printed = {}, {}
+    for k, r in ranks.items():
+        topo = Topology(world_size=world, rank=k, tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, dp=layout.dp)
+        if topo.dp_rank not in printed:  # the layout command's figures of this dp rank's micro-batches, averaged
+            figs = [cp_rank_figures(layout, make_batch(data, [(steps - 1) * gbs + i for i in microbatch_sample_ids(
+                m, gbs, mbs, layout.dp, topo.dp_rank)], cfg.data).get("documents"), cfg.model.kv_channels, elem)
+                for m in range(n)]
+            printed[topo.dp_rank] = [{key: sum(f[c][key] for f in figs) / n for key in
+                                      ("pairs", "kv_received_bytes_per_layer")} for c in range(layout.cp)]
+        calls = cfg.model.num_layers * n
+        a = r["attention"]
+        per[k] = {"pairs": a["pairs_per_step"] / calls,
+                  "kv_received_bytes_per_layer": a["kv_received_bytes_per_step"]["p2p_fwd"] / calls,
+                  "layout_command": printed[topo.dp_rank][topo.cp_rank]}
+    out = {"ranks": per}
+    for key in ("pairs", "kv_received_bytes_per_layer"):
+        vals = [p[key] for p in per.values()]
+        mean = sum(vals) / len(vals)
+        out[f"{key}_slowest_over_mean"] = max(vals) / mean if mean else None
+        want = [p["layout_command"][key] for p in per.values()]
+        out[f"{key}_difference"] = max((abs(v - w) / w for v, w in zip(vals, want) if w), default=0.0)
+    return out
+
+
+def attention_line(s: dict) -> str:
+    """``attention (layer mean, last step): pairs slowest/mean 1.000, kv received slowest/mean 1.76; beside
+    tools/cp_layout.py: pairs +0.0%, kv received +0.0%`` (over the rehearsed ranks)."""
+    a = s.get("attention_balance") or {}
+    if not a:
+        return ""
+    fmt = (lambda v: "-" if v is None else f"{v:.3f}")
+    return (f"attention (layer mean, last step, rehearsed ranks {', '.join(map(str, a['ranks']))}): pairs "
+            f"slowest/mean {fmt(a['pairs_slowest_over_mean'])}, kv received slowest/mean "
+            f"{fmt(a['kv_received_bytes_per_layer_slowest_over_mean'])}; largest difference from tools/cp_layout.py: "
+            f"pairs {100 * a['pairs_difference']:.1f}%, kv received {100 * a['kv_received_bytes_per_layer_difference']:.1f}%")
 
 
 def summary_line(s: dict) -> str:

@@ -1,7 +1,8 @@
 """Packed documents (``data.reset_position_ids / reset_attention_mask / eod_mask_loss``): on every attention path
 and memory technique the packed batch gives the loss and gradients of the plain model run on each document alone
 (tolerances: tests/support/parity.py), with documents that straddle chunk and rank boundaries, a one-token document, a
-sample that is one document on every rank, and an all-padding micro-batch; the masks change the loss; and five
+sample that is one document on every rank, and an all-padding micro-batch (the ring and the hybrid on both layouts,
+``parallel.cp_layout`` balanced -- the default -- and zigzag); the masks change the loss; and five
 training steps with masks under ring cp=2 give the cp=1 losses."""
 import pytest
 import torch
@@ -33,6 +34,7 @@ CASES = {
         (MEMO, 1), (["memory.mst=true", "memory.mst_mlp_chunk_size=8", "memory.mst_head_chunks=4"], 1),
         (["memory.activation_offload=checkpoints", "memory.layer_chunk_size=8"], 1)],
     2: [(["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p"], 1),
+        (["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p", "parallel.cp_layout=zigzag"], 1),
         (["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p", "memory.recompute_granularity=full"], 1),
         (["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p"] + MEMO, 1),
         (["parallel.context_parallel_size=2", "parallel.cp_comm_type=p2p", "memory.activation_offload=checkpoints"], 1),
@@ -41,8 +43,11 @@ CASES = {
         (FPDT + ["memory.fpdt_offload=true", "memory.recompute_granularity=full"], 1),
         (["parallel.sequence_parallel=true"], 2)],
     4: [(["parallel.context_parallel_size=4", "parallel.cp_comm_type=p2p"], 1),
+        (["parallel.context_parallel_size=4", "parallel.cp_comm_type=p2p", "parallel.cp_layout=zigzag"], 1),
         (["parallel.context_parallel_size=4", "parallel.cp_comm_type=a2a", "model.num_query_groups=2"], 1),
         (["parallel.context_parallel_size=4", "parallel.cp_comm_type=a2a+p2p", "parallel.ulysses_size=2"], 1),
+        (["parallel.context_parallel_size=4", "parallel.cp_comm_type=a2a+p2p", "parallel.ulysses_size=2",
+          "parallel.cp_layout=zigzag"], 1),
         (FPDT + ["memory.fpdt_chunk_size=4", "memory.fpdt_offload=true"] + MEMO, 2)],
 }
 

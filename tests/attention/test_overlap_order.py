@@ -20,6 +20,7 @@ from megatron_lc.device import BufferAccount, HostPool, StreamCheck
 from megatron_lc.memory.arena import Arena
 from megatron_lc.model.rope import RotaryEmbedding
 from megatron_lc.parallel.cp_balance import balanced_spans, zigzag_spans
+from megatron_lc.parallel.topology import Topology
 from tests.support.parity import block_parts, small_config
 
 
@@ -39,6 +40,7 @@ class RecordingRing:
 
     def __init__(self, log):
         self.log = log
+        self.topo = Topology()  # its byte and work counters
 
     def send_recv(self, t, tag, op):
         self.log.append(f"post {'kv' if tag == KV_TAG else 'dkv'}")

@@ -68,6 +68,8 @@ FEATURES = {
                                     "model.post_mlp_layernorm=true", "model.swiglu=false",
                                     "model.gated_linear_unit=true", "model.scale_embeddings=true",
                                     "model.softmax_scale=0.2", "model.rope_local_base_freq=1000"]),
+    # the ring's zigzag layout instead of the balanced one (with documents: only in the triples below)
+    "zigzag": ("parallel.cp_layout", ["parallel.cp_layout=zigzag"]),
     # mock packed documents (only in the triples below)
     "docs": ("data.reset_attention_mask", ["data.reset_position_ids=true", "data.reset_attention_mask=true",
                                            "data.eod_mask_loss=true", "data.mean_document_length=24"]),
@@ -92,6 +94,10 @@ TRIPLES = [("tp2+sp", "ring", "mst", "memo"), ("tp2", "ulysses", "mst", "memo-au
 TRIPLES += [("docs", "window", "ring"), ("docs", "hybrid", "memo"), ("docs", "window", "fpdt+offload", "full"),
             ("docs", "tp2+sp", "ulysses", "mst"), ("docs", "ckpt-chunks", "ring"),
             ("docs", "window", "fpdt+offload", "ckpt-chunks", "ckpt-segments")]
+# the balanced ring layout (the default) with documents under the sharded states and the memory techniques; the zigzag
+TRIPLES += [("docs", "ring", "fsdp", "mst"), ("docs", "tp2+sp", "ring", "memo", "zero1"),
+            ("docs", "ring", "ckpt-offload", "accum"), ("docs", "window", "hybrid", "mst", "fsdp"),
+            ("docs", "ring", "zigzag"), ("docs", "window", "hybrid", "zigzag")]
 TRIPLES += [("arch", "window", "docs", "hybrid"), ("arch", "tp2+sp", "ring", "mst", "memo"),
             ("arch", "window", "fpdt+offload", "fsdp")]
 
@@ -99,7 +105,7 @@ TRIPLES += [("arch", "window", "docs", "hybrid"), ("arch", "tp2+sp", "ring", "ms
 def cases() -> list[tuple]:
     """Every compatible pair of features (documents only in the triples), then the triples (tuples of names)."""
     pairs = [p for p in itertools.combinations(FEATURES, 2)
-             if "docs" not in p and not any(set(p) <= g for g in EXCLUSIVE)]
+             if "docs" not in p and "zigzag" not in p and not any(set(p) <= g for g in EXCLUSIVE)]
     return pairs + TRIPLES
 
 

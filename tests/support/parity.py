@@ -82,7 +82,7 @@ def plain_config(cfg: Config) -> Config:
 
     ref_cfg = copy.deepcopy(cfg)
     ref_cfg.parallel.tensor_model_parallel_size = ref_cfg.parallel.context_parallel_size = 1
-    ref_cfg.parallel.ulysses_size, ref_cfg.parallel.cp_comm_type = 1, "p2p"
+    ref_cfg.parallel.ulysses_size, ref_cfg.parallel.cp_comm_type, ref_cfg.parallel.cp_layout = 1, "p2p", "auto"
     ref_cfg.parallel.sequence_parallel = False
     for k, v in {"mst": False, "recompute_granularity": "none", "activation_offload": "none", "plan": "off",
                  "layer_chunk_size": None, "checkpoint_every": 1}.items():
