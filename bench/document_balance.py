@@ -4,8 +4,9 @@ ranks' queries need.
 
     python bench/document_balance.py [--seeds 8] [--cases 1m-64k 8m-64k ...]    # JSON on stdout
 
-Each case is a sequence, a ring size and mock documents (``data/dataset.mock_document_ends``: lognormal lengths of
-the given length-weighted mean, the sample starting inside a document; ``long-tail``: one 512K document at a random
+Each case is a sequence, a ring size and mock documents (``estimate/ring_balance.mock_documents``, the mock data's
+lognormal lengths of the given length-weighted mean, the sample starting inside a document: what the estimator
+lays out; ``long-tail``: one 512K document at a random
 place among documents of 1K-4K tokens), ``--seeds`` samples each. For both layouts (``parallel/cp_balance.py``:
 ``zigzag_spans``, ``balanced_spans``) and every rank, with the functions the trainer calls:
 
@@ -34,7 +35,7 @@ if ROOT not in sys.path:
 
 from megatron_lc.attention.kv_plan import kv_plan  # noqa: E402
 from megatron_lc.config.documents import DocumentRanges  # noqa: E402
-from megatron_lc.data.dataset import mock_document_ends  # noqa: E402
+from megatron_lc.estimate.ring_balance import mock_documents  # noqa: E402
 from megatron_lc.parallel.cp_balance import balanced_spans, rank_work, zigzag_spans  # noqa: E402
 
 M, K = 1 << 20, 1 << 10
@@ -46,17 +47,14 @@ CASES = {  # name: (sequence, ring size, length-weighted mean document length, o
 
 def documents(s: int, mean, seed: int) -> DocumentRanges:
     """One sample's documents (module doc)."""
+    if mean != "long-tail":
+        return mock_documents(s, mean, seed)  # what the estimator lays out
     rng = np.random.default_rng([seed, s])
-    if mean == "long-tail":
-        lengths = list(rng.integers(K, 4 * K + 1, s // (2 * K)))
-        at = int(rng.integers(0, len(lengths)))
-        lengths = lengths[:at] + [512 * K] + lengths[at:]
-        ends = np.cumsum(lengths)
-        ends = ends[ends < s]
-    else:
-        ends = mock_document_ends(rng, s, mean) + 1  # an EOD ends its document
-        ends = ends[ends < s]
-    return DocumentRanges(((0, *(int(e) for e in ends), s),))
+    lengths = list(rng.integers(K, 4 * K + 1, s // (2 * K)))
+    at = int(rng.integers(0, len(lengths)))
+    lengths = lengths[:at] + [512 * K] + lengths[at:]
+    ends = np.cumsum(lengths)
+    return DocumentRanges(((0, *(int(e) for e in ends[ends < s]), s),))
 
 
 def layout_figures(docs: DocumentRanges, s: int, R: int, spans, ring: bool) -> dict:

@@ -130,15 +130,17 @@ def cp_rank_figures(layout: Layout, documents: Optional[DocumentRanges], head_di
     spans = ring_spans(balanced, layout.balance_window, documents, s, R)
     windows = layout.windows or (None,)
     pairs, received = [0.0] * R, [0.0] * R
-    for w in windows:
+    for w in set(windows):  # each distinct window once, weighted by its layers
+        share = windows.count(w) / len(windows)
         for r, n in enumerate(rank_work(documents, s, spans, w)):
-            pairs[r] += n / len(windows)
-        if R > 1 and balanced:
+            pairs[r] += n * share
+        if R > 1 and balanced and (documents is not None or w is not None):
             plan = kv_plan(documents, w, spans, s)
             for r in range(R):
-                received[r] += plan.received_rows(r) * row_bytes / len(windows)
-        elif R > 1:
-            received = [(R - 1) * (s // R) * row_bytes] * R
+                received[r] += plan.received_rows(r) * row_bytes * share
+        elif R > 1:  # the ring: every other ring rank's tokens (the balanced layout without documents or window too)
+            for r in range(R):
+                received[r] += (R - 1) * (s // R) * row_bytes * share
     out = []
     for c in range(layout.cp):
         topo = Topology(world_size=layout.cp, rank=c, cp=layout.cp, ulysses=U)

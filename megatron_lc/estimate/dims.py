@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -54,6 +55,8 @@ class Dims:
     fpdt_chunks: int = 1  # u, FPDT's chunks per rank (the layout's)
     doc_length: int = 0  # document masks: the length-weighted mean document length (data.mean_document_length); 0: s
     windows: tuple = ()  # each layer's causal sliding window in tokens (None: full attention; the layout's)
+    cp_layout: str = "zigzag"  # the ring ranks' tokens: zigzag or balanced (the layout's, parallel.cp_layout)
+    balance_window: Optional[int] = None  # the window the balanced layout weighs tokens by (Layout.balance_window)
     qkv_bias: bool = False  # a bias on the QKV projection (model.add_qkv_bias, or every linear's)
     qk_norm: bool = False  # per-head norms of q and k (model.qk_layernorm)
     post_attn_norm: bool = False  # a norm on the attention block's output (model.post_self_attn_layernorm)
@@ -76,7 +79,8 @@ class Dims:
                    compute_bytes=ex.compute_dtype.itemsize, residual_bytes=ex.residual_dtype.itemsize,
                    micro_batches=layout.num_micro_batches, fpdt_chunks=layout.fpdt_chunks,
                    doc_length=(cfg.data.mean_document_length or 0) if cfg.data.reset_attention_mask else 0,
-                   windows=layout.windows, qkv_bias=m.add_qkv_bias or m.add_bias_linear, qk_norm=m.qk_layernorm,
+                   windows=layout.windows, cp_layout=layout.cp_layout, balance_window=layout.balance_window,
+                   qkv_bias=m.add_qkv_bias or m.add_bias_linear, qk_norm=m.qk_layernorm,
                    post_attn_norm=m.post_self_attn_layernorm, post_mlp_norm=m.post_mlp_layernorm)
 
     # ---- per-rank sizes ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from ..planning.planner import plan_trace
 from ..planning.trace import Trace
 from ..units import GIB
 from .layout_search import Candidate, config_overrides
+from .ring_balance import ring_balance
 from .time_estimate import call_weights
 
 
@@ -42,7 +43,8 @@ def layout_line(est: Estimate) -> str:
 def estimate_table(est: Estimate) -> str:
     """Memory by part, the peak moments, fit / OOM / out-of-host-memory, time by part, step time, TGS, MFU."""
     mem, tm = est.memory, est.time
-    lines = [layout_line(est), "", "memory per GPU (persistent parts, then the peak moments)"]
+    lines = [layout_line(est)] + ([balance_line(est.dims)] if est.dims.ranges and ring_balance(est.dims) else [])
+    lines += ["", "memory per GPU (persistent parts, then the peak moments)"]
     for k, v in mem.parts.items():
         if v:
             lines.append(f"  {k:34s} {_gib(v)}")
@@ -65,6 +67,18 @@ def estimate_table(est: Estimate) -> str:
     for n in mem.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)
+
+
+def balance_line(dims) -> str:
+    """How evenly the ring's layout spreads the attention under documents / windows (``ring_balance.py``):
+    ``ring of 8, balanced layout: slowest / mean rank attention 1.00; k/v received by the slowest rank 156,127 rows
+    a layer, the zigzag ring's 917,504 (mock documents of a 65,536-token mean)``."""
+    b = ring_balance(dims)
+    docs = f"mock documents of a {dims.doc_length:,}-token mean" if dims.doc_length else "one document a row"
+    wins = sorted({w for w in dims.windows if w is not None})
+    return (f"ring of {dims.cp // (dims.ulysses if dims.uses_a2a else 1)}, {dims.cp_layout} layout: slowest / mean "
+            f"rank attention {b.imbalance:.2f}; k/v received by the slowest rank {b.rows:,.0f} rows a layer, the "
+            f"zigzag ring's {b.ring_rows:,} ({docs}" + (f", windows {wins}" if wins else "") + ")")
 
 
 def efficiency_sources(tm) -> str:

@@ -121,7 +121,7 @@ def rank_work(documents: Optional[DocumentRanges], seq_length: int, spans: Spans
     """The (query, key) pairs each ring rank's attention runs under ``spans`` (``token_work`` summed over its
     tokens)."""
     docs = documents if documents is not None else DocumentRanges(((0, seq_length),))
-    csum = np.concatenate([[0], np.cumsum(docs.token_work(window))])
+    csum = docs.cached(("work_prefix", window), lambda: np.concatenate([[0], np.cumsum(docs.token_work(window))]))
     return [int(sum(csum[b] - csum[a] for a, b in rank)) for rank in spans]
 
 

@@ -161,12 +161,13 @@ LAYERS = [
 # Inside a folder its subfolders are layers too, below or above the folder's own files ("*": every other module of
 # the folder). training/: the errors that end a run and a step's micro-batches <- checkpointing/ | eval/ <- the rest.
 # planning/: the trace format <- capture/ | solver/ <- the planner, the plan and the runtime that applies it.
-# estimate/: the sizes and the hardware <- the inventory <- the kernels' formulas <- the layers' <- terms/ (one per
+# estimate/: the sizes and the hardware <- the inventory, the ring's balance <- the kernels' formulas <- the layers' <- terms/ (one per
 # technique) <- the estimates, the search.
 SUBLAYERS = {
     "training": [{"errors", "batches"}, {"checkpointing", "eval"}, {"*"}],
     "planning": [{"trace"}, {"capture", "solver"}, {"*"}],
-    "estimate": [{"dims", "hardware"}, {"inventory"}, {"flops", "states", "attention_kernels"}, {"transient"},
+    "estimate": [{"dims", "hardware"}, {"inventory", "ring_balance"}, {"flops", "states", "attention_kernels"},
+                 {"transient"},
                  {"terms"}, {"*"}],
 }
 
