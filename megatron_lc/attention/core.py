@@ -15,7 +15,7 @@ The pair lets a layer keep the attention output and lse instead of recomputing a
 rematerialization-aware checkpointing; Memo keeps them whole). Implementations:
 
     LocalCausalAttention   cp == 1, one kernel call                                     (local.py)
-    RingAttention          ring over ``Axis.RING``, zigzag layout, blocks merged by lse (ring.py)
+    RingAttention          ring over ``Axis.RING``, zigzag or balanced layout, blocks merged by lse (ring.py)
     UlyssesAttention       all-to-all over ``Axis.ULYSSES`` around an inner core attention: local (a2a) or
                            ring (a2a+p2p, the hybrid)                                   (ulysses.py)
 

@@ -32,7 +32,9 @@ each ring rank's two zigzag chunks are its spans of global positions), run witho
 the variable-length kernel on CUDA) and merged into the same fp32 accumulators; a block without rectangles is
 skipped (forward) or passes the travelling dk/dv accumulator on unchanged (backward). With a window smaller than a
 chunk most off-diagonal blocks are skipped, so the work is O(s * W). The k/v still travel the whole ring (the
-byte counts above do not change).
+byte counts above do not change) -- unless the ranks hold the balanced layout (``parallel.cp_layout: balanced``,
+``RingAttention(balanced=True)``): then its ``KvPlan`` (``kv_plan.py``) replaces ``RingCuts`` and each rank receives
+only the rows its queries see, straight from their owner (``ring_exchange.py``).
 """
 from __future__ import annotations
 
