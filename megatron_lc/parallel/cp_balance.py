@@ -11,9 +11,10 @@ sits changes only the traffic: a document kept on one rank moves none of its k/v
 **The solver** (O(s) numpy, no search):
 
 1. The documents (with several batch rows: the pieces between any row's boundaries) are ordered by work per token,
-   heaviest first, ties by position; each document's tokens in head-tail order ``a, b-1, a+1, b-2, ...``. Every
-   pair ``(a+k, b-1-k)`` of a causal document runs ``L + 1`` pairs, so any run of that order has the document's
-   mean work per token. This concatenation is the *material*.
+   heaviest first, ties by position; a document longer than a rank's share ``s/R`` in head-tail order ``a, b-1,
+   a+1, b-2, ...`` (every pair ``(a+k, b-1-k)`` of a causal document runs ``L + 1`` pairs, so any run of that order
+   has the document's mean work per token), a shorter one in its own order (cut once, it leaves two contiguous
+   pieces: fewer rectangles). This concatenation is the *material*.
 2. Rank ``r`` in turn takes ``h`` tokens from the heavy end of the material left and ``s/R - h`` from the light end,
    ``h`` chosen so that its work is closest to the mean of what is left per rank left (ties: the larger ``h``).
    The heavy end splits the long documents head-and-tail over consecutive ranks; the light end hands the short
@@ -23,8 +24,8 @@ sits changes only the traffic: a document kept on one rank moves none of its k/v
 One causal document (no masks) is the zigzag: every ``h`` gives the same work, the largest is taken, and rank ``r``
 gets chunks ``r`` and ``2R-1-r``. Example, 16 tokens in documents of 10, 3 and 3 tokens (work 55, 6, 6), R = 2::
 
-    material   doc 0 head-tail: 0 9 1 8 2 7 3 6 4 5 | doc 1: 10 12 11 | doc 2: 13 15 14
-    rank 0     h = 5 (0 9 1 8 2: 25 pairs) + 3 light (13 15 14: 6 pairs) -> spans (0, 3) (8, 10) (13, 16), 31 pairs
+    material   doc 0 (10 > 8 tokens) head-tail: 0 9 1 8 2 7 3 6 4 5 | doc 1: 10 11 12 | doc 2: 13 14 15
+    rank 0     h = 5 (0 9 1 8 2: 25 pairs) + 3 light (13 14 15: 6 pairs) -> spans (0, 3) (8, 10) (13, 16), 31 pairs
     rank 1     the rest: (3, 8) (10, 13), 36 pairs         (target 33.5; the zigzag: 19 and 48 pairs, 1.43x the mean)
 
 (single tokens: h = 6 would give 38; at full scale a token's work is far below a rank's, and
@@ -56,8 +57,9 @@ def _pieces(documents: DocumentRanges) -> np.ndarray:
     return np.unique(np.concatenate([np.asarray(c, dtype=np.int64) for c in documents.cu]))
 
 
-def _material(cuts: np.ndarray, work: np.ndarray) -> np.ndarray:
-    """The tokens in material order (module doc, step 1)."""
+def _material(cuts: np.ndarray, work: np.ndarray, share: int) -> np.ndarray:
+    """The tokens in material order (module doc, step 1): documents longer than a rank's ``share`` head-tail,
+    the others in their own order (one cut leaves two contiguous pieces: fewer rectangles)."""
     starts, ends = cuts[:-1], cuts[1:]
     csum = np.concatenate([[0], np.cumsum(work)])
     density = (csum[ends] - csum[starts]) / (ends - starts)
@@ -66,8 +68,11 @@ def _material(cuts: np.ndarray, work: np.ndarray) -> np.ndarray:
     for k in order:
         a, b = int(starts[k]), int(ends[k])
         n = b - a
-        out[at:at + n:2] = a + np.arange((n + 1) // 2)  # head
-        out[at + 1:at + n:2] = b - 1 - np.arange(n // 2)  # tail
+        if n <= share:
+            out[at:at + n] = np.arange(a, b)
+        else:
+            out[at:at + n:2] = a + np.arange((n + 1) // 2)  # head
+            out[at + 1:at + n:2] = b - 1 - np.arange(n // 2)  # tail
         at += n
     return out
 
@@ -84,7 +89,7 @@ def solve(work: np.ndarray, cuts: np.ndarray, R: int) -> Spans:
     """Each ring rank's spans for per-token ``work`` over pieces ``cuts`` (module doc, steps 1-3)."""
     s = len(work)
     T = s // R
-    order = _material(cuts, work)
+    order = _material(cuts, work, T)
     prefix = np.concatenate([[0], np.cumsum(work[order])])
     heavy, light, out = 0, s, []
     for r in range(R):
