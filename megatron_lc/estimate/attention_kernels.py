@@ -130,8 +130,8 @@ def _ring_backward_rects(dims: Dims, Q: float, KV: float, R: int) -> float:
     first the diagonal block's calls beside its fresh fp32 dq, dk, dv and the k, v in flight to the next rank."""
     f = 4 / dims.compute_bytes
     bal = ring_balance(dims)
-    if dims.cp_layout == "balanced" and bal is not None:
-        return _exchange_backward(dims, Q, KV, R, bal.peer_share)
+    if dims.cp_layout == "balanced" and bal is not None and bal.steps:
+        return _exchange_backward(dims, Q, KV, bal.steps)
     block = max(varlen_extra(dims, Q, KV, 1.0, 0.5), varlen_extra(dims, Q, KV, 0.5, 1.0))
     steps = [f * Q + f * KV + KV * (2 if i + 1 < R else 1) + f * KV + (2 * f * KV if i >= 2 else 0.0) + block
              for i in range(1, R)]
@@ -139,19 +139,21 @@ def _ring_backward_rects(dims: Dims, Q: float, KV: float, R: int) -> float:
     return max(diagonal, *steps)
 
 
-def _exchange_backward(dims: Dims, Q: float, KV: float, R: int, share: float) -> float:
-    """``ring_exchange.exchange_backward`` (the balanced layout) on CUDA: as the ring's rectangles, but a step's k/v
-    are the rows one peer sends, at most ``share`` of a rank's (``RingBalance.peer_share``: the largest over the
-    plan's pairs of ranks; 0.48 at 1M on a ring of 8 with 64K documents). During block i: the fp32 dq accumulator and
-    this rank's fp32 dk/dv, the rows in use and (i < R-1) the next step's received and sent copies, the block's fp32
-    dk/dv and (i >= 2) the previous step's on their way back (sent, and the rows this rank sent coming back), and the
-    block's variable-length calls; first the diagonal block's beside the first step's transfer (sent and received)."""
-    f, x = 4 / dims.compute_bytes, share * KV
-    block = varlen_extra(dims, Q, KV, 1.0, share)
-    steps = [f * Q + f * KV + x * (3 if i + 1 < R else 1) + f * x + (2 * f * x if i >= 2 else 0.0) + block
-             for i in range(1, R)]
-    diagonal = f * Q + f * KV + 2 * x + varlen_extra(dims, Q, KV, 1.0, 1.0)
-    return max(diagonal, *steps)
+def _exchange_backward(dims: Dims, Q: float, KV: float, samples: tuple) -> float:
+    """``ring_exchange.exchange_backward`` (the balanced layout) on CUDA, from the plan's rows step by step
+    (``RingBalance.steps``, shares of a rank's tokens; the mean over the mock samples of each one's largest moment).
+    During block i: the fp32 dq accumulator and this rank's fp32 dk/dv, the rows in use, step i+1's received and
+    sent copies, the block's fp32 dk/dv and step i-1's on their way back (sent, and this rank's coming back), and
+    the block's variable-length calls; first the diagonal block's beside step 1's transfer. Example, 1M on a ring of
+    8 with 64K documents: the worst step holds 1.7-3.9 ranks' worth of k/v rows, fp32 grads counted twice, where
+    the zigzag's holds 7."""
+    f = 4 / dims.compute_bytes
+    base = f * Q + f * KV
+    worst = [max(max(base + KV * (use + ahead) + f * KV * (use + back) + varlen_extra(dims, Q, KV, 1.0, use)
+                     for use, ahead, back in steps),
+                 base + KV * max(ahead for _, ahead, _ in steps) + varlen_extra(dims, Q, KV, 1.0, 1.0))
+             for steps in samples]
+    return sum(worst) / len(worst)
 
 
 def attention_backward_lse(cfg: Config, dims: Dims) -> float:

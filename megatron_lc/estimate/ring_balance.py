@@ -37,17 +37,15 @@ class RingBalance:
     rows: float  # k/v rows the slowest receiver gets in one layer's forward (the mean over the layers)
     rank_tokens: int  # s/R, a ring rank's tokens
     ring: int  # R
-    peer_rows: float  # the most rows one rank gets from one other in a step (the zigzag: s/R, a whole rank's)
+    # the balanced exchange's buffers, per mock sample: for every rank r and step i, (rows in use: received from
+    # r-i, rows in flight ahead: step i+1's received and sent, rows on their way back: step i-1's grads sent and
+    # received), each over s/R -- what ``attention_kernels._exchange_backward`` holds at block i
+    steps: tuple = ()
 
     @property
     def ring_rows(self) -> int:
         """What the zigzag ring moves to every rank: (R-1) s/R."""
         return (self.ring - 1) * self.rank_tokens
-
-    @property
-    def peer_share(self) -> float:
-        """``peer_rows`` as a share of a rank's tokens: one step's k/v buffers against the zigzag ring's."""
-        return self.peer_rows / self.rank_tokens
 
 
 def mock_documents(seq_length: int, mean: int, seed: int) -> DocumentRanges:
@@ -59,7 +57,8 @@ def mock_documents(seq_length: int, mean: int, seed: int) -> DocumentRanges:
 @functools.lru_cache(maxsize=64)
 def _balance(s: int, R: int, doc_length: int, balanced: bool, balance_window: Optional[int],
              windows: tuple) -> RingBalance:
-    slow = mean = rows = peer = 0.0
+    slow = mean = rows = 0.0
+    steps = []
     layers = {w: windows.count(w) for w in windows}  # each distinct window once, weighted by its layers
     for seed in range(SAMPLES if doc_length else 1):
         docs = mock_documents(s, doc_length, seed) if doc_length else None
@@ -70,11 +69,22 @@ def _balance(s: int, R: int, doc_length: int, balanced: bool, balance_window: Op
             if balanced and (docs is not None or w is not None):
                 plan = kv_plan(docs, w, spans, s)
                 rows += n * max(plan.received_rows(r) for r in range(R))
-                peer += n * max(plan.count(r, j) for r in range(R) for j in range(R))
+                steps.append(_step_buffers(plan, R, s // R))
             else:
-                rows, peer = rows + n * (R - 1) * (s // R), peer + n * (s // R)
+                rows += n * (R - 1) * (s // R)
     k = (SAMPLES if doc_length else 1) * len(windows)
-    return RingBalance(slow / mean, rows / k, s // R, R, peer / k)
+    return RingBalance(slow / mean, rows / k, s // R, R, tuple(steps))
+
+
+def _step_buffers(plan, R: int, T: int) -> tuple:
+    """``RingBalance.steps`` of one plan: (in use, ahead, back) over ``T`` for every rank and step."""
+    def got(r, i):  # rows r receives at step i
+        return plan.count(r, (r - i) % R) if 0 < i < R else 0
+
+    def sent(r, i):  # rows r sends at step i
+        return plan.count((r + i) % R, r) if 0 < i < R else 0
+    return tuple(sorted({(got(r, i) / T, (got(r, i + 1) + sent(r, i + 1)) / T, (got(r, i - 1) + sent(r, i - 1)) / T)
+                         for r in range(R) for i in range(1, R)}))
 
 
 def ring_balance(dims: Dims) -> Optional[RingBalance]:
@@ -84,7 +94,7 @@ def ring_balance(dims: Dims) -> Optional[RingBalance]:
         return None
     if not dims.ranges:  # one causal sequence: the zigzag
         T = dims.seq_length // ring
-        return RingBalance(1.0, float((ring - 1) * T), T, ring, float(T))
+        return RingBalance(1.0, float((ring - 1) * T), T, ring)
     return _balance(dims.seq_length, ring, min(dims.doc_length, dims.seq_length), dims.cp_layout == "balanced",
                     dims.balance_window, tuple(dims.windows or (None,)))
 
