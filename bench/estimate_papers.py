@@ -155,7 +155,11 @@ def mst_table() -> list:
 def main(argv: list) -> dict:
     if "--time" in argv:
         out = paper_times.run_all()
-        return {**out, "fit": paper_times.fit()} if "--fit" in argv else out
+        if "--fit" in argv:
+            out["fit"] = paper_times.fit()
+        if "--terms" in argv:
+            out["terms"] = paper_times.terms_moved()
+        return out
     which = [a for a in argv if not a.startswith("--")] or ["memo", "fpdt", "mst"]
     out = {}
     if "memo" in which:

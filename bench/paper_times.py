@@ -23,11 +23,13 @@ published seconds over predicted (paper_time_cells.py says why). How each paper'
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
+from unittest import mock
 
 from megatron_lc.config import ConfigError
-from megatron_lc.estimate import estimate, load_hardware
+from megatron_lc.estimate import estimate, load_hardware, sync_time
 from megatron_lc.estimate.terms.mst import MLP_RERUN_COST
 from megatron_lc.units import GIB
 from paper_models import K, config
@@ -267,3 +269,61 @@ def mst_rerun_cost() -> dict:
         out.append({"pair": [rec_id, mst_id], "published_ratio": round(r, 4),
                     "cost": round((r - 1) * rec["step_s"] / added, 3)})
     return {"pairs": out, "mean_cost": round(statistics.mean(p["cost"] for p in out), 3)}
+
+
+# ---- what each term moves ---------------------------------------------------------------------------------------
+def _flat_collective(self, ranks, stride):  # the former rule: a group spanning nodes at one NIC's bandwidth
+    return self.link_bytes_per_s(ranks, stride)
+
+
+def _flat_all_to_all(self, sent, ranks, stride):  # the former rule: every share at the slowest link's bandwidth
+    return sent / self.link_bytes_per_s(ranks, stride) if ranks > 1 else 0.0
+
+
+def _serial_sync(cfg, states):  # the former rule: FSDP2 its own, every other system after the backward
+    return "per_layer" if states == "framework" and cfg.parallel.use_torch_fsdp2 else "after_backward"
+
+
+def _whole_micro_fsdp(cfg, dims, hw, ranks, fwd, bwd, states):  # the former rule: a micro-batch's traffic at once
+    layer, total = sync_time.layer_numels(dims)
+    vol = (ranks - 1) / ranks * total * (2 * dims.compute_bytes + 4) if ranks > 1 else 0.0
+    secs = vol / hw.collective_bytes_per_s(ranks, dims.tp) if ranks > 1 else 0.0
+    if cfg.parallel.fsdp_cpu_offload:
+        secs += 3 * 4 * total / ranks / (hw.pcie_gbps * 1e9)
+    return max(0.0, secs - dims.num_layers * (fwd + bwd))
+
+
+FORMER = {  # term -> (patches, hardware overrides) that restore the rule it replaced
+    "collectives across nodes: pooled NICs, all-to-all's away share": (
+        [("megatron_lc.estimate.hardware.HardwareProfile.collective_bytes_per_s", _flat_collective),
+         ("megatron_lc.estimate.hardware.HardwareProfile.all_to_all_seconds", _flat_all_to_all)], {}),
+    "gradient sync overlapped as each system issues it": (
+        [("megatron_lc.estimate.sync_time.sync_style", _serial_sync)], {}),
+    "FSDP2 / ZeRO-3 prefetch exposure per layer": (
+        [("megatron_lc.estimate.sync_time.per_layer_exposed", _whole_micro_fsdp)], {}),
+    "host copies share a PCIe switch's uplink": (
+        [], {name: {"pcie_switch_gbps": None} for name in ("a800", "a100")}),
+    "MsT's re-run at its measured cost": ([("megatron_lc.estimate.terms.mst.MLP_RERUN_COST", 1.0)], {}),
+    "the kernel that runs (published / calibrated efficiencies)": (
+        [], {"h100": {"efficiency": {"attention_fwd": 0.60, "attention_bwd": 0.50}},
+             "a800": {"efficiency": {"gemm": 0.70, "attention_fwd": 0.65, "attention_bwd": 0.55}},
+             "a100": {"efficiency": {"gemm": 0.70, "attention_fwd": 0.65, "attention_bwd": 0.55}}}),
+}
+
+
+def terms_moved(threshold: float = 0.01) -> dict:
+    """For each term: every cell whose ratio moves by more than ``threshold`` when the term's former rule is put
+    back (the former efficiencies: the profiles' assumed 0.60 / 0.50 on H100, 0.70 gemm and 0.65 / 0.55 on A800 /
+    A100), with both ratios."""
+    cells = [c for c in all_cells() if "run" in c]
+    now = {c["id"]: predict(c)["ratio"] for c in cells}
+    out = {}
+    for term, (patches, overrides) in FORMER.items():
+        with contextlib.ExitStack() as stack:
+            for target, value in patches:
+                stack.enter_context(mock.patch(target, value))
+            former = {c["id"]: predict(c, overrides)["ratio"] for c in cells}
+        moved = {cid: {"former": former[cid], "now": now[cid]} for cid in now
+                 if abs(now[cid] / former[cid] - 1) > threshold}
+        out[term] = {"cells_moved": len(moved), "cells": moved}
+    return out

@@ -66,10 +66,10 @@ def estimate_table(est: Estimate) -> str:
     what_if = hopper_what_if(est)
     if what_if is not None:
         w = what_if.time
-        lines.append(f"  what-if, a Hopper-native kernel: {w.attention_backend} (parallel.attention_backend="
-                     f"{w.attention_backend}) forward {w.efficiencies['attention forward'][0]:.2f}, backward "
-                     f"{w.efficiencies['attention backward'][0]:.2f} ({w.efficiencies['attention forward'][1]}): "
-                     f"step {w.step_seconds:.1f} s, MFU {w.mfu:.1%}, peak {what_if.memory.peak / GIB:.1f} GiB")
+        lines.append(f"  what-if, a Hopper-native kernel (parallel.attention_backend={w.attention_backend}): step "
+                     f"{w.step_seconds:.1f} s, MFU {w.mfu:.1%}, peak {what_if.memory.peak / GIB:.1f} GiB; forward "
+                     f"{w.efficiencies['attention forward'][0]:.2f}, backward "
+                     f"{w.efficiencies['attention backward'][0]:.2f} of peak ({w.efficiencies['attention forward'][1]})")
     for n in mem.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)
@@ -184,7 +184,8 @@ def search_table(cands: list[Candidate], top: int, best: Optional[Candidate] = N
                     f"{e.time.step_seconds:9.2f} {e.time.tokens_per_gpu_per_s:8.1f} {e.time.mfu:6.1%} "
                     f"{e.time.attention_backend}")
     rows.append("TGS: tokens per GPU per second; MFU: model FLOPs (6sP + 6nhs^2 per sample) over the peak; attn: the "
-                "attention backend (auto: the fastest measured on the GPU, else torch)")
+                "attention backend that runs, whose efficiencies rank the layouts (auto: the fastest measured on the "
+                "GPU, else torch)")
     return "\n".join(rows)
 
 

@@ -1,32 +1,38 @@
 """Step time, tokens per GPU per second and MFU of a layout.
 
 Per rank and micro-batch, per layer: compute time = FLOPs / (peak x efficiency) for the linears (gemm), the
-attention forward and backward (FlashAttention's backward does 2.5x the forward FLOPs); communication time = bytes
-/ effective bandwidth of the group's link (NVLink inside a node, InfiniBand across). Overlap rules:
+attention forward and backward (FlashAttention's backward does 2.5x the forward FLOPs) at the efficiencies of the
+attention kernel that will run (``attention_kernel``); communication time = bytes / effective bandwidth of the
+group's links (``hardware.py``: NVLink inside a node; across nodes a ring collective pools the group's NICs, an
+all-to-all sends the away share through the rank's own, a ring's p2p hop is its slowest). Overlap rules:
 
 * TP / SP collectives (all-gather, reduce-scatter or all-reduce around every linear pair): not overlapped.
 * Ring (p2p): step i's k/v transfer overlaps step i's attention block; exposed = (ring-1) x max(0, comm - compute)
   per step, forward (k, v) and backward (k, v and fp32 dk, dv).
 * Ulysses (a2a): the all-to-alls before and after attention are not overlapped.
 * FPDT: chunked all-to-alls as Ulysses.
-* Gradient all-reduce over dp x cp (+ ZeRO-1's parameter broadcast) after the last micro-batch: not overlapped.
+* The model states' communication as the system issues it (``sync_time.py``): after the backward (this framework's
+  DDP / ZeRO-1), per layer under its compute (FSDP2, ZeRO-3), under the last backward and the next forward
+  (Megatron's distributed optimizer, the ``megatron`` what-if).
 
 What the memory techniques cost is their terms' share (``terms/``, looked up by ``config.Techniques``): the
 seconds a layer runs again (token-wise recompute: the token-wise part; Memo: 1 - alpha of it; selective: the
-attention forward; the host checkpoints: the whole layer; MsT: the MLP's forward, chunk by chunk), the bytes a
-layer copies to the host and back (Memo, the host checkpoints: hidden under the next layer's forward and backward,
-the excess stalls, n - 2 layers) and FPDT's chunk traffic (overlapping the attention, one chunk exposed). This
-module adds them. Example, Llama3-8B at 1M tokens on 8 H100s with Memo at alpha 0.25 and MsT: the recompute is
-0.75 of the token-wise part plus the MLP's forward, 4.1 s of a 255.5 s step.
+attention forward; the host checkpoints: the whole layer; MsT: its MLP chunks' re-run at the cost MsT measured),
+the bytes a layer copies to the host and back (Memo, the host checkpoints: hidden under the next layer's forward and
+backward, the excess stalls, n - 2 layers; every rank of the node copies at once, ``Run.host_bytes_per_s``) and
+FPDT's chunk traffic (overlapping the attention, one chunk exposed). This module adds them. Example, Llama3-8B at
+1M tokens on 8 H100s with Memo at alpha 0.25 and MsT, PyTorch's FA2-class attention at 0.34 / 0.33 of peak: 397.9 s
+a step, MFU 29.1%; with FlashAttention-3 (0.62 / 0.57) 230.2 s, 50.2%.
 
 ``hardware.layer_forward_seconds`` (measured by the Memo profiler) replaces the computed compute time of a layer's
 forward; the backward and recompute are scaled by the same factor.
 
 The attention efficiencies (``attention_kernel``): the backend's own, measured on the profile's GPU for the calls
 the layout makes (``call_weights``: ring cp 8 = one 128K^2 causal diagonal and seven 128K x 64K blocks' worth,
-FLOP-weighted), when ``bench/attention_kernels.py`` measured it (``HardwareProfile.attention_measured``); else the
-profile's assumed ones. ``auto`` is the backend the run would pick on that GPU: the fastest measured for these
-calls, else ``torch``. ``TimeEstimate.efficiencies`` says which is which, for the tables to print beside MFU.
+FLOP-weighted), when ``bench/attention_kernels.py`` measured it (``HardwareProfile.attention_measured``); else set by
+hand; else the profile's figure for the backend with its source (published or calibrated). ``auto`` is the backend
+the run would pick on that GPU: the fastest measured for these calls, else ``torch``. ``TimeEstimate.efficiencies``
+says where each comes from, for the tables to print beside MFU.
 """
 from __future__ import annotations
 

@@ -43,8 +43,9 @@ def test_the_shipped_1m_estimate_names_the_kernel_that_runs_and_the_hopper_what_
     assert "attention that runs: torch (auto: no kernel measured on H100-80GB, so PyTorch's FlashAttention-2-class " \
            "one) forward 0.34, backward 0.33 of peak (FlashAttention-3 paper, Figs. 5-6" in text, text
     assert "gemm 0.70 of peak (assumed" in text
-    what_if = [ln for ln in text.splitlines() if "what-if, a Hopper-native kernel: fa3" in ln]
-    assert what_if and "forward 0.62, backward 0.57" in what_if[0], text
+    what_if = [ln for ln in text.splitlines() if "what-if, a Hopper-native kernel (parallel.attention_backend=fa3)"
+               in ln]
+    assert what_if and "forward 0.62, backward 0.57 of peak (FlashAttention-3 paper" in what_if[0], text
     fa3 = estimate(load_config(CONFIG, ["parallel.attention_backend=fa3"]), load_hardware("h100"), 8)
     assert f"step {fa3.time.step_seconds:.1f} s, MFU {fa3.time.mfu:.1%}" in what_if[0]
     assert fa3.time.mfu > 1.6 * est.time.mfu  # attention is ~94% of the step: FA3's 0.62 / 0.57 against 0.34 / 0.33
