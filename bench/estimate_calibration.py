@@ -1,10 +1,15 @@
-"""Estimated vs measured peak memory per rank for every calibration case (tests/support/estimate_cases.py); prints JSON.
+"""The estimator against the framework's own CPU runs; prints JSON.
 
-    python bench/estimate_calibration.py                 # all cases this checkout implements
+    python bench/estimate_calibration.py                 # memory: every case this checkout implements
     python bench/estimate_calibration.py plain tp2-sp    # some cases
+    python bench/estimate_calibration.py --time [--reps 3] [case ...]    # step time (tests/support/step_time_cases.py)
 
-Measured: max over ranks of the peak of live tensor bytes over 2 training steps (megatron_lc/estimate/measure.py),
-each case in fresh gloo processes. Estimated: megatron_lc.estimate.estimate(cfg, hardware "cpu", world).
+Memory: measured = max over ranks of the peak of live tensor bytes over 2 training steps
+(megatron_lc/estimate/measure.py), each case in fresh gloo processes; estimated = megatron_lc.estimate.estimate(cfg,
+hardware "cpu", world). Step time: each case beside its reference (the plain model, or data parallel over as many
+ranks) in one fresh process per rank, their steps in turn (``tests/support/step_time_cases.time_pair``: the median of
+4 pairs' ratios, CPU seconds, after a warm-up step), ``--reps`` such processes, the median of their ratios (a step's:
+its slowest rank's) against the estimator's ratio.
 """
 from __future__ import annotations
 
@@ -46,5 +51,45 @@ def main(names: list) -> dict:
     return {"bench": "estimate_calibration", "tolerance": 0.10, "cases": rows}
 
 
+def main_time(names: list, reps: int) -> dict:
+    import statistics
+
+    from megatron_lc.estimate import estimate, load_hardware
+    from tests.support import estimate_cases, step_time_cases as stc
+    from tests.support.dist import run_dist
+
+    hw = load_hardware("cpu")
+    world_of = {c[0]: c[1] for c in stc.CASES}
+    over = {c[0]: stc.case_overrides(c[1], c[2]) for c in stc.CASES}
+    rows = []
+    for name, world, _ in stc.CASES:
+        ref = stc.REFERENCE[world]
+        if name == ref or (names and name not in names):
+            continue
+        runs = []
+        for rep in range(reps):  # a fresh process (per rank) per measurement
+            res = run_dist(world, stc.time_pair, over[ref], over[name])
+            slowest = max(res, key=lambda r: r["case_s"])  # a step is as long as its slowest rank
+            runs.append(slowest)
+            print(json.dumps({"case": name, "rep": rep, **slowest}), file=sys.stderr)
+        est_ratio = (estimate(estimate_cases.case_config(world, over[name]), hw, world).time.step_seconds /
+                     estimate(estimate_cases.case_config(world_of[ref], over[ref]), hw, world).time.step_seconds)
+        m = statistics.median(r["ratio"] for r in runs)
+        rows.append({"case": name, "ranks": world, "reference": ref, "measured_ratio": round(m, 4),
+                     "measured_ratios": [round(r["ratio"], 4) for r in runs],
+                     "wall_ratios": [round(r["wall_ratio"], 4) for r in runs],
+                     "case_s": [round(r["case_s"], 3) for r in runs],
+                     "reference_s": [round(r["reference_s"], 3) for r in runs],
+                     "estimated_ratio": round(est_ratio, 4), "error": round(est_ratio / m - 1, 4)})
+    return {"bench": "estimate_calibration --time", "tolerance": 0.15, "reps": reps, "cases": rows}
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1:]), indent=1))
+    argv = sys.argv[1:]
+    if "--time" in argv:
+        reps = int(argv[argv.index("--reps") + 1]) if "--reps" in argv else 3
+        rest = [a for i, a in enumerate(argv) if a not in ("--time", "--reps") and
+                (i == 0 or argv[i - 1] != "--reps")]
+        print(json.dumps(main_time(rest, reps), indent=1))
+    else:
+        print(json.dumps(main(argv), indent=1))

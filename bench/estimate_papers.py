@@ -26,34 +26,9 @@ if ROOT not in sys.path:
 from megatron_lc.config import ConfigError  # noqa: E402
 from megatron_lc.estimate import estimate, load_hardware  # noqa: E402
 from megatron_lc.estimate.hardware import GIB  # noqa: E402
-
-K = 1024
-GPT = {"normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True, "position_embedding_type": "rope",
-       "vocab_size": 50257}
-MODELS = {  # Memo Table 2; FPDT's GPT sizes; Llama 2/3
-    "gpt-2.7b": dict(GPT, num_layers=32, hidden_size=2560, ffn_hidden_size=10240, num_attention_heads=32),
-    "gpt-7b": dict(GPT, num_layers=32, hidden_size=4096, ffn_hidden_size=16384, num_attention_heads=32),
-    "gpt-13b": dict(GPT, num_layers=40, hidden_size=5120, ffn_hidden_size=20480, num_attention_heads=40),
-    "gpt-30b": dict(GPT, num_layers=48, hidden_size=7168, ffn_hidden_size=28672, num_attention_heads=56),
-    "gpt-65b": dict(GPT, num_layers=80, hidden_size=8192, ffn_hidden_size=32768, num_attention_heads=64),
-    "llama3-8b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
-                      num_query_groups=8, vocab_size=128256),
-    "llama3-70b": dict(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
-                       num_query_groups=8, vocab_size=128256),
-    "llama2-7b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,
-                      vocab_size=32000),
-}
-
-
-def config(model: str, seq: int, **sections):
-    raw = {"model": dict(MODELS[model], max_position_embeddings=seq), "data": {"seq_length": seq, "mock_data": True},
-           "train": {"micro_batch_size": 1, "bf16": True, "device": "cuda"}}
-    for key, value in sections.items():
-        section, name = key.split("__")
-        raw.setdefault(section, {})[name] = value
-    from megatron_lc.config import Config
-
-    return Config.from_dict(raw)
+from paper_models import K, config  # noqa: E402  (bench/, the script's own folder)
+from paper_time_cells import MEMO_T7, SEQS  # noqa: E402
+import paper_times  # noqa: E402
 
 
 def run(cfg, hw, world, states="framework", style="token_wise"):
@@ -66,23 +41,6 @@ def run(cfg, hw, world, states="framework", style="token_wise"):
 
 
 # ---- Memo Tables 3 and 7 ---------------------------------------------------------------------------------------
-SEQS = [64, 128, 256, 384, 512, 640, 768, 896, 1024, 1152, 1280, 1408]
-MEMO = {  # (gpus, model): per sequence (tp, cp, dp, pp, alpha) or "oom"/"oohm" (Table 7; Table 3 agrees)
-    (8, "gpt-7b"): [(2, 2, 2, 1, 0.0), (4, 2, 1, 1, 0.0), (4, 2, 1, 1, 1.0), (4, 2, 1, 1, 0.5), (4, 2, 1, 1, 0.125),
-                    (4, 2, 1, 1, 0.125), (4, 2, 1, 1, 0.0), (4, 2, 1, 1, 0.0), (8, 1, 1, 1, 0.0), "oom", "oom",
-                    "oom"],
-    (16, "gpt-13b"): [(2, 2, 4, 1, 0.0), (4, 2, 2, 1, 0.0), (4, 2, 2, 1, 0.0), (4, 2, 1, 2, 0.0), (4, 4, 1, 1, 0.5),
-                      (4, 4, 1, 1, 0.125), (4, 4, 1, 1, 0.125), (4, 4, 1, 1, 0.0), (4, 4, 1, 1, 0.0),
-                      (4, 4, 1, 1, 0.0), (4, 4, 1, 1, 0.0), (4, 4, 1, 1, 0.0)],
-    (32, "gpt-30b"): [(4, 1, 8, 1, 0.0), (8, 1, 4, 1, 0.0), (8, 2, 2, 1, 0.0), (8, 2, 2, 1, 0.0), (8, 2, 2, 1, 0.0),
-                      (8, 4, 1, 1, 0.25), (8, 4, 1, 1, 0.125), (8, 4, 1, 1, 0.125), (8, 4, 1, 1, 0.125),
-                      (8, 4, 1, 1, 0.125), (8, 4, 1, 1, 0.0), "oohm"],
-    (64, "gpt-65b"): [(8, 1, 8, 1, 0.0), (4, 4, 4, 1, 0.0), (8, 4, 2, 1, 0.0), (8, 8, 1, 1, 0.0), (8, 8, 1, 1, 0.0),
-                      (8, 8, 1, 1, 0.0), (8, 8, 1, 1, 0.0), (8, 8, 1, 1, 0.0), (8, 8, 1, 1, 0.0), (8, 8, 1, 1, 0.0),
-                      (8, 8, 1, 1, 0.0), (8, 8, 1, 1, 0.0)],
-}
-
-
 def memo_cell(model, seq, tp, cp, dp, alpha):
     return config(model, seq * K, parallel__tensor_model_parallel_size=tp, parallel__context_parallel_size=cp,
                   parallel__cp_comm_type="p2p", parallel__sequence_parallel=tp > 1,
@@ -93,7 +51,7 @@ def memo_cell(model, seq, tp, cp, dp, alpha):
 def memo_tables() -> list:
     hw = load_hardware("a800")
     rows = []
-    for (gpus, model), cells in MEMO.items():
+    for (gpus, model), cells in MEMO_T7.items():
         last = None
         for seq, cell in zip(SEQS, cells):
             if isinstance(cell, str):
@@ -194,8 +152,15 @@ def mst_table() -> list:
     return rows
 
 
-if __name__ == "__main__":
-    which = sys.argv[1:] or ["memo", "fpdt", "mst"]
+def main(argv: list) -> dict:
+    if "--time" in argv:
+        out = paper_times.run_all()
+        if "--fit" in argv:
+            out["fit"] = paper_times.fit()
+        if "--terms" in argv:
+            out["terms"] = paper_times.terms_moved()
+        return out
+    which = [a for a in argv if not a.startswith("--")] or ["memo", "fpdt", "mst"]
     out = {}
     if "memo" in which:
         out["memo"] = memo_tables()
@@ -203,4 +168,8 @@ if __name__ == "__main__":
         out["fpdt"] = fpdt_table()
     if "mst" in which:
         out["mst"] = mst_table()
-    print(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1:]), indent=1))

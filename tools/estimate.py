@@ -4,14 +4,18 @@
     python tools/estimate.py --config configs/gpt_7b.yaml --hardware a800 --gpus 8 --set memory.mst=true
     python tools/estimate.py --config configs/llama3_8b_1m.yaml --hardware h100 --auto --top 5 --write
     python tools/estimate.py --config X.yaml --hardware h100 --measured memo_profile.json    # profiler inputs
+    python tools/estimate.py --config configs/llama3_8b_1m.yaml --set parallel.attention_backend=fa3   # a backend
     python tools/estimate.py --config configs/llama3_8b_1m.yaml --auto \
-        --hw-set efficiency.attention_fwd=0.35 --hw-set efficiency.attention_bwd=0.30       # FA2-class kernels
+        --hw-set efficiency.attention_fwd=0.5 --hw-set efficiency.attention_bwd=0.45        # attention set by hand
 
 Prints memory by part and at each peak moment (fit / OOM / out of host memory), time by part, step time, tokens per
-GPU per second and MFU, with each kernel efficiency's source (assumed, or measured: GPU and date) and whether MFU
-reaches ``--target-mfu`` (else the attention efficiency it needs and the backends that reach it). ``--auto`` searches tp x cp x ulysses x memory features x chunk sizes and prints the best
-layouts that fit; ``--write`` puts the best one into the config's parallel/memory sections (in place, or
-``--write OUT.yaml``). Exit status: 0 fits, 1 does not fit (or nothing fits with --auto), 2 bad input.
+GPU per second and MFU with the attention backend that will run (``auto``: the fastest measured on the GPU, else
+PyTorch's FA2-class kernel) and each kernel efficiency's source (published, calibrated, set by hand, or measured: GPU
+and date), the Hopper-native what-if beside it, and whether MFU reaches ``--target-mfu`` (else the attention
+efficiency it needs and the backends that reach it). ``--auto`` searches tp x cp x ulysses x memory features x chunk
+sizes and prints the best layouts that fit, ranked with the backend that runs; ``--write`` puts the best one into
+the config's parallel/memory sections (in place, or ``--write OUT.yaml``). Exit status: 0 fits, 1 does not fit (or
+nothing fits with --auto), 2 bad input.
 Model and formulas: docs/estimator.md.
 """
 from __future__ import annotations
@@ -28,6 +32,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from megatron_lc.config.cli import add_config_arguments  # noqa: E402  (after the path)
+from megatron_lc.estimate.tables import hopper_what_if  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,20 +56,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--states", default="framework", help="model-state accounting: framework (this trainer) or a "
                    "what-if for comparing with other systems: megatron, zero3, bf16_optim_in_backward")
     p.add_argument("--hw-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a hardware profile value (repeatable), e.g. efficiency.attention_fwd=0.35")
+                   help="override a hardware profile value (repeatable), e.g. efficiency.attention_fwd=0.35 (every "
+                   "backend's) or attention.fa3.fwd=0.7 (one backend's)")
     p.add_argument("--target-mfu", type=float, default=0.5, help="the MFU the attention kernels are judged against")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p.parse_args(argv)
 
 
 def summary(est) -> dict:
-    m, t = est.memory, est.time
+    m, t, w = est.memory, est.time, hopper_what_if(est)
     return {"status": m.status, "peak_bytes": m.peak, "peak_phase": m.peak_phase, "capacity_bytes": m.capacity,
             "phases": m.phases, "parts": m.parts, "host_bytes_per_node": m.host_per_node,
             "host_capacity_bytes": m.host_capacity, "alpha": m.alpha, "time_parts": t.parts,
             "step_seconds": t.step_seconds, "tokens_per_gpu_per_s": t.tokens_per_gpu_per_s, "mfu": t.mfu,
-            "attention_backend": t.attention_backend,
+            "attention_backend": t.attention_backend, "attention_backend_named": est.backend_named,
             "efficiencies": {k: {"value": v, "source": src} for k, (v, src) in t.efficiencies.items()},
+            "hopper_what_if": None if w is None else {"attention_backend": w.time.attention_backend,
+                                                      "step_seconds": w.time.step_seconds, "mfu": w.time.mfu,
+                                                      "peak_bytes": w.memory.peak},
             "notes": m.notes}
 
 

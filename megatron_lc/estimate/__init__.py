@@ -31,6 +31,8 @@ class Estimate:
     dims: Dims
     memory: MemoryEstimate
     time: TimeEstimate
+    states: str = "framework"  # the model-state accounting it was made with (states.py)
+    backend_named: str = "auto"  # parallel.attention_backend as the config named it (``cfg`` holds the resolved one)
 
     @property
     def status(self) -> str:
@@ -47,10 +49,10 @@ def estimate(cfg: Config, hw: HardwareProfile, world_size: int,
     layout = resolve_layout(cfg, world_size)
     terms = terms_for(resolve_techniques(cfg, layout), recompute_style)
     dims = dims_for(Dims.from_config(cfg, layout, hw.device), states)
-    backend = attention_kernel(cfg, dims, hw)[0]
-    if backend != cfg.parallel.attention_backend:  # auto: the backend a run picks on this GPU (its kernels' memory)
+    named, backend = cfg.parallel.attention_backend, attention_kernel(cfg, dims, hw)[0]
+    if backend != named:  # auto: the backend a run picks on this GPU (its kernels' memory)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, attention_backend=backend))
-    t_layer = estimate_time(cfg, dims, hw, terms, alpha=None).t_layer_fwd
+    t_layer = estimate_time(cfg, dims, hw, terms, alpha=None, states=states).t_layer_fwd
     mem = estimate_memory(cfg, dims, hw, terms, t_layer, activation_peak_override, states)
-    tm = estimate_time(cfg, dims, hw, terms, mem.alpha)
-    return Estimate(cfg, hw, dims, mem, tm)
+    tm = estimate_time(cfg, dims, hw, terms, mem.alpha, states=states)
+    return Estimate(cfg, hw, dims, mem, tm, states, named)

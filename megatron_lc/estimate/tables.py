@@ -15,6 +15,7 @@ from ..planning.planner import plan_trace
 from ..planning.trace import Trace
 from ..units import GIB
 from .layout_search import Candidate, config_overrides
+from ..attention.kernel_table import BWD_FLOPS
 from .ring_balance import ring_balance
 from .time_estimate import call_weights
 
@@ -63,7 +64,14 @@ def estimate_table(est: Estimate) -> str:
     lines.append(f"  {'step':34s} {tm.step_seconds:10.3f} s")
     lines.append(f"tokens per GPU per second {tm.tokens_per_gpu_per_s:,.1f}   MFU {tm.mfu:.1%} "
                  f"(model FLOPs 6sP + 6nhs^2 = {tm.model_flops_per_step:.3e} per step)")
-    lines.append(f"  kernel efficiencies behind it: {efficiency_sources(tm)}")
+    lines += ["  " + line for line in efficiency_sources(est)]
+    what_if = hopper_what_if(est)
+    if what_if is not None:
+        w = what_if.time
+        lines.append(f"  what-if, a Hopper-native kernel (parallel.attention_backend={w.attention_backend}): step "
+                     f"{w.step_seconds:.1f} s, MFU {w.mfu:.1%}, peak {what_if.memory.peak / GIB:.1f} GiB; forward "
+                     f"{w.efficiencies['attention forward'][0]:.2f}, backward "
+                     f"{w.efficiencies['attention backward'][0]:.2f} of peak ({w.efficiencies['attention forward'][1]})")
     for n in mem.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)
@@ -81,16 +89,44 @@ def balance_line(dims) -> str:
             f"zigzag ring's {b.ring_rows:,} ({docs}" + (f", windows {wins}" if wins else "") + ")")
 
 
-def efficiency_sources(tm) -> str:
-    """Each kernel efficiency the time model used, with its source: ``gemm 0.70 (assumed); attention (cudnn)
-    forward 0.52, backward 0.41 (measured (NVIDIA H100 80GB HBM3, 2026-12-01))``."""
+def efficiency_sources(est: Estimate) -> list:
+    """The kernel efficiencies the time model used, each with its source, the attention's first with the backend
+    that will run and why: ``attention that runs: torch (auto: no measured table on H100-80GB) forward 0.34,
+    backward 0.33 of peak (FlashAttention-3 paper, ...)``, then ``gemm 0.70 of peak (assumed: ...)``."""
+    tm, table = est.time, est.hw.attention_measured
     (g, gs), (f, fs), (b, bs) = (tm.efficiencies[k] for k in ("gemm", "attention forward", "attention backward"))
-    att = f"attention ({tm.attention_backend}) forward {f:.2f}, backward {b:.2f}"
-    att += f" ({fs})" if fs == bs else f" ({fs}; {bs})"
-    return f"gemm {g:.2f} ({gs}); {att}"
+    if est.backend_named == "auto":
+        why = (f"auto: the fastest measured on {table.gpu}" if table is not None else
+               f"auto: no kernel measured on {est.hw.name}, so PyTorch's FlashAttention-2-class one")
+    else:
+        why = "parallel.attention_backend"
+    src = fs if fs == bs else f"{fs}; {bs}"
+    return [f"attention that runs: {tm.attention_backend} ({why}) forward {f:.2f}, backward {b:.2f} of peak ({src})",
+            f"gemm {g:.2f} of peak ({gs})"]
 
 
 FA2_CLASS, HOPPER_NATIVE = ("torch", "flash"), ("cudnn", "fa3", "fa4")
+
+
+def hopper_what_if(est: Estimate) -> Optional[Estimate]:
+    """The same run with the fastest Hopper-native attention backend this GPU has a figure for (measured, or the
+    profile's published one), when the backend that runs is not one: what cuDNN's or FlashAttention-3's kernels
+    would give (their memory too: no GQA copies). None on a GPU without such figures, or when one already runs."""
+    if est.time.attention_backend in HOPPER_NATIVE or est.dims.device != "cuda":
+        return None
+    weights, table = call_weights(est.dims), est.hw.attention_measured
+    timed = []
+    for name in HOPPER_NATIVE:
+        eff = table.efficiency(name, weights) if table is not None else None
+        if eff is None and name in est.hw.attention:
+            eff = (est.hw.attention[name].fwd, est.hw.attention[name].bwd)
+        if eff is not None:
+            timed.append((1.0 / eff[0] + BWD_FLOPS / eff[1], name))
+    if not timed:
+        return None
+    name = min(timed)[1]
+    cfg = dataclasses.replace(est.cfg, parallel=dataclasses.replace(est.cfg.parallel, attention_backend=name))
+    return estimate(cfg, est.hw, est.dims.world, states=est.states)
 
 
 def attention_needed(est: Estimate, world: int, target: float) -> Optional[tuple]:
@@ -101,7 +137,7 @@ def attention_needed(est: Estimate, world: int, target: float) -> Optional[tuple
     def mfu(f: float) -> float:
         hw = dataclasses.replace(est.hw, attention_measured=None, efficiency=dataclasses.replace(
             est.hw.efficiency, attention_fwd=fwd * f, attention_bwd=bwd * f))
-        return estimate(est.cfg, hw, world).time.mfu
+        return estimate(est.cfg, hw, world, states=est.states).time.mfu
 
     lo, hi = 0.0, 1.0 / max(fwd, bwd)
     if mfu(hi) < target:
@@ -117,7 +153,7 @@ def target_line(est: Estimate, world: int, target: float) -> str:
     backends that reach it on this GPU, or the kind of kernel when none is measured)."""
     tm, table = est.time, est.hw.attention_measured
     if tm.mfu >= target:
-        return f"MFU {tm.mfu:.1%} reaches the {target:.0%} target ({efficiency_sources(tm)})"
+        return f"MFU {tm.mfu:.1%} reaches the {target:.0%} target ({'; '.join(efficiency_sources(est))})"
     need = attention_needed(est, world, target)
     if need is None:
         return (f"{target:.0%} MFU is out of this layout's reach by attention alone: at 100% of peak in attention "
@@ -131,11 +167,16 @@ def target_line(est: Estimate, world: int, target: float) -> str:
         ok = [f"{b} ({e[0]:.2f} / {e[1]:.2f})" for b, e in measured.items() if e[0] >= need[0] and e[1] >= need[1]]
         return head + (f"\n  reached by {', '.join(ok)}, {table.source}" if ok else
                        f"\n  no backend measured on {table.gpu} ({table.date}) reaches it")
-    fa2 = (f"beyond FA2-class kernels ({', '.join(FA2_CLASS)}: about 35% of a Hopper GPU's peak, as FlashAttention-3: "
-           f"Fast and Accurate Attention with Asynchrony and Low-precision reports): a Hopper-native one, "
-           f"{', '.join(HOPPER_NATIVE)} (parallel.attention_backend)") if need[0] > 0.35 else \
-        f"any of {', '.join(FA2_CLASS + HOPPER_NATIVE)} might"
-    return (head + f"\n  no attention kernel is measured on {est.hw.name}; that is {fa2}; bash scripts/gpu_check.sh "
+    published = [f"{b} ({f.fwd:.2f} / {f.bwd:.2f})" for b, f in est.hw.attention.items()
+                 if f.fwd >= need[0] and f.bwd >= need[1]]
+    if published:
+        kind = f"reached by the profile's published figures of {', '.join(published)}"
+    else:
+        kind = (f"beyond FA2-class kernels ({', '.join(FA2_CLASS)}: about 35% of a Hopper GPU's peak, as "
+                f"FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision reports): a "
+                f"Hopper-native one, {', '.join(HOPPER_NATIVE)} (parallel.attention_backend)") if need[0] > 0.35 else \
+            f"any of {', '.join(FA2_CLASS + HOPPER_NATIVE)} might"
+    return (head + f"\n  {kind}; no attention kernel is measured on {est.hw.name}: bash scripts/gpu_check.sh "
             f"measures them on the GPU (bench/attention_kernels.py)")
 
 
@@ -157,7 +198,8 @@ def search_table(cands: list[Candidate], top: int, best: Optional[Candidate] = N
                     f"{e.time.step_seconds:9.2f} {e.time.tokens_per_gpu_per_s:8.1f} {e.time.mfu:6.1%} "
                     f"{e.time.attention_backend}")
     rows.append("TGS: tokens per GPU per second; MFU: model FLOPs (6sP + 6nhs^2 per sample) over the peak; attn: the "
-                "attention backend (auto: the fastest measured on the GPU, else torch)")
+                "attention backend that runs, whose efficiencies rank the layouts (auto: the fastest measured on the "
+                "GPU, else torch)")
     return "\n".join(rows)
 
 

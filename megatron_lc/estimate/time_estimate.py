@@ -1,8 +1,10 @@
 """Step time, tokens per GPU per second and MFU of a layout.
 
 Per rank and micro-batch, per layer: compute time = FLOPs / (peak x efficiency) for the linears (gemm), the
-attention forward and backward (FlashAttention's backward does 2.5x the forward FLOPs); communication time = bytes
-/ effective bandwidth of the group's link (NVLink inside a node, InfiniBand across). Overlap rules:
+attention forward and backward (FlashAttention's backward does 2.5x the forward FLOPs) at the efficiencies of the
+attention kernel that will run (``attention_kernel``); communication time = bytes / effective bandwidth of the
+group's links (``hardware.py``: NVLink inside a node; across nodes a ring collective pools the group's NICs, an
+all-to-all sends the away share through the rank's own, a ring's p2p hop is its slowest). Overlap rules:
 
 * TP / SP collectives (all-gather, reduce-scatter or all-reduce around every linear pair): not overlapped.
 * Ring (p2p): step i's k/v transfer overlaps step i's attention block; exposed = (ring-1) x max(0, comm - compute)
@@ -13,24 +15,28 @@ attention forward and backward (FlashAttention's backward does 2.5x the forward 
   times the mean (``ring_balance.py``: ~2 for the zigzag at 1M on 8 with 64K documents, 1.00 balanced).
 * Ulysses (a2a): the all-to-alls before and after attention are not overlapped.
 * FPDT: chunked all-to-alls as Ulysses.
-* Gradient all-reduce over dp x cp (+ ZeRO-1's parameter broadcast) after the last micro-batch: not overlapped.
+* The model states' communication as the system issues it (``sync_time.py``): after the backward (this framework's
+  DDP / ZeRO-1), per layer under its compute (FSDP2, ZeRO-3), under the last backward and the next forward
+  (Megatron's distributed optimizer, the ``megatron`` what-if).
 
 What the memory techniques cost is their terms' share (``terms/``, looked up by ``config.Techniques``): the
 seconds a layer runs again (token-wise recompute: the token-wise part; Memo: 1 - alpha of it; selective: the
-attention forward; the host checkpoints: the whole layer; MsT: the MLP's forward, chunk by chunk), the bytes a
-layer copies to the host and back (Memo, the host checkpoints: hidden under the next layer's forward and backward,
-the excess stalls, n - 2 layers) and FPDT's chunk traffic (overlapping the attention, one chunk exposed). This
-module adds them. Example, Llama3-8B at 1M tokens on 8 H100s with Memo at alpha 0.25 and MsT: the recompute is
-0.75 of the token-wise part plus the MLP's forward, 4.1 s of a 255.5 s step.
+attention forward; the host checkpoints: the whole layer; MsT: its MLP chunks' re-run at the cost MsT measured),
+the bytes a layer copies to the host and back (Memo, the host checkpoints: hidden under the next layer's forward and
+backward, the excess stalls, n - 2 layers; every rank of the node copies at once, ``Run.host_bytes_per_s``) and
+FPDT's chunk traffic (overlapping the attention, one chunk exposed). This module adds them. Example, Llama3-8B at
+1M tokens on 8 H100s with Memo at alpha 0.25 and MsT, PyTorch's FA2-class attention at 0.34 / 0.33 of peak: 397.9 s
+a step, MFU 29.1%; with FlashAttention-3 (0.62 / 0.57) 230.2 s, 50.2%.
 
 ``hardware.layer_forward_seconds`` (measured by the Memo profiler) replaces the computed compute time of a layer's
 forward; the backward and recompute are scaled by the same factor.
 
 The attention efficiencies (``attention_kernel``): the backend's own, measured on the profile's GPU for the calls
 the layout makes (``call_weights``: ring cp 8 = one 128K^2 causal diagonal and seven 128K x 64K blocks' worth,
-FLOP-weighted), when ``bench/attention_kernels.py`` measured it (``HardwareProfile.attention_measured``); else the
-profile's assumed ones. ``auto`` is the backend the run would pick on that GPU: the fastest measured for these
-calls, else ``torch``. ``TimeEstimate.efficiencies`` says which is which, for the tables to print beside MFU.
+FLOP-weighted), when ``bench/attention_kernels.py`` measured it (``HardwareProfile.attention_measured``); else set by
+hand; else the profile's figure for the backend with its source (published or calibrated). ``auto`` is the backend
+the run would pick on that GPU: the fastest measured for these calls, else ``torch``. ``TimeEstimate.efficiencies``
+says where each comes from, for the tables to print beside MFU.
 """
 from __future__ import annotations
 
@@ -38,12 +44,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..attention.kernel_table import BWD_FLOPS
-from ..config import Config
+from ..config import Config, ConfigError
 from .flops import head_flops_fwd, layer_flops, model_flops_per_sample
 from .hardware import HardwareProfile
 from .dims import Dims
-from .inventory import param_shards
 from .ring_balance import ring_balance
+from .sync_time import layer_numels, sync_seconds, sync_style
 from .terms import LayerSeconds, Run, Terms, TimeShare
 
 
@@ -73,19 +79,36 @@ def call_weights(dims: Dims) -> dict:
     return {"ulysses": 1.0}
 
 
-def attention_kernel(cfg: Config, dims: Dims, hw: HardwareProfile) -> tuple:
-    """(backend, fwd, bwd, source) of the layout's attention on ``hw`` (module doc); source ``assumed`` or
-    ``measured (GPU, date)``."""
-    name, table, w = cfg.parallel.attention_backend, hw.attention_measured, call_weights(dims)
+def attention_kernel(cfg: Config, dims: Dims, hw: HardwareProfile, backend: Optional[str] = None) -> tuple:
+    """(backend, fwd, bwd, source) of the layout's attention on ``hw`` (module doc). The backend: ``backend`` (a
+    what-if) or the config's; ``auto`` is the fastest of the measured table, else ``torch`` (PyTorch's fused
+    kernels, the FA2-class ones on a GPU). Its efficiencies, in this order: measured for these calls (source
+    ``measured (GPU, date)``); set by hand for every backend (``efficiency.attention_fwd`` / ``_bwd``); the
+    profile's figure for the backend (its source); else the profile's ``torch`` figure, said so."""
+    name, table, w = backend or cfg.parallel.attention_backend, hw.attention_measured, call_weights(dims)
     if name == "auto":
         name = (table.fastest([b for b in table.backends if b != "math"], w) if table else None) or "torch"
     measured = table.efficiency(name, w) if table is not None and dims.device == "cuda" else None
-    fwd, bwd, source = (*measured, table.source) if measured is not None else \
-        (hw.efficiency.attention_fwd, hw.efficiency.attention_bwd, "assumed")
+    if measured is not None:
+        return name, measured[0], measured[1], table.source
+    fig = hw.attention.get(name)
+    if fig is None and "torch" in hw.attention:
+        torch_fig = hw.attention["torch"]
+        fig = type(torch_fig)(torch_fig.fwd, torch_fig.bwd, f"no figure for {name} on {hw.name}: torch's, "
+                                                            f"{torch_fig.source}")
+    fwd, bwd, source = (fig.fwd, fig.bwd, fig.source) if fig is not None else (None, None, "")
+    hand = hw.efficiency.attention_fwd, hw.efficiency.attention_bwd
+    if hand[0] is not None or hand[1] is not None:
+        fwd, bwd = hand[0] if hand[0] is not None else fwd, hand[1] if hand[1] is not None else bwd
+        source = "set by hand"
+    if fwd is None or bwd is None:
+        raise ConfigError(f"hardware profile {hw.name} has no attention figure for backend '{name}' (nor torch's); "
+                          f"known: {', '.join(sorted(hw.attention)) or 'none'}")
     return name, fwd, bwd, source
 
 
 def _bw(hw: HardwareProfile, size: int, stride: int) -> float:
+    """Point to point along a ring of ``size`` ranks ``stride`` apart (the ring's slowest hop)."""
     return hw.link_bytes_per_s(size, stride)
 
 
@@ -95,13 +118,13 @@ def layer_comm(dims: Dims, hw: HardwareProfile, attn_fwd_s: float, attn_bwd_s: f
     out = {"tp_fwd": 0.0, "tp_bwd": 0.0, "cp_fwd": 0.0, "cp_bwd": 0.0}
     if dims.tp > 1:
         vol = 4 * (dims.tp - 1) / dims.tp * dims.tokens * dims.hidden * a  # 2 AG + 2 RS (SP) or 2 all-reduces, each way
-        out["tp_fwd"] = out["tp_bwd"] = vol / _bw(hw, dims.tp, 1)
+        out["tp_fwd"] = out["tp_bwd"] = vol / hw.collective_bytes_per_s(dims.tp, 1)  # NICs pooled across nodes
     u, ring = dims.ulysses if dims.uses_a2a else 1, dims.cp // (dims.ulysses if dims.uses_a2a else 1)
     kv = dims.kv_heads_after_a2a
     if u > 1:
-        vol = (u - 1) / u * dims.tokens * (2 * dims.heads_local + 2 * kv) * d * a  # q, k, v there, out back
-        out["cp_fwd"] += vol / _bw(hw, u, dims.tp)
-        out["cp_bwd"] += vol / _bw(hw, u, dims.tp)
+        sent = (u - 1) / u * dims.tokens * (2 * dims.heads_local + 2 * kv) * d * a  # q, k, v there, out back
+        out["cp_fwd"] += hw.all_to_all_seconds(sent, u, dims.tp)
+        out["cp_bwd"] += hw.all_to_all_seconds(sent, u, dims.tp)
     bal = ring_balance(dims)
     if bal is not None and dims.cp_layout == "balanced" and dims.ranges:
         # the plan's rows, straight from their owners, during the R-1 blocks after the diagonal one
@@ -120,24 +143,14 @@ def layer_comm(dims: Dims, hw: HardwareProfile, attn_fwd_s: float, attn_bwd_s: f
 HOST_ADAM_GBPS = 20.0  # effective host memory bandwidth of torch's CPU AdamW (an assumption, never measured here)
 
 
-def fsdp_exposed_seconds(cfg: Config, dims: Dims, hw: HardwareProfile, numel: float, micro: float) -> float:
-    """FSDP2's communication per step that compute does not hide: per micro-batch every weight is all-gathered twice
-    (forward, backward; compute dtype) and its gradient reduce-scattered (fp32) over dp x cp -- prefetched one
-    layer ahead, so only what exceeds the micro-batch's compute is exposed; with CPU offload the shards also cross
-    PCIe (fp32 to the device twice, gradients back)."""
-    n = dims.dp * dims.cp
-    vol = (n - 1) / n * numel * (2 * dims.compute_bytes + 4) if n > 1 else 0.0
-    secs = vol / _bw(hw, n, dims.tp) if n > 1 else 0.0
-    if cfg.parallel.fsdp_cpu_offload:
-        secs += 3 * 4 * numel / n / (hw.pcie_gbps * 1e9)
-    return dims.micro_batches * max(0.0, secs - micro)
-
-
-def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, alpha: Optional[float]) -> TimeEstimate:
+def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, alpha: Optional[float],
+                  states: str = "framework", backend: Optional[str] = None) -> TimeEstimate:
     """Seconds of one optimizer step of ``cfg`` (all micro-batches) on ``hw`` with the techniques' ``terms``
-    (``terms.terms_for``); ``alpha``: Memo's offload fraction as the memory estimate chose it (None: 0)."""
+    (``terms.terms_for``); ``alpha``: Memo's offload fraction as the memory estimate chose it (None: 0);
+    ``states``: who holds the model states (``states.py``; how their communication overlaps, ``sync_time.py``);
+    ``backend``: an attention backend in place of the config's (a what-if, ``attention_kernel``)."""
     eff = hw.efficiency
-    backend, eff_fwd, eff_bwd, source = attention_kernel(cfg, dims, hw)
+    backend, eff_fwd, eff_bwd, source = attention_kernel(cfg, dims, hw, backend)
     peak = hw.peak_flops(bf16=dims.compute_bytes == 2)
     lf = layer_flops(dims)
     lin_f = lf.linear_fwd / (peak * eff.gemm)
@@ -157,26 +170,27 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, al
     fwd = lin_f + att_f + comm["tp_fwd"] + comm["cp_fwd"] + share.host_fwd
     bwd = lin_b + att_b + comm["tp_bwd"] + comm["cp_bwd"] + share.host_bwd
     recompute, offloaded = share.recompute, share.offloaded
-    xfer = offloaded / (hw.pcie_gbps * 1e9)
+    xfer = offloaded / run.host_bytes_per_s  # every rank of the node copies at once
     stall = max(0.0, xfer - fwd) + max(0.0, xfer - (bwd + recompute)) if offloaded else 0.0
     n_swapped = max(dims.num_layers - 2, 0)
     head_f = head_flops_fwd(dims) / (peak * eff.gemm) * scale
     head = 3 * head_f  # MsT's head computes its gradient in forward: no recompute (memory/mst/head_function.py)
     micro = dims.num_layers * (fwd + bwd + recompute) + n_swapped * stall + head
-    # gradient sync over dp x cp (fp32, ring all-reduce), ZeRO-1 parameter broadcast, AdamW (memory bound)
-    numel = sum(n for _, n, _ in param_shards(dims))
-    n = dims.dp * dims.cp
-    sync = 2 * (n - 1) / n * 4 * numel / _bw(hw, n, dims.tp) if n > 1 else 0.0
-    if cfg.parallel.use_torch_fsdp2:
-        sync, owned = fsdp_exposed_seconds(cfg, dims, hw, numel, micro), numel / n
-    elif cfg.parallel.use_distributed_optimizer and n > 1:
-        sync += (n - 1) / n * 4 * numel / _bw(hw, n, dims.tp)
-        owned = numel / n
+    # the model states' communication as the system issues it (sync_time.py), AdamW (memory bound)
+    sync = sync_seconds(cfg, dims, hw, states, fwd, bwd + recompute, dims.num_layers * fwd + head_f,
+                        dims.num_layers * (bwd + recompute) + 2 * head_f)
+    numel = layer_numels(dims)[1]
+    if states == "zero3":
+        owned = numel / dims.world
+    elif cfg.parallel.use_torch_fsdp2 or cfg.parallel.use_distributed_optimizer:
+        owned = numel / (dims.dp * dims.cp)
     else:
         owned = numel
     opt = (28 * owned + 8 * numel) / (hw.hbm_gbps * 1e9)
     if cfg.parallel.use_torch_fsdp2 and cfg.parallel.fsdp_cpu_offload:
         opt = 28 * owned / (HOST_ADAM_GBPS * 1e9)  # AdamW on the host shards (assumed, unmeasured)
+    states_comm = {"after_backward": "gradient sync", "per_layer": "gradient sync + gathers (exposed)",
+                   "overlapped": "gradient sync (exposed)"}[sync_style(cfg, states)]
     parts = {
         "forward compute": dims.micro_batches * dims.num_layers * (lin_f + att_f) + dims.micro_batches * head_f,
         "backward compute": dims.micro_batches * dims.num_layers * (lin_b + att_b) + dims.micro_batches * 2 * head_f,
@@ -185,13 +199,13 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, al
         "cp communication (exposed)": dims.micro_batches * dims.num_layers * (comm["cp_fwd"] + comm["cp_bwd"]),
         "host transfers (exposed)": dims.micro_batches * (dims.num_layers * (share.host_fwd + share.host_bwd)
                                                           + n_swapped * stall),
-        "gradient sync" + (" + FSDP2 gathers (exposed)" if cfg.parallel.use_torch_fsdp2 else ""): sync,
+        states_comm: sync,
         "optimizer": opt,
     }
     step = dims.micro_batches * micro + sync + opt
     gbs = dims.micro_batches * dims.micro_batch * dims.dp
     model_flops = gbs * model_flops_per_sample(dims)
-    effs = {"gemm": (eff.gemm, "assumed"), "attention forward": (eff_fwd, source),
+    effs = {"gemm": (eff.gemm, eff.gemm_source), "attention forward": (eff_fwd, source),
             "attention backward": (eff_bwd, source)}
     if hw.layer_forward_seconds is not None:  # every efficiency scaled to the layer time the profiler measured
         effs = {k: (v / scale, f"{src}, scaled to the measured layer time") for k, (v, src) in effs.items()}

@@ -51,7 +51,7 @@ class FPDTBlock(Term):
             return share
         dims = run.dims
         kv, a, d, nq, n = dims.kv_heads_after_a2a, dims.compute_bytes, dims.head_dim, dims.heads_local, dims.fpdt_chunks
-        pcie = run.hw.pcie_gbps * 1e9
+        pcie = run.host_bytes_per_s
         kv_chunk = 2 * dims.tokens / n * kv * d * a
         q_chunk = dims.tokens / n * (3 * nq * d * a + nq * 4 + 2 * nq * d * 4)  # q, out, dout, lse, dq r/w
         save = dims.tokens * ((2 * nq + 2 * kv) * d * a + nq * 4)

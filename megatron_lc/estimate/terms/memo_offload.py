@@ -61,7 +61,7 @@ class MemoOffload(Term):
         ranks_per_node = min(hw.gpus_per_node, dims.world)
         host_share = share.host_left(hw.host_bytes_per_node / ranks_per_node)
         if cfg.memory.offload_fraction == "auto":
-            alpha, why = solve_alpha(g["input"], g["attn"], g["others"], hw.pcie_gbps * 1e9, run.t_layer_fwd,
+            alpha, why = solve_alpha(g["input"], g["attn"], g["others"], run.host_bytes_per_s, run.t_layer_fwd,
                                      dims.num_layers, host_share)
             notes += (f"alpha = {alpha:.3f} (LP of Memo §4.1; binding: {why})",)
         else:

@@ -188,3 +188,8 @@ class Run:
     terms: Terms
     t_layer_fwd: float = 0.0
     peak_override: Optional[float] = None
+
+    @property
+    def host_bytes_per_s(self) -> float:
+        """This rank's host link while every rank of its node copies (``HardwareProfile.host_copy_bytes_per_s``)."""
+        return self.hw.host_copy_bytes_per_s(min(self.dims.world, self.hw.gpus_per_node))
