@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 from typing import Optional
@@ -129,4 +130,34 @@ def format_line(r: dict) -> str:
              f"{r['step_seconds']:.2f}s"]
     if r.get("skipped"):
         parts.append("SKIPPED (non-finite)")
+    return " | ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    """``38.2 s``, ``2 min 41 s``, ``1 h 05 min``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+
+
+def format_summary(first: int, losses: list, iters: int, seconds: float, setup_seconds: float,
+                   stop: Optional[str], checkpoint: Optional[str], metrics: Optional[str]) -> str:
+    """The run's last line: its steps (``first`` .. ``first + len(losses) - 1`` of ``iters``), the first and last
+    loss and the mean of the last ten steps' finite losses, its time, where the checkpoint and metrics are. E.g.
+    ``done: steps 1-100 of 100 in 2 min 41 s (setup 9.1 s) | loss 9.0579 at step 1, 4.5812 at step 100, mean 4.6012
+    over steps 91-100 | checkpoint runs/tiny_cpu/iter_0000100 | metrics runs/tiny_cpu/metrics.jsonl``. Losses are
+    None in a rehearsal (no values): left out."""
+    last = first + len(losses) - 1
+    head = "done" if stop is None else f"stopped ({stop})"
+    parts = [f"{head}: steps {first}-{last} of {iters} in {duration(seconds)} (setup {duration(setup_seconds)})"]
+    if losses and losses[0] is not None:
+        window = losses[-10:]
+        tail = [x for x in window if math.isfinite(x)]
+        skipped = f" ({len(window) - len(tail)} skipped)" if len(tail) < len(window) else ""
+        mean = f", mean {sum(tail) / len(tail):.4f} over steps {last - len(window) + 1}-{last}{skipped}" if tail else ""
+        parts.append(f"loss {losses[0]:.4f} at step {first}, {losses[-1]:.4f} at step {last}{mean}")
+    parts.append(f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpoint.save unset)")
+    parts.append(f"metrics {metrics}" if metrics else "metrics on the console only")
     return " | ".join(parts)
