@@ -1,17 +1,20 @@
-"""Will it fit, how fast, and with which layout? Memory and time estimate of a config on a GPU cluster.
+r"""Will it fit, how fast, and with which layout? Memory and time estimate of a config on a GPU cluster.
 
-    python tools/estimate.py --config configs/llama3_8b_1m.yaml --hardware h100            # 8 GPUs (one node)
-    python tools/estimate.py --config configs/gpt_7b.yaml --hardware a800 --gpus 8 --set memory.mst=true
-    python tools/estimate.py --config configs/llama3_8b_1m.yaml --hardware h100 --auto --top 5 --write
-    python tools/estimate.py --config X.yaml --hardware h100 --measured memo_profile.json    # profiler inputs
-    python tools/estimate.py --config configs/llama3_8b_1m.yaml --auto \
+    .venv/bin/python tools/estimate.py --config configs/llama3_8b_1m.yaml --hardware h100     # 8 GPUs (one node)
+    .venv/bin/python tools/estimate.py --config configs/gpt_7b.yaml --hardware a800 --gpus 8 --set memory.mst=true
+    .venv/bin/python tools/estimate.py --config configs/llama3_8b_1m.yaml --hardware h100 --auto --top 5 --write
+    .venv/bin/python tools/estimate.py --config X.yaml --hardware h100 --measured memo_profile.json  # profiled
+    .venv/bin/python tools/estimate.py --config configs/llama3_8b_1m.yaml --auto \
         --hw-set efficiency.attention_fwd=0.35 --hw-set efficiency.attention_bwd=0.30       # FA2-class kernels
 
 Prints memory by part and at each peak moment (fit / OOM / out of host memory), time by part, step time, tokens per
 GPU per second and MFU, with each kernel efficiency's source (assumed, or measured: GPU and date) and whether MFU
-reaches ``--target-mfu`` (else the attention efficiency it needs and the backends that reach it). ``--auto`` searches tp x cp x ulysses x memory features x chunk sizes and prints the best
-layouts that fit; ``--write`` puts the best one into the config's parallel/memory sections (in place, or
-``--write OUT.yaml``). Exit status: 0 fits, 1 does not fit (or nothing fits with --auto), 2 bad input.
+reaches ``--target-mfu`` (else the attention efficiency it needs and the backends that reach it). The peak is the
+line marked ``<- peak``: live tensors plus the fragmentation reserve (``tools/rehearse.py`` compares its rehearsed
+peak with the same figure less the reserve, "allocated"). ``--auto`` searches tp x cp x ulysses x memory features x
+chunk sizes and prints the best layouts that fit; ``--write`` puts the best one into the config's parallel/memory
+sections (in place, or ``--write OUT.yaml``). A few seconds. Exit status: 0 fits, 1 does not fit (or nothing fits
+with --auto), 2 bad input.
 Model and formulas: docs/estimator.md.
 """
 from __future__ import annotations
@@ -30,13 +33,19 @@ if ROOT not in sys.path:
 from megatron_lc.config.cli import add_config_arguments  # noqa: E402  (after the path)
 
 
+def profiles() -> list[str]:
+    """The hardware profiles' names: ``configs/hardware/*.yaml``."""
+    return sorted(n[:-5] for n in os.listdir(os.path.join(ROOT, "configs", "hardware")) if n.endswith(".yaml"))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(p, "before estimating")
-    p.add_argument("--hardware", default="h100", help="profile name in configs/hardware/ or a YAML path")
+    p.add_argument("--hardware", default="h100", help=f"a profile of configs/hardware/ ({', '.join(profiles())}) "
+                   f"or a YAML path (default h100)")
     p.add_argument("--gpus", type=int, default=None, help="number of GPUs (default: one node of the profile)")
     p.add_argument("--auto", action="store_true", help="search layouts and print the best that fit")
-    p.add_argument("--top", type=int, default=5, help="layouts to print with --auto")
+    p.add_argument("--top", type=int, default=5, help="layouts to print with --auto (default 5)")
     p.add_argument("--write", nargs="?", const="", default=None, metavar="OUT",
                    help="with --auto: write the best layout into the config (or into OUT)")
     p.add_argument("--measured", default=None, help="inputs measured by the Memo profiler (JSON/YAML, or its log "
@@ -48,11 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "activation arena")
     p.add_argument("--trace", default=None, help="allocation trace JSONL: planned (or its max-live bound) as the "
                    "activation arena")
-    p.add_argument("--states", default="framework", help="model-state accounting: framework (this trainer) or a "
-                   "what-if for comparing with other systems: megatron, zero3, bf16_optim_in_backward")
+    p.add_argument("--states", default="framework", help="model-state accounting: framework (this trainer, the "
+                   "default) or a what-if for comparing with other systems: megatron, zero3, bf16_optim_in_backward")
     p.add_argument("--hw-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a hardware profile value (repeatable), e.g. efficiency.attention_fwd=0.35")
-    p.add_argument("--target-mfu", type=float, default=0.5, help="the MFU the attention kernels are judged against")
+    p.add_argument("--target-mfu", type=float, default=0.5, help="the MFU the attention kernels are judged against "
+                   "(default 0.5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p.parse_args(argv)
 
