@@ -50,6 +50,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, topo: Topology, device: Optional[torch.device] = None,
                  layout: Optional[Layout] = None, adjust_spec=None, execution=None, stage=lambda name: None):
+        self.started = time.monotonic()  # the summary's setup time: from here to the first step
         self.setup = setup_training(cfg, topo, device, layout, adjust_spec, execution, stage)
         s = self.setup
         self.cfg, self.layout, self.topo, self.execution = cfg, s.layout, topo, s.execution
@@ -72,10 +73,9 @@ class Trainer:
         # off in a rehearsal (fake tensors have no values): the step then reads none -- no loss, no grad norm, no
         # skip / stop agreement, no MFU sanity check
         self.reads_values = True
-        self.started = time.monotonic()  # the summary's setup time: from here to the first step
 
     def baseline(self) -> float:
-        """The peak FLOP/s per rank MFU is relative to (``metrics.peak_flops``: set, or GEMMs timed for a second),
+        """The peak FLOP/s per rank MFU is relative to (``metrics.peak_flops``: set, or GEMMs timed for half a second),
         found once, before the first step -- a run with nothing to do times nothing -- and said."""
         if self.peak is None:
             self.peak, self.peak_source = peak_flops(self.cfg, self.execution)
@@ -146,7 +146,7 @@ class Trainer:
 
     def mfu_notice(self, mfu: float) -> str:
         """Why an MFU above 100% is left out, and the advice for where the peak came from: a peak the user set is
-        raised or unset; a measured one (GEMMs timed for a second before the first step, low when other work had the
+        raised or unset; a measured one (GEMMs timed before the first step, low when other work had the
         cores then) is replaced by the machine's own figure."""
         head = (f"MFU came out at {100 * mfu:.0f}% of the peak ({self.peak / 1e12:.3g} TFLOP/s, {self.peak_source}): "
                 f"that peak is too low for this machine; MFU is left out of the metrics")

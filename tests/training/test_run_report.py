@@ -1,7 +1,7 @@
 """What a run tells its user at its start and at its end: the intra-op threads it chose, in the log's first line; the
 one-line summary it ends with (steps, first and last loss, the mean of the last ten, time, where the checkpoint and
 metrics are), its figures those of the metrics file; a finished run's "nothing to do" before any GEMM is timed; MFU's
-baseline as the median of GEMMs timed for a second, said with its spread; under plain torchrun, a config mistake as
+baseline as the median of short GEMMs timed for half a second, said with its spread; under plain torchrun, a config mistake as
 the root cause of torchrun's own summary (the rank's error file)."""
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def test_a_run_says_its_threads_first_and_ends_with_its_summary_and_a_finished_o
     m = re.fullmatch(r"intra-op threads: (\d+) a rank \((\d+) cores available, 1-minute load [0-9.]+; "
                      r"OMP_NUM_THREADS sets another\)", lines[0])
     assert m and 1 <= int(m[1]) <= int(m[2]) == len(os.sched_getaffinity(0)), lines[:2]
-    assert re.search(r"MFU is relative to [0-9.e+-]+ TFLOP/s per rank \(measured: fp32 GEMM 1024x1024, median of "
-                     r"\d+ over 1 s", out.stderr)
+    assert re.search(r"MFU is relative to [0-9.e+-]+ TFLOP/s per rank \(measured: fp32 GEMM 256x256, median of "
+                     r"\d+ over 0.5 s", out.stderr)
     losses = [json.loads(ln)["loss"] for ln in open(run / "metrics.jsonl")]
     done = re.fullmatch(r"done: steps 1-12 of 12 in [0-9.]+ s \(setup [0-9.]+ s\) \| loss (\S+) at step 1, (\S+) at "
                         r"step 12, mean (\S+) over steps 3-12 \| checkpoint (\S+) \| metrics (\S+)", lines[-1])
@@ -77,7 +77,7 @@ def test_the_summary_of_a_stopped_run_without_a_checkpoint_and_with_skipped_step
         "done: steps 1-2 of 2 in 9.0 s (setup 1.0 s) | checkpoint c/iter_0000002 | metrics m.jsonl")  # a rehearsal
 
 
-def test_the_gemm_baseline_is_the_median_of_a_second_of_gemms_and_says_its_spread(monkeypatch):
+def test_the_gemm_baseline_is_the_median_of_half_a_second_of_gemms(monkeypatch):
     """One GEMM of every few slowed 20-fold (another job took the cores): the median keeps the machine's rate, where
     the mean or a single timing would follow the slow ones."""
     calls = {"mm": 0}
