@@ -75,8 +75,8 @@ class Trainer:
         self.reads_values = True
 
     def baseline(self) -> float:
-        """The peak FLOP/s per rank MFU is relative to (``metrics.peak_flops``: set, or GEMMs timed for half a second),
-        found once, before the first step -- a run with nothing to do times nothing -- and said."""
+        """The peak FLOP/s per rank MFU is relative to (``metrics.peak_flops``: set, or short GEMMs timed for half a
+        second), found once, before the first step -- a run with nothing to do times nothing -- and said."""
         if self.peak is None:
             self.peak, self.peak_source = peak_flops(self.cfg, self.execution)
             log.info("MFU is relative to %.3g TFLOP/s per rank (%s)", self.peak / 1e12, self.peak_source)

@@ -1,8 +1,8 @@
 """What a run tells its user at its start and at its end: the intra-op threads it chose, in the log's first line; the
 one-line summary it ends with (steps, first and last loss, the mean of the last ten, time, where the checkpoint and
 metrics are), its figures those of the metrics file; a finished run's "nothing to do" before any GEMM is timed; MFU's
-baseline as the median of short GEMMs timed for half a second, said with its spread; under plain torchrun, a config mistake as
-the root cause of torchrun's own summary (the rank's error file)."""
+baseline as the median of short GEMMs timed for half a second, said with its spread; under plain torchrun, a config
+mistake as the root cause of torchrun's own summary (the rank's error file)."""
 from __future__ import annotations
 
 import json
