@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import sys
+import time
 from typing import Optional
 
 from tqdm import tqdm
@@ -142,16 +143,28 @@ def duration(seconds: float) -> str:
     return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
 
 
-def format_summary(first: int, losses: list, iters: int, seconds: float, setup_seconds: float,
+def process_seconds() -> Optional[float]:
+    """Seconds since this process started (Linux: ``/proc/self/stat``'s start time on the boot clock), None where
+    that cannot be read. The summary's whole time: imports, data preparation and setup before the first step."""
+    try:
+        with open("/proc/self/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def format_summary(first: int, losses: list, iters: int, seconds: float, process: Optional[float],
                    stop: Optional[str], checkpoint: Optional[str], metrics: Optional[str]) -> str:
-    """The run's last line: its steps (``first`` .. ``first + len(losses) - 1`` of ``iters``), the first and last
-    loss and the mean of the last ten steps' finite losses, its time, where the checkpoint and metrics are. E.g.
-    ``done: steps 1-100 of 100 in 2 min 41 s (setup 9.1 s) | loss 9.0579 at step 1, 4.5812 at step 100, mean 4.6012
-    over steps 91-100 | checkpoint runs/tiny_cpu/iter_0000100 | metrics runs/tiny_cpu/metrics.jsonl``. Losses are
-    None in a rehearsal (no values): left out."""
+    """The run's last line: its steps (``first`` .. ``first + len(losses) - 1`` of ``iters``) and their time, the
+    process's (``process_seconds``), the first and last loss and the mean of the last ten steps' finite losses, where
+    the checkpoint and metrics are. E.g. ``done: steps 1-100 of 100 in 8 min 33 s (the process: 9 min 37 s) | loss
+    9.0579 at step 1, 4.2596 at step 100, mean 4.6004 over steps 91-100 | checkpoint runs/tiny_cpu/iter_0000100 |
+    metrics runs/tiny_cpu/metrics.jsonl``. Losses are None in a rehearsal (no values): left out."""
     last = first + len(losses) - 1
     head = "done" if stop is None else f"stopped ({stop})"
-    parts = [f"{head}: steps {first}-{last} of {iters} in {duration(seconds)} (setup {duration(setup_seconds)})"]
+    whole = f" (the process: {duration(process)})" if process is not None else ""
+    parts = [f"{head}: steps {first}-{last} of {iters} in {duration(seconds)}{whole}"]
     if losses and losses[0] is not None:
         window = losses[-10:]
         tail = [x for x in window if math.isfinite(x)]

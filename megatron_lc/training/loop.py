@@ -27,7 +27,7 @@ from .checkpointing.save import save_checkpoint
 from .faults import SkipCounter, StopControl, collective_errors
 from .batches import microbatches
 from .checkpointing.directory import iter_dir
-from .logger import MetricsLogger, StepBar, format_summary
+from .logger import MetricsLogger, StepBar, format_summary, process_seconds
 from .metrics import pairs_per_sample, peak_flops, peak_memory_bytes, step_counts, step_metrics
 from .optimizer import clip_grad_norm, lr_at, set_lr, sync_gradients
 from .setup import setup_training
@@ -50,7 +50,6 @@ class Trainer:
 
     def __init__(self, cfg: Config, topo: Topology, device: Optional[torch.device] = None,
                  layout: Optional[Layout] = None, adjust_spec=None, execution=None, stage=lambda name: None):
-        self.started = time.monotonic()  # the summary's setup time: from here to the first step
         self.setup = setup_training(cfg, topo, device, layout, adjust_spec, execution, stage)
         s = self.setup
         self.cfg, self.layout, self.topo, self.execution = cfg, s.layout, topo, s.execution
@@ -221,7 +220,7 @@ class Trainer:
             self.stop.uninstall()
             self.metrics.close()
         log.info(format_summary(first, self.state.losses[losses_before:], c.train.train_iters,
-                                time.monotonic() - started, started - self.started, self.state.stop_reason,
+                                time.monotonic() - started, process_seconds(), self.state.stop_reason,
                                 iter_dir(c.checkpoint.save, self.state.iteration) if c.checkpoint.save else None,
                                 self.metrics.path))
         return self.state

@@ -56,7 +56,8 @@ def test_a_run_says_its_threads_first_and_ends_with_its_summary_and_a_finished_o
     assert re.search(r"MFU is relative to [0-9.e+-]+ TFLOP/s per rank \(measured: fp32 GEMM 256x256, median of "
                      r"\d+ over 0.5 s", out.stderr)
     losses = [json.loads(ln)["loss"] for ln in open(run / "metrics.jsonl")]
-    done = re.fullmatch(r"done: steps 1-12 of 12 in [0-9.]+ s \(setup [0-9.]+ s\) \| loss (\S+) at step 1, (\S+) at "
+    took = r"(?:\d+ min \d\d s|[0-9.]+ s)"
+    done = re.fullmatch(rf"done: steps 1-12 of 12 in {took} \(the process: {took}\) \| loss (\S+) at step 1, (\S+) at "
                         r"step 12, mean (\S+) over steps 3-12 \| checkpoint (\S+) \| metrics (\S+)", lines[-1])
     assert done, lines[-1]
     assert [float(done[k]) for k in (1, 2, 3)] == [round(losses[0], 4), round(losses[-1], 4),
@@ -69,12 +70,12 @@ def test_a_run_says_its_threads_first_and_ends_with_its_summary_and_a_finished_o
 
 
 def test_the_summary_of_a_stopped_run_without_a_checkpoint_and_with_skipped_steps():
-    line = format_summary(5, [3.0, float("nan"), 2.0], 100, 75.0, 3.0, "received SIGTERM", None, None)
-    assert line == ("stopped (received SIGTERM): steps 5-7 of 100 in 1 min 15 s (setup 3.0 s) | loss 3.0000 at "
-                    "step 5, 2.0000 at step 7, mean 2.5000 over steps 5-7 (1 skipped) | no checkpoint "
+    line = format_summary(5, [3.0, float("nan"), 2.0], 100, 75.0, 80.0, "received SIGTERM", None, None)
+    assert line == ("stopped (received SIGTERM): steps 5-7 of 100 in 1 min 15 s (the process: 1 min 20 s) | loss "
+                    "3.0000 at step 5, 2.0000 at step 7, mean 2.5000 over steps 5-7 (1 skipped) | no checkpoint "
                     "(checkpoint.save unset) | metrics on the console only")
-    assert format_summary(1, [None, None], 2, 9.0, 1.0, None, "c/iter_0000002", "m.jsonl") == (
-        "done: steps 1-2 of 2 in 9.0 s (setup 1.0 s) | checkpoint c/iter_0000002 | metrics m.jsonl")  # a rehearsal
+    assert format_summary(1, [None, None], 2, 9.0, None, None, "c/iter_0000002", "m.jsonl") == (
+        "done: steps 1-2 of 2 in 9.0 s | checkpoint c/iter_0000002 | metrics m.jsonl")  # a rehearsal
 
 
 def test_the_gemm_baseline_is_the_median_of_half_a_second_of_gemms(monkeypatch):
