@@ -102,3 +102,13 @@ def test_the_demo_s_parameter_count_is_the_log_s():
 
     said = re.search(r"trains a ([\d.]+)M-parameter", README)[1]
     assert said == f"{load_config(os.path.join(ROOT, 'configs', 'tiny_cpu.yaml')).model.num_parameters() / 1e6:.2f}"
+
+
+def test_the_demo_s_last_line_quoted_is_the_run_s_summary_line():
+    """The README quotes the demo's last line as ``training/logger.format_summary`` writes it, for the demo's 100
+    steps, its checkpoint and its metrics file."""
+    took = r"(?:\d+ min \d\d s|[0-9.]+ s)"
+    line = re.search(r"\n(done: .*)\n", README)[1]
+    assert re.fullmatch(rf"done: steps 1-100 of 100 in {took} \(the process: {took}\) \| loss [0-9.]+ at step 1, "
+                        r"[0-9.]+ at step 100, mean [0-9.]+ over steps 91-100 \| checkpoint "
+                        rf"{DEMO_SAVE}/iter_0000100 \| metrics {DEMO_SAVE}/metrics.jsonl", line), line
