@@ -20,6 +20,7 @@ signal N.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -65,10 +66,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_lc.config import ConfigError, load_config
     from megatron_lc.data import DataError, with_tokenizer_vocab
-    from megatron_lc.training.errors import TrainingError
+    from megatron_lc.training.errors import TrainingError, record_error
     from megatron_lc.training.faults import ignore_stop_signals, out_of_host_memory
     from megatron_lc.training.launcher import follow_launcher
-    from megatron_lc.training.process_group import env_world, setup_logging
+    from megatron_lc.training.process_group import env_world, set_threads, setup_logging
 
     rank = env_world()[0]
     try:
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
                               "each node's launcher)")
         follow_launcher()
         setup_logging(rank)
+        logging.getLogger("megatron_lc").info(set_threads())  # the log's first line: before any work
         # model.vocab_size unset: the tokenizer's
         cfg = with_tokenizer_vocab(load_config(args.config, args.overrides), warn=rank == 0)
         from megatron_lc.training.entry import run
@@ -90,16 +92,19 @@ def main(argv=None) -> int:
         # rank fails the same way and rank 0 speaks for all
         if not getattr(e, "said", False) and rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        record_error(f"error: {e}")  # under torchrun: its summary's root cause
         return 2
     except TrainingError as e:  # divergence, a failed save, a stuck or lost rank (megatron_lc/training/faults.py)
         if rank == 0 or e.per_rank:
             print(f"error: {e}", file=sys.stderr)
+        record_error(f"error: {e}")
         return 3
     except (MemoryError, RuntimeError) as e:  # a failed host allocation is one line per rank that had it
         message = out_of_host_memory(e)
         if message is None:
             raise
         print(f"error: {f'rank {rank}: ' if env_world()[1] > 1 else ''}{message}", file=sys.stderr)
+        record_error(f"error: {message}")
         return 3
     except KeyboardInterrupt:  # Ctrl-C outside the training steps (during setup): nothing to save
         if rank == 0:

@@ -4,7 +4,7 @@
 
 The corpus: the Python standard library's sources (``data/demo.py``'s file list), ``--copies`` times, as one
 ``.jsonl.gz``; the tokenizer: a Llama-3-style byte-level BPE of 2,000 ids trained here with ``tokenizers``
-(``tests/support/data_util.py``), through ``HuggingFaceTokenizer``. Each setting runs ``--repeats`` times, alternating;
+(``tools/stand_ins.py``), through ``HuggingFaceTokenizer``. Each setting runs ``--repeats`` times, alternating;
 the best run of each counts (the least disturbed by other processes on the machine). Both outputs must be the same
 bytes. ``ratio``: tokens/s at 2 workers over 1; the machine's cores are printed beside it (a ratio near 2 needs two
 idle cores).
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=2)
     args = ap.parse_args()
     from megatron_lc.data.demo import read_documents, stdlib_source_files
-    from tests.support.data_util import llama3_tokenizer, write_jsonl
+    from tools.stand_ins import llama3_tokenizer, write_jsonl
 
     with tempfile.TemporaryDirectory() as tmp:
         tok = llama3_tokenizer(os.path.join(tmp, "tok"), vocab_size=2000)

@@ -1,17 +1,19 @@
 """Import a Hugging Face model directory (``config.json`` + safetensors, single file or sharded) of Llama, Mistral,
 Qwen2 / 2.5, Qwen3 or Gemma 3 (text) as a megatron_lc checkpoint, its ``model:`` section and its tokenizer files.
 
-    python tools/convert_from_hf.py ~/Qwen3-8B runs/qwen3_8b_import [--tp 2] [--verify]
+    .venv/bin/python tools/convert_from_hf.py ~/Qwen3-8B runs/qwen3_8b_import [--tp 2] [--verify]
     # then, in a config: the model section of runs/qwen3_8b_import/model.yaml, and
     #   checkpoint.load: runs/qwen3_8b_import   checkpoint.finetune: true   (weights only, step 0)
     #   data.tokenizer_type: HuggingFaceTokenizer   data.tokenizer_model: runs/qwen3_8b_import
 
 The checkpoint holds the fp32 weights (torch.distributed.checkpoint); it loads at any tp, cp and dp, and its
 optimizer starts afresh; ``--tp`` checks that the model divides over that many tensor-parallel ranks. The tokenizer
-files (the chat template with them) are copied byte for byte. ``--verify`` then runs transformers' model and the
-imported one on a seeded random batch (fp32, CPU), prints the largest logit difference and exits 1 when it is above
-1e-4 of the largest logit. A field the framework does not implement is one line naming it (exit 2). Library call:
-``megatron_lc.hf.import_hf(hf_dir, out, tp)``; the families and their mapping: ``megatron_lc/hf/``."""
+files (the chat template with them) are copied byte for byte; ``model.yaml`` keeps the ``config.json`` and
+``generation_config.json`` it read (``model.hf_import``), which ``tools/convert_to_hf.py`` writes back. ``--verify``
+then runs transformers' model and the imported one on a seeded random batch (fp32, CPU), prints the largest logit
+difference and exits 1 when it is above 1e-4 of the largest logit. A field the framework does not implement is one
+line naming it (exit 2). Library call: ``megatron_lc.hf.import_hf(hf_dir, out, tp)``; the families and their
+mapping: ``megatron_lc/hf/``."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +27,7 @@ from megatron_lc.hf import VERIFY_RTOL, import_hf, verify  # noqa: E402
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("hf_dir", help="a Hugging Face model directory (config.json + safetensors)")
     p.add_argument("out", help="output directory: iter_0000000/ (the checkpoint), model.yaml, the tokenizer files")
     p.add_argument("--tp", type=int, default=1,

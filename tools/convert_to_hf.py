@@ -2,11 +2,15 @@
 Llama, Mistral, Qwen2, Qwen3 or Gemma 3 (``model.hf_architecture``, set by the importer; else the first family whose
 switches the model has: ``megatron_lc/hf/families.py``).
 
-    python tools/convert_to_hf.py runs/tiny_cpu OUT/                 # newest complete checkpoint of a save dir
-    python tools/convert_to_hf.py runs/tiny_cpu/iter_0000100 OUT/ --dtype bfloat16
+    .venv/bin/python tools/convert_to_hf.py runs/tiny_cpu OUT/        # newest complete checkpoint of a save dir
+    .venv/bin/python tools/convert_to_hf.py runs/tiny_cpu/iter_0000100 OUT/ --dtype bfloat16
     # then: transformers.AutoModelForCausalLM.from_pretrained("OUT/")
 
 What it does:
+- an imported model (``tools/convert_from_hf.py``) goes back with the ``config.json`` and ``generation_config.json``
+  it was imported from, every field as it was but those the run changed (``model.hf_import``; a context
+  extension's RoPE, a length trained past ``max_position_embeddings``): export what was imported, plus the trained
+  weights; a model made here gets its family's config.json from its model keys;
 - reads the full weights whatever the layout they were saved at (torch.distributed.checkpoint; format-2
   checkpoints: merges the tp shards ``model_tp00.pt ...`` along each parameter's ``partition = (dim, stride)``);
 - splits the fused QKV weight, whose full layout is grouped by kv head ``[g: q_0..q_{r-1}, k, v]`` (r = heads per
@@ -41,7 +45,7 @@ import torch  # noqa: E402
 from megatron_lc.config import Config, ConfigError, DataConfig  # noqa: E402
 from megatron_lc.data import DataError, build_tokenizer  # noqa: E402
 from megatron_lc.data.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, tokenizer_type_of  # noqa: E402
-from megatron_lc.hf import copy_tokenizer_files, export_family, hf_config, to_hf  # noqa: E402
+from megatron_lc.hf import copy_tokenizer_files, export_config, export_family, to_hf  # noqa: E402
 from megatron_lc.training.checkpointing.load import full_weights  # noqa: E402
 
 log = logging.getLogger("megatron_lc")
@@ -170,18 +174,23 @@ def convert(checkpoint: str, out: str, dtype: str = "float32", keep_padded_vocab
     os.makedirs(out, exist_ok=True)
     bos, eos = write_tokenizer(tok, out, tok_path) if tok is not None else (None, None)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_config(cfg.model, dtype, keep_padded_vocab, bos, eos, cfg.data.seq_length), f, indent=1)
+        trained = cfg.data.seq_length if meta.get("iteration", 0) > 0 else 0  # an import's own checkpoint: none
+        json.dump(export_config(cfg.model, dtype, keep_padded_vocab, bos, eos, trained), f, indent=1)
+    generation = (cfg.model.hf_import or {}).get("generation_config")
+    if generation is not None:  # the imported model's, whatever tokenizer the run had
+        with open(os.path.join(out, "generation_config.json"), "w") as f:
+            json.dump(generation, f, indent=2)
     write_safetensors({k: v.to(DTYPES[dtype]) for k, v in state.items()}, out, _size(max_shard_size))
     return path
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint.save directory (newest complete checkpoint) or an iter_N dir")
     p.add_argument("out", help="output directory for config.json + safetensors")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the weights' dtype (default float32)")
     p.add_argument("--keep-padded-vocab", action="store_true", help="export the padded vocabulary rows too")
-    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors shards up to this size (default 5GB)")
     p.add_argument("--tokenizer", help="a Hugging Face tokenizer directory or tokenizer.json, or a SentencePiece "
                    ".model (default: the checkpoint's data.tokenizer_model)")
     p.add_argument("--trust-pickle", action="store_true", help="also unpickle checkpoint files that hold more than "

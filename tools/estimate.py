@@ -1,21 +1,23 @@
-"""Will it fit, how fast, and with which layout? Memory and time estimate of a config on a GPU cluster.
+r"""Will it fit, how fast, and with which layout? Memory and time estimate of a config on a GPU cluster.
 
-    python tools/estimate.py --config configs/llama3_8b_1m.yaml --hardware h100            # 8 GPUs (one node)
-    python tools/estimate.py --config configs/gpt_7b.yaml --hardware a800 --gpus 8 --set memory.mst=true
-    python tools/estimate.py --config configs/llama3_8b_1m.yaml --hardware h100 --auto --top 5 --write
-    python tools/estimate.py --config X.yaml --hardware h100 --measured memo_profile.json    # profiler inputs
-    python tools/estimate.py --config configs/llama3_8b_1m.yaml --set parallel.attention_backend=fa3   # a backend
-    python tools/estimate.py --config configs/llama3_8b_1m.yaml --auto \
-        --hw-set efficiency.attention_fwd=0.5 --hw-set efficiency.attention_bwd=0.45        # attention set by hand
+    .venv/bin/python tools/estimate.py --config configs/llama3_8b_1m.yaml --hardware h100     # 8 GPUs (one node)
+    .venv/bin/python tools/estimate.py --config configs/gpt_7b.yaml --hardware a800 --gpus 8 --set memory.mst=true
+    .venv/bin/python tools/estimate.py --config configs/llama3_8b_1m.yaml --hardware h100 --auto --top 5 --write
+    .venv/bin/python tools/estimate.py --config X.yaml --hardware h100 --measured memo_profile.json  # profiled
+    .venv/bin/python tools/estimate.py --config configs/llama3_8b_1m.yaml --set parallel.attention_backend=fa3
+    .venv/bin/python tools/estimate.py --config configs/llama3_8b_1m.yaml --auto \
+        --hw-set efficiency.attention_fwd=0.5 --hw-set efficiency.attention_bwd=0.45      # attention set by hand
 
 Prints memory by part and at each peak moment (fit / OOM / out of host memory), time by part, step time, tokens per
 GPU per second and MFU with the attention backend that will run (``auto``: the fastest measured on the GPU, else
 PyTorch's FA2-class kernel) and each kernel efficiency's source (published, calibrated, set by hand, or measured: GPU
 and date), the Hopper-native what-if beside it, and whether MFU reaches ``--target-mfu`` (else the attention
-efficiency it needs and the backends that reach it). ``--auto`` searches tp x cp x ulysses x memory features x chunk
-sizes and prints the best layouts that fit, ranked with the backend that runs; ``--write`` puts the best one into
-the config's parallel/memory sections (in place, or ``--write OUT.yaml``). Exit status: 0 fits, 1 does not fit (or
-nothing fits with --auto), 2 bad input.
+efficiency it needs and the backends that reach it). The peak is the line marked ``<- peak``: live tensors plus the
+fragmentation reserve (``tools/rehearse.py`` compares its rehearsed peak with the same figure less the reserve,
+"allocated"). Under packed documents a line says how the ring's layout balances them. ``--auto`` searches tp x cp x
+ulysses x memory features x chunk sizes and prints the best layouts that fit, ranked with the backend that runs;
+``--write`` puts the best one into the config's parallel/memory sections (in place, or ``--write OUT.yaml``). A few
+seconds (``--auto``: about a minute). Exit status: 0 fits, 1 does not fit (or nothing fits with --auto), 2 bad input.
 Model and formulas: docs/estimator.md.
 """
 from __future__ import annotations
@@ -35,13 +37,19 @@ from megatron_lc.config.cli import add_config_arguments  # noqa: E402  (after th
 from megatron_lc.estimate.tables import hopper_what_if  # noqa: E402
 
 
+def profiles() -> list[str]:
+    """The hardware profiles' names: ``configs/hardware/*.yaml``."""
+    return sorted(n[:-5] for n in os.listdir(os.path.join(ROOT, "configs", "hardware")) if n.endswith(".yaml"))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(p, "before estimating")
-    p.add_argument("--hardware", default="h100", help="profile name in configs/hardware/ or a YAML path")
+    p.add_argument("--hardware", default="h100", help=f"a profile of configs/hardware/ ({', '.join(profiles())}) "
+                   f"or a YAML path (default h100)")
     p.add_argument("--gpus", type=int, default=None, help="number of GPUs (default: one node of the profile)")
     p.add_argument("--auto", action="store_true", help="search layouts and print the best that fit")
-    p.add_argument("--top", type=int, default=5, help="layouts to print with --auto")
+    p.add_argument("--top", type=int, default=5, help="layouts to print with --auto (default 5)")
     p.add_argument("--write", nargs="?", const="", default=None, metavar="OUT",
                    help="with --auto: write the best layout into the config (or into OUT)")
     p.add_argument("--measured", default=None, help="inputs measured by the Memo profiler (JSON/YAML, or its log "
@@ -53,12 +61,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "activation arena")
     p.add_argument("--trace", default=None, help="allocation trace JSONL: planned (or its max-live bound) as the "
                    "activation arena")
-    p.add_argument("--states", default="framework", help="model-state accounting: framework (this trainer) or a "
-                   "what-if for comparing with other systems: megatron, zero3, bf16_optim_in_backward")
+    p.add_argument("--states", default="framework", help="model-state accounting: framework (this trainer, the "
+                   "default) or a what-if for comparing with other systems: megatron, zero3, bf16_optim_in_backward")
     p.add_argument("--hw-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a hardware profile value (repeatable), e.g. efficiency.attention_fwd=0.35 (every "
                    "backend's) or attention.fa3.fwd=0.7 (one backend's)")
-    p.add_argument("--target-mfu", type=float, default=0.5, help="the MFU the attention kernels are judged against")
+    p.add_argument("--target-mfu", type=float, default=0.5, help="the MFU the attention kernels are judged against "
+                   "(default 0.5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p.parse_args(argv)
 

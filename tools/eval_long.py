@@ -48,7 +48,8 @@ from megatron_lc.training.entry import errors_said_once  # noqa: E402
 from megatron_lc.training.launcher import follow_launcher, launch_local, worker_args  # noqa: E402
 from megatron_lc.training.eval.by_position import bucket_edges, default_bucket_edges, evaluate_positions  # noqa: E402
 from megatron_lc.training.eval.passkey import PasskeyPrompt, check_passkey, evaluate_passkey  # noqa: E402
-from megatron_lc.training.process_group import env_world, init_distributed, setup_logging, shutdown  # noqa: E402
+from megatron_lc.training.process_group import (env_world, init_distributed, set_threads, setup_logging,  # noqa: E402
+                                                shutdown)
 from megatron_lc.training.setup import build_and_calibrate  # noqa: E402
 
 log = logging.getLogger("megatron_lc")
@@ -291,6 +292,7 @@ def main(argv=None) -> int:
             resolve_layout(cfg, args.nproc_per_node)  # a layout mistake: one line, nothing spawned
             return launch_local(args.nproc_per_node, os.path.abspath(__file__), worker_args(argv), GRACE_S,
                                 saves=False)
+        log.info(set_threads())
         results = evaluate(cfg, args)
     except (ConfigError, DataError) as e:
         # said already when the ranks could agree on it (evaluate); before the process group every rank fails the

@@ -1,8 +1,15 @@
-"""Rehearse the training step at full scale on this CPU, before renting GPUs (docs/rehearsal.md).
+r"""Rehearse the training step at full scale on this CPU, before renting GPUs (docs/rehearsal.md).
 
-    python tools/rehearse.py --config configs/llama3_8b_1m.yaml                       # all 8 ranks, 2 steps
-    python tools/rehearse.py --config configs/llama3_8b_1m.yaml --ranks 0,7 --steps 2 --out r.json --plot r.png
-    python tools/rehearse.py --config X.yaml --nproc-per-node 8 --nnodes 4 --ranks 0,9,31 --set data.seq_length=16777216
+    .venv/bin/python tools/rehearse.py --config configs/llama3_8b_1m.yaml --jobs 2        # all 8 ranks, 2 steps
+    .venv/bin/python tools/rehearse.py --config configs/llama3_8b_1m.yaml --ranks 0,7 --out r.json --plot r.png
+    .venv/bin/python tools/rehearse.py --config X.yaml --nproc-per-node 8 --nnodes 4 --ranks 0,9,31 \
+        --set data.seq_length=16777216
+
+How long: minutes to an hour a rank, each in a process of its own (under 1 GB), ``--jobs`` of them at once. On 2
+shared cores: Llama3-8B at 1M, all 8 ranks with the job, ``--jobs 2``: about 12 min; Llama3-8B at 8M, one rank, the
+steps alone: 16-66 min; Llama-3.1-70B at 6M on 32, one rank, the steps alone: about 70 min (docs/rehearsal.md).
+``--ranks`` (the first and the last rank of a layout are the usual pair), ``--steps-only`` and ``--steps 1`` shorten
+it; every phase's line says the seconds since its rank started.
 
 Each simulated rank runs in its own process: the real setup and steps of ``pretrain_gpt.py`` under fake tensors and
 a fake process group (``megatron_lc/rehearsal``); nothing of size is allocated. Prints each phase of each rank as it
@@ -44,6 +51,7 @@ if ROOT not in sys.path:
 
 from megatron_lc.config.cli import add_config_arguments  # noqa: E402  (after the path)
 from megatron_lc.rehearsal.rank import PROGRESS  # noqa: E402
+from tools.estimate import profiles  # noqa: E402
 
 _SAY = threading.Lock()  # the ranks' threads and the main thread print whole lines
 
@@ -57,13 +65,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(p)
     p.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node (default: the profile's GPUs)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes")
-    p.add_argument("--ranks", default="all", help="ranks to rehearse: all, or a list like 0,7")
-    p.add_argument("--steps", type=int, default=2, help="training steps per rank (each to its optimizer step)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--ranks", default="all", help="ranks to rehearse: all (the default), or a list like 0,7")
+    p.add_argument("--steps", type=int, default=2, help="training steps per rank, each to its optimizer step "
+                   "(default 2: the second is the first with AdamW's states)")
     p.add_argument("--steps-only", action="store_true", help="the steps alone: no validation, save, async save, "
                    "resume and step after it")
-    p.add_argument("--hardware", default="h100", help="profile in configs/hardware/ (usable memory, host memory)")
-    p.add_argument("--jobs", type=int, default=1, help="ranks rehearsed at once (each a process)")
+    p.add_argument("--hardware", default="h100", help=f"a profile of configs/hardware/ ({', '.join(profiles())}): "
+                   f"usable memory, host memory, GPUs per node (default h100)")
+    p.add_argument("--jobs", type=int, default=1, help="ranks rehearsed at once, each a process (default 1)")
     p.add_argument("--out", default=None, help="write the JSON (every rank's figures, the summary) here")
     p.add_argument("--plot", default=None, help="write a PNG of device bytes over the step (matplotlib)")
     return p.parse_args(argv)

@@ -14,7 +14,8 @@ class LoggingConfig:
     wandb_project: Optional[str] = None  # wandb is used only when a project is set
     wandb_mode: Literal["offline", "online"] = "offline"
     wandb_dir: Optional[str] = None
-    # per device, for MFU; unset: measured at start (a GEMM in the training dtype), and the log says which
+    # per device, for MFU; unset: the median of short GEMMs in the training dtype timed before the first step,
+    # said in the log with their spread (set it for an MFU that other jobs on the machine do not move)
     peak_tflops: Optional[float] = None
 
     def __post_init__(self) -> None:

@@ -98,6 +98,10 @@ class ModelConfig:
     softmax_scale: Optional[float] = None  # the attention's query scale; unset: 1/sqrt(kv_channels)
     # the architecture tools/convert_to_hf.py writes (set by the importer; unset: the first family the switches fit)
     hf_architecture: Optional[str] = None
+    # the Hugging Face files the model was imported from, as read (set by the importer): {"config": config.json,
+    # "generation_config": generation_config.json when it had one}. The export writes them back, every field as
+    # imported but those the run changed (hf/configs.export_config: a context extension's RoPE, a longer length)
+    hf_import: Optional[dict] = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
@@ -138,6 +142,10 @@ class ModelConfig:
                                                     and self.position_embedding_type == "rope"),
               f"model.rope_local_base_freq ({self.rope_local_base_freq}) needs a positive value and "
               f"model.position_embedding_type: rope")
+        check(self.hf_import is None or (isinstance(self.hf_import.get("config"), dict)
+                                         and set(self.hf_import) <= {"config", "generation_config"}),
+              f"model.hf_import holds {sorted(self.hf_import or {})}: it takes config (a config.json's fields) and "
+              f"generation_config, as the importer writes them")
         if self.layer_types is not None:
             check(len(self.layer_types) == self.num_layers,
                   f"model.layer_types has {len(self.layer_types)} entries for model.num_layers ({self.num_layers})")

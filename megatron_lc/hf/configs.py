@@ -5,14 +5,15 @@ layer by ``layer_types``, from ``use_sliding_window`` / ``max_window_layers`` or
 configs); RoPE (``rope_parameters``, per layer type for Gemma 3: the local layers' theta is
 ``model.rope_local_base_freq``; or ``rope_theta`` + ``rope_scaling``); Gemma 3's ``query_pre_attn_scalar`` as
 ``model.softmax_scale``. Any field we do not implement, or a value of one we do not support, is one line naming it.
-Export writes the family's config from the model keys (``families.export_family`` picks the family)."""
+Export writes the family's config from the model keys (``families.export_family`` picks the family); for an imported
+model, the config.json it was imported from, every field as it was but those the run changed (``export_config``)."""
 from __future__ import annotations
 
 import math
 from typing import Optional
 
 from ..config import ConfigError
-from ..config.model import ROPE_SCALING, check_rope_scaling
+from ..config.model import ROPE_SCALING, ModelConfig, check_rope_scaling
 from .families import BY_ARCHITECTURE, GEMMA3, UNSUPPORTED, Family, export_family
 
 HF_TO_MODEL = {  # HF config.json field -> model section key (the rest is derived or checked below)
@@ -187,3 +188,27 @@ def hf_config(m, dtype: str, keep_padded_vocab: bool, bos: int | None, eos: int 
         "initializer_range": m.init_method_std, "bos_token_id": bos, "eos_token_id": eos, "use_cache": True,
         "torch_dtype": dtype, "dtype": dtype, **_family_fields(family, m),
     }
+
+
+DTYPE_FIELDS = ("torch_dtype", "dtype")  # transformers < 5 reads the first, >= 5 the second
+
+
+def export_config(m, dtype: str, keep_padded_vocab: bool, bos: int | None, eos: int | None,
+                  trained_length: int = 0) -> dict:
+    """The export's ``config.json``: ``hf_config``'s for a model made here; for an imported one (``model.hf_import``)
+    the config.json it was imported from, field for field, but for what the run changed: a field ``hf_config``
+    gives differently for this model than for the model the import made is written anew (a context extension's
+    ``rope_theta`` / ``rope_parameters``, ``max_position_embeddings`` raised by training at a longer length, the
+    padded vocabulary with ``--keep-padded-vocab``), and the weights' dtype goes under the dtype fields the import
+    had. Example: a Qwen3 import fine-tuned below its ``max_position_embeddings`` -> its config.json as it was
+    (``max_window_layers``, ``transformers_version``, a list of eos ids, the one dtype field it had), nothing added,
+    nothing dropped."""
+    now = hf_config(m, dtype, keep_padded_vocab, bos, eos, trained_length)
+    imported = (m.hf_import or {}).get("config")
+    if imported is None:
+        return now
+    then = hf_config(ModelConfig(**model_section_from_hf(imported)), dtype, False, bos, eos)
+    out = dict(imported)
+    out.update({k: v for k, v in now.items() if k not in DTYPE_FIELDS and v != then.get(k)})
+    out.update({k: dtype for k in [k for k in DTYPE_FIELDS if k in imported] or DTYPE_FIELDS})
+    return out

@@ -60,7 +60,12 @@ def imported_state(hf_dir: str, tp: int = 1) -> tuple[Config, dict]:
     """(the config of the model section, the full fp32 state dict) of the Hugging Face directory ``hf_dir``,
     checked: every tensor used, none missing, the model divisible over ``tp``."""
     hf_cfg, tensors = read_hf_dir(hf_dir)
-    cfg = Config.from_dict({"model": model_section_from_hf(hf_cfg),
+    generation = os.path.join(hf_dir, "generation_config.json")
+    files = {"config": hf_cfg}  # what the export writes back (model.hf_import)
+    if os.path.isfile(generation):
+        with open(generation) as f:
+            files["generation_config"] = json.load(f)
+    cfg = Config.from_dict({"model": {**model_section_from_hf(hf_cfg), "hf_import": files},
                             "parallel": {"tensor_model_parallel_size": tp}})
     resolve_layout(cfg, tp)  # heads / kv heads / ffn / vocab divisible by tp: one line if not
     family = BY_ARCHITECTURE[cfg.model.hf_architecture]
@@ -86,8 +91,9 @@ def import_hf(hf_dir: str, out: str, tp: int = 1) -> str:
     """Write ``out/iter_0000000`` (a megatron_lc checkpoint of the model's weights; it loads at any tp, cp and dp,
     its optimizer starts afresh; ``tp``: the tensor-parallel degree it is meant for, checked to divide the model),
     ``out/model.yaml`` (the matching ``model:`` section) and the tokenizer files, byte for byte, for the Hugging Face
-    directory ``hf_dir`` of any family of ``families.FAMILIES``. Returns the checkpoint directory. Weights are kept
-    in fp32."""
+    directory ``hf_dir`` of any family of ``families.FAMILIES``; the model section keeps the config.json and
+    generation_config.json it read (``model.hf_import``: the export writes them back). Returns the checkpoint
+    directory. Weights are kept in fp32."""
     cfg, full = imported_state(hf_dir, tp)
     path = write_model_checkpoint(out, cfg, full, {"imported_from": os.path.abspath(hf_dir)})
     with open(os.path.join(out, "model.yaml"), "w") as f:

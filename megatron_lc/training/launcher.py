@@ -146,8 +146,7 @@ def _env(local: int, nproc: int, nodes: Nodes, port: int) -> dict:
                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(nodes.rank), GROUP_WORLD_SIZE=str(nodes.count),
                ROLE_RANK=str(rank), MASTER_ADDR=nodes.addr, MASTER_PORT=str(port),
                TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
-    env[LAUNCHER_PID] = str(os.getpid())
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several local ranks
+    env[LAUNCHER_PID] = str(os.getpid())  # threads: each rank's own choice (process_group.set_threads)
     return env
 
 

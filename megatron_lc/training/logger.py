@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
+import time
 from typing import Optional
 
 from tqdm import tqdm
@@ -129,4 +131,46 @@ def format_line(r: dict) -> str:
              f"{r['step_seconds']:.2f}s"]
     if r.get("skipped"):
         parts.append("SKIPPED (non-finite)")
+    return " | ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    """``38.2 s``, ``2 min 41 s``, ``1 h 05 min``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+
+
+def process_seconds() -> Optional[float]:
+    """Seconds since this process started (Linux: ``/proc/self/stat``'s start time on the boot clock), None where
+    that cannot be read. The summary's whole time: imports, data preparation and setup before the first step."""
+    try:
+        with open("/proc/self/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def format_summary(first: int, losses: list, iters: int, seconds: float, process: Optional[float],
+                   stop: Optional[str], checkpoint: Optional[str], metrics: Optional[str]) -> str:
+    """The run's last line: its steps (``first`` .. ``first + len(losses) - 1`` of ``iters``) and their time, the
+    process's (``process_seconds``), the first and last loss and the mean of the last ten steps' finite losses, where
+    the checkpoint and metrics are. E.g. ``done: steps 1-100 of 100 in 8 min 33 s (the process: 9 min 37 s) | loss
+    9.0579 at step 1, 4.2596 at step 100, mean 4.6004 over steps 91-100 | checkpoint runs/tiny_cpu/iter_0000100 |
+    metrics runs/tiny_cpu/metrics.jsonl``. Losses are None in a rehearsal (no values): left out."""
+    last = first + len(losses) - 1
+    head = "done" if stop is None else f"stopped ({stop})"
+    whole = f" (the process: {duration(process)})" if process is not None else ""
+    parts = [f"{head}: steps {first}-{last} of {iters} in {duration(seconds)}{whole}"]
+    if losses and losses[0] is not None:
+        window = losses[-10:]
+        tail = [x for x in window if math.isfinite(x)]
+        skipped = f" ({len(window) - len(tail)} skipped)" if len(tail) < len(window) else ""
+        mean = f", mean {sum(tail) / len(tail):.4f} over steps {last - len(window) + 1}-{last}{skipped}" if tail else ""
+        parts.append(f"loss {losses[0]:.4f} at step {first}, {losses[-1]:.4f} at step {last}{mean}")
+    parts.append(f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpoint.save unset)")
+    parts.append(f"metrics {metrics}" if metrics else "metrics on the console only")
     return " | ".join(parts)

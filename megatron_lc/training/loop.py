@@ -26,7 +26,8 @@ from .checkpointing.async_save import AsyncCheckpointer
 from .checkpointing.save import save_checkpoint
 from .faults import SkipCounter, StopControl, collective_errors
 from .batches import microbatches
-from .logger import MetricsLogger, StepBar
+from .checkpointing.directory import iter_dir
+from .logger import MetricsLogger, StepBar, format_summary, process_seconds
 from .metrics import pairs_per_sample, peak_flops, peak_memory_bytes, step_counts, step_metrics
 from .optimizer import clip_grad_norm, lr_at, set_lr, sync_gradients
 from .setup import setup_training
@@ -63,14 +64,22 @@ class Trainer:
         self.metrics = MetricsLogger(cfg, topo.rank, s.resumed)
         self.validator = Validator(s)  # train.eval_interval / eval_iters / test_at_end
         self.async_checkpoints = AsyncCheckpointer(cfg, topo) if cfg.checkpoint.async_save else None
-        self.peak, self.peak_source = peak_flops(cfg, self.execution)
+        self.peak: Optional[float] = None  # MFU's baseline, found before the first step (``baseline``)
+        self.peak_source = ""
         self.mfu_valid = True
         self.pairs: Optional[float] = None
         self.counts: Optional[torch.Tensor] = None
         # off in a rehearsal (fake tensors have no values): the step then reads none -- no loss, no grad norm, no
         # skip / stop agreement, no MFU sanity check
         self.reads_values = True
-        log.info("MFU is relative to %.3g TFLOP/s per rank (%s)", self.peak / 1e12, self.peak_source)
+
+    def baseline(self) -> float:
+        """The peak FLOP/s per rank MFU is relative to (``metrics.peak_flops``: set, or short GEMMs timed for half a
+        second), found once, before the first step -- a run with nothing to do times nothing -- and said."""
+        if self.peak is None:
+            self.peak, self.peak_source = peak_flops(self.cfg, self.execution)
+            log.info("MFU is relative to %.3g TFLOP/s per rank (%s)", self.peak / 1e12, self.peak_source)
+        return self.peak
 
     def microbatches(self, consumed: int) -> list[dict]:
         """This rank's micro-batches of the step after ``consumed`` global samples (``batches.py``)."""
@@ -124,7 +133,7 @@ class Trainer:
                "grad_norm": grad_norm, "skipped": skipped, "tokens": tokens, "step_seconds": dt,
                "consumed_samples": self.state.consumed_samples + self.layout.global_batch_size,
                "peak_memory_bytes": peak_memory_bytes(self.device)}
-        rec.update(step_metrics(self.cfg, self.layout, dt, self.peak, self.pairs))
+        rec.update(step_metrics(self.cfg, self.layout, dt, self.baseline(), self.pairs))
         if self.reads_values and rec["mfu"] > 1.0 and self.mfu_valid:  # the peak is wrong for this machine
             self.mfu_valid = False  # every rank stops reporting MFU; rank 0, whose records are logged, says so once
             if self.topo.rank == 0:
@@ -136,14 +145,14 @@ class Trainer:
 
     def mfu_notice(self, mfu: float) -> str:
         """Why an MFU above 100% is left out, and the advice for where the peak came from: a peak the user set is
-        raised or unset; a measured one (a GEMM timed once at the start, low when other work had the cores then) is
-        replaced by the machine's own figure."""
+        raised or unset; a measured one (GEMMs timed before the first step, low when other work had the
+        cores then) is replaced by the machine's own figure."""
         head = (f"MFU came out at {100 * mfu:.0f}% of the peak ({self.peak / 1e12:.3g} TFLOP/s, {self.peak_source}): "
                 f"that peak is too low for this machine; MFU is left out of the metrics")
         if self.cfg.logging.peak_tflops is not None:
             return f"{head} (raise logging.peak_tflops to this machine's peak, or unset it to measure one)"
-        return (f"{head} (the GEMM timed at the start ran slower than this step's work, as when other jobs share the "
-                f"cores: set logging.peak_tflops to this machine's peak)")
+        return (f"{head} (the GEMMs timed before the first step ran slower than this step's work, as when other jobs "
+                f"share the cores: set logging.peak_tflops to this machine's peak)")
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def save(self) -> None:
@@ -163,7 +172,10 @@ class Trainer:
                      "train.train_iters to train on)", self.state.iteration, c.train.train_iters)
             self.metrics.close()
             return self.state
+        self.baseline()
         self.stop.install()
+        first, losses_before = self.state.iteration + 1, len(self.state.losses)
+        started = time.monotonic()
         bar = StepBar(self.topo.rank, c.train.train_iters, self.state.iteration)
         try:
             while self.state.iteration < c.train.train_iters:
@@ -207,4 +219,8 @@ class Trainer:
             bar.close()
             self.stop.uninstall()
             self.metrics.close()
+        log.info(format_summary(first, self.state.losses[losses_before:], c.train.train_iters,
+                                time.monotonic() - started, process_seconds(), self.state.stop_reason,
+                                iter_dir(c.checkpoint.save, self.state.iteration) if c.checkpoint.save else None,
+                                self.metrics.path))
         return self.state

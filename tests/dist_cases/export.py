@@ -2,6 +2,8 @@
 over the vocabulary), for tests/hf/test_export_hf.py."""
 from __future__ import annotations
 
+import json
+
 import torch
 
 
@@ -36,7 +38,7 @@ def imported_logits(rank, world, import_dir, overrides, tokens):
 
     with open(os.path.join(import_dir, "model.yaml")) as f:
         model = yaml.safe_load(f)["model"]
-    sets = [f"model.{k}={'null' if v is None else v}" for k, v in model.items()]
+    sets = [f"model.{k}={json.dumps(v)}" for k, v in model.items()]  # JSON: YAML that keeps nulls and nesting
     cfg = load_config(None, sets + [f"parallel.tensor_model_parallel_size={world}", "data.mock_data=true",
                                     "data.seq_length=32", "train.device=cpu", "train.micro_batch_size=2",
                                     f"checkpoint.load={import_dir}", "logging.peak_tflops=1"] + list(overrides))

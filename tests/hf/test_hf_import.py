@@ -70,7 +70,8 @@ def test_hf_to_ours_to_hf_is_bitwise(tmp_path, tied, sharded):
     for k in ref:
         assert torch.equal(back[k], ref[k]), k
     cfg = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert cfg["tie_word_embeddings"] == tied and cfg["rope_theta"] == 5000.0 and cfg["rms_norm_eps"] == 1e-6
+    assert cfg == json.loads((tmp_path / "hf" / "config.json").read_text())  # as imported, key for key
+    assert cfg["tie_word_embeddings"] == tied and cfg["rope_parameters"]["rope_theta"] == 5000.0
 
 
 @pytest.mark.parametrize("world,rope,head_dim", [(1, None, None), (2, None, None), (2, LLAMA3_ROPE, 16)],

@@ -1,9 +1,9 @@
 """The fine-tuning recipe of docs/finetune.md, run as written: its bash block (import a chat model with its template,
 preprocess conversations with ``--chat``, fine-tune at cp 2 with ring attention, export, ``generate`` through the
-template) in a fresh directory that links the repository's tools, configs and stand-ins; only the interpreter and the
-stand-in model's directory are this test's. The exported model answers the fixed sentence it was fine-tuned on, ends
-it with ``<|eot_id|>``, and the page's printed figures are what the run prints. The README's section shows the same
-block.
+template) in a fresh directory that links the repository's tools and configs (the stand-ins are a tool's); only the
+interpreter and the stand-in model's directory are this test's. The exported model answers the fixed sentence it was
+fine-tuned on, ends it with ``<|eot_id|>``, and the page's printed figures are what the run prints. The README's
+section shows the same block.
 
 Cost: seven commands, each a fresh interpreter (about 1 min on an idle 2-core machine, most of it imports)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PAGE = os.path.join(ROOT, "docs", "finetune.md")
-STANDIN = "/tmp/llama3_chat_tiny"  # the page's stand-in model directory
+STANDIN = "data/llama3_chat_tiny"  # the page's stand-in model directory (tools/stand_ins.py)
 ANSWER = "'The answer is always the same sentence.<|eot_id|>'"
 
 
@@ -29,7 +29,7 @@ def recipe() -> str:
 def test_the_recipe_runs_as_written_and_the_export_answers(tmp_path):
     block = recipe()
     assert STANDIN in block and ".venv/bin/python" in block and ANSWER in open(PAGE).read()
-    for name in ("tools", "configs", "tests", "pretrain_gpt.py"):
+    for name in ("tools", "configs", "pretrain_gpt.py"):  # not tests/: the recipe's stand-ins are a tool's
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
     script = "set -euo pipefail\n" + block.replace(".venv/bin/python", sys.executable).replace(
         STANDIN, str(tmp_path / "hf"))
