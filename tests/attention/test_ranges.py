@@ -126,8 +126,9 @@ class StandInVarlen:
     def _bnsd(t, a, b):
         return t[None, a:b].transpose(1, 2)
 
-    def _varlen_attn(self, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, window, gqa, *rest):
-        assert window == [-1, -1] and cu_q.dtype == torch.int32 and gqa == (k.shape[1] != q.shape[1])
+    def _varlen_attn(self, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, window, *rest):
+        # (the first ten arguments: every torch with the op has them; the flash kernel takes fewer kv heads)
+        assert window == [-1, -1] and cu_q.dtype == torch.int32 and not rest and q.shape[1] % k.shape[1] == 0
         out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0])
         for a, b, c, e in self._segments(cu_q, cu_k):
             assert not is_causal or b - a == e - c and b - a <= max_q
