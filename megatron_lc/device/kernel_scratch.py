@@ -56,49 +56,49 @@ def _copy(t: torch.Tensor, what: str) -> list:
     return [] if t.is_contiguous() else [Scratch(what, t.numel() * t.element_size())]
 
 
-# ---- formulas (shapes in, bytes out), shared with the estimator --------------------------------------------------
-def flash_workspace(rows_q: int, nq: int, d: int, batch: int = 1) -> list:
+# ---- formulas, shared with the estimator: sizes in "row-heads" (a call's rows times its heads), bytes out --------
+def flash_workspace(q_rowheads: float, d: int) -> list:
     """FlashAttention-2's backward inside PyTorch (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp,
     ``mha_bwd`` / ``mha_varlen_bwd``): ``softmax_d`` fp32 ``[b, nq, rows]`` and ``dq_accum`` fp32 ``[b, rows, nq,
     round_up(d, 32)]`` (``loop = true`` always; not deterministic). ``rows``: the queries rounded up to 128 (dense)
-    or ``total_q + 128 * segments`` (varlen, given as is)."""
-    return [Scratch("flash backward: softmax_d (fp32)", batch * nq * rows_q * 4),
-            Scratch("flash backward: dq_accum (fp32)", batch * rows_q * nq * _round(d, 32) * 4)]
+    or ``total_q + 128 * segments`` (varlen)."""
+    return [Scratch("flash backward: softmax_d (fp32)", int(q_rowheads * 4)),
+            Scratch("flash backward: dq_accum (fp32)", int(q_rowheads * _round(d, 32) * 4))]
 
 
-def gqa_expanded(rows_k: int, nq: int, nkv: int, d: int, elem: int) -> list:
-    """``mha_bwd`` / ``mha_varlen_bwd`` under GQA (nkv < nq): ``dk_expanded``, ``dv_expanded`` at the query heads in
-    the inputs' dtype, summed to the kv heads after the kernel (``at::sum_out``)."""
-    if nkv == nq:
-        return []
-    return [Scratch("flash backward: dk, dv at the query heads (GQA)", 2 * rows_k * nq * d * elem)]
+def gqa_expanded(k_rowheads: float, d: int, elem: int) -> list:
+    """``mha_bwd`` / ``mha_varlen_bwd`` under GQA (fewer kv heads): ``dk_expanded``, ``dv_expanded`` at the query
+    heads (``k_rowheads``: the call's key rows times its *query* heads) in the inputs' dtype, summed to the kv heads
+    after the kernel (``at::sum_out``)."""
+    return [Scratch("flash backward: dk, dv at the query heads (GQA)", int(2 * k_rowheads * d * elem))]
 
 
 def flash_backward(b: int, sq: int, sk: int, nq: int, nkv: int, d: int, elem: int) -> list:
     """``aten._scaled_dot_product_flash_attention_backward`` on CUDA, beyond the copies of dout / out
     (``_flash_attention_backward`` in attention_backward.cu makes the ``[b, s, n, d]`` transposes contiguous)."""
-    return flash_workspace(_round(sq, 128), nq, d, b) + gqa_expanded(b * sk, nq, nkv, d, elem)
+    return flash_workspace(b * _round(sq, 128) * nq, d) + (gqa_expanded(b * sk * nq, d, elem) if nkv < nq else [])
 
 
 def varlen_backward(total_q: int, total_k: int, segments: int, nq: int, nkv: int, d: int, elem: int) -> list:
     """``torch_attn::_varlen_attn_backward`` (torch/nn/attention/varlen.py -> ``aten._flash_attention_backward``
     with cumulative lengths -> ``mha_varlen_bwd``): rows ``total_q + 128 * segments`` (each segment 128 rows apart,
     flash_api.cpp's note on ``dq_accum``)."""
-    return flash_workspace(total_q + 128 * segments, nq, d) + gqa_expanded(total_k, nq, nkv, d, elem)
+    return flash_workspace((total_q + 128 * segments) * nq, d) + (gqa_expanded(total_k * nq, d, elem)
+                                                                   if nkv < nq else [])
 
 
-def cudnn_backward(b: int, sq: int, nq: int, d: int) -> list:
+def cudnn_workspace(q_rowheads: float, d: int) -> list:
     """cuDNN's SDPA backward (aten/src/ATen/native/cudnn/MHA.cpp ``run_cudnn_SDP_bprop``: the graph's workspace,
     ``get_workspace_size``): cudnn-frontend's SDPA backward node keeps ``dQ_accum`` fp32 ``[b, nq, sq, d]`` (cuDNN
     >= 9: no dP workspace) and ``softmax_sum`` fp32 ``[b, nq, sq]``."""
-    return [Scratch("cuDNN backward: dQ_accum (fp32)", b * nq * sq * d * 4),
-            Scratch("cuDNN backward: softmax_sum (fp32)", b * nq * sq * 4)]
+    return [Scratch("cuDNN backward: dQ_accum (fp32)", int(q_rowheads * d * 4)),
+            Scratch("cuDNN backward: softmax_sum (fp32)", int(q_rowheads * 4))]
 
 
-def efficient_backward(b: int, sq: int, nq: int) -> list:
+def efficient_workspace(q_rowheads: float) -> list:
     """``aten._efficient_attention_backward`` (attention_backward.cu): ``delta`` fp32 ``[b, nq, sq]`` (fp32 inputs
     need no gK / gV accumulation workspace), beyond the copy of ``grad_out`` made contiguous."""
-    return [Scratch("memory-efficient backward: delta (fp32)", b * nq * sq * 4)]
+    return [Scratch("memory-efficient backward: delta (fp32)", int(q_rowheads * 4))]
 
 
 def index_put_accumulate(self_bytes: int, self_contiguous: bool, indices: int, value_copy: int = 0) -> list:
@@ -143,14 +143,14 @@ def _varlen_bwd(args, kwargs) -> list:
 def _cudnn_bwd(args, kwargs) -> list:
     _dout, q = args[:2]
     b, nq, sq, d = _bnsd(q)
-    return cudnn_backward(b, sq, nq, d)
+    return cudnn_workspace(b * nq * sq, d)
 
 
 def _efficient_bwd(args, kwargs) -> list:
     dout, q = args[:2]
     b, nq, sq, _ = _bnsd(q)
     return _copy(dout.transpose(1, 2), "memory-efficient backward: dout made contiguous") + \
-        efficient_backward(b, sq, nq)
+        efficient_workspace(b * nq * sq)
 
 
 def _index_put(args, kwargs) -> list:
