@@ -30,6 +30,7 @@ from ..parallel.fsdp import apply_fsdp
 from ..parallel.topology import Topology
 from ..planning.memory_plan import check_plan_setting
 from .batches import microbatches
+from .checkpointing.async_save import STAGING, staging_bytes
 from .checkpointing.directory import check_save_dir, find_latest, read_meta
 from .checkpointing.load import load_checkpoint
 from .optimizer import build_optimizer
@@ -151,6 +152,8 @@ def build_and_calibrate(cfg: Config, layout: Layout, topo: Topology, execution: 
         # offloaded shards on the device and FSDP2 refuses them at the first forward)
         model.to(execution.device)
     env = Calibration(cfg, layout, topo, execution, batch or _no_batch)
+    if cfg.checkpoint.async_save and cfg.checkpoint.save:  # the async save's staging area, budgeted with the pool
+        ctx.host_pool.hold(STAGING, staging_bytes(model, cfg, topo))  # (before Memo's alpha LP reads the budget)
     stage("runtimes")
     run_technique_runtimes(model, ctx, env)
     return model, ctx
