@@ -79,7 +79,8 @@ def unavailable(name: str, device: Optional[torch.device] = None) -> Optional[st
     module, impl, package, majors = REGISTERED[name]
     if not _has_module(module):
         return f"needs {package}, which is not installed (module {module})"
-    if impl not in sdpa_registry.list_flash_attention_impls():
+    listed = getattr(sdpa_registry, "list_flash_attention_impls", None)  # (a torch before the registry: none)
+    if listed is None or impl not in listed():
         return f"needs torch.nn.attention's {impl} registry entry (torch {torch.__version__} has none)"
     if cap is not None and cap[0] not in majors:
         return f"needs compute capability {' or '.join(f'{m}.x' for m in majors)} (this GPU: {cap})"

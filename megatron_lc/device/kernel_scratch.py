@@ -114,6 +114,14 @@ def index_put_accumulate(self_bytes: int, self_contiguous: bool, indices: int, v
     return out
 
 
+def kept_workspaces(communicators: int) -> list:
+    """What a CUDA run holds from its first matmul and its communicators' first collectives on (``KernelScratch``'s
+    kept charges): cuBLAS's and cuBLASLt's workspaces on the compute stream, NCCL's buffers per communicator."""
+    return [Scratch("cuBLAS workspace (compute stream)", CUBLAS_WORKSPACE, kept=True),
+            Scratch("cuBLASLt workspace (compute stream)", CUBLAS_WORKSPACE, kept=True)] + \
+        [Scratch("NCCL buffers of a communicator", NCCL_COMMUNICATOR, kept=True)] * communicators
+
+
 def total(items: list) -> int:
     return sum(s.nbytes for s in items)
 
@@ -221,8 +229,7 @@ class KernelScratch(TorchDispatchMode):
         items = scratch(func, args, kwargs)
         if name in _MATMULS and not self.matmul_seen:
             self.matmul_seen = True
-            items = items + [Scratch("cuBLAS workspace (compute stream)", CUBLAS_WORKSPACE, kept=True),
-                             Scratch("cuBLASLt workspace (compute stream)", CUBLAS_WORKSPACE, kept=True)]
+            items = items + kept_workspaces(0)
         if name.startswith(_COLLECTIVES):
             group = _group(args)
             if group is not None and group[1] > 1 and group[0] not in self.groups:

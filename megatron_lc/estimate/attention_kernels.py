@@ -17,8 +17,21 @@
 from __future__ import annotations
 
 from ..config import Config
-from ..device.kernel_scratch import cudnn_workspace, efficient_workspace, flash_workspace, gqa_expanded, total
+from ..device.kernel_scratch import (cudnn_workspace, efficient_workspace, flash_workspace, gqa_expanded,
+                                     kept_workspaces, total)
 from .dims import Dims
+
+
+def kernel_workspaces(dims: Dims) -> float:
+    """What a CUDA run keeps from its first matmul and collectives on (``kernel_scratch.kept_workspaces``, the
+    rehearsal's kept charges): cuBLAS's workspaces and NCCL's buffers per communicator that carries device tensors in
+    a step -- tp's, the ring's, Ulysses', dp x cp's (FSDP2's gathers and reduce-scatters, the gradients'). Example,
+    tp 2 x Ulysses 4: 3 communicators, 448 MiB."""
+    if dims.device != "cuda":
+        return 0.0
+    groups = (dims.tp, dims.cp // dims.ulysses if dims.cp_comm_type != "fpdt" else 1, dims.ulysses if dims.uses_a2a
+              else 1, dims.dp * dims.cp)
+    return float(total(kept_workspaces(sum(n > 1 for n in groups))))
 
 
 def fpdt_chunk_bytes(cfg: Config, dims: Dims) -> dict:
