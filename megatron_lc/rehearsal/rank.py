@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from typing import Callable, Optional
 
 import torch
@@ -102,9 +103,10 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
         seconds, job, stopped = {"steps": []}, {}, None
         # the stream-order check is the device adapter every runtime binds to: entered inside the fake mode, before
         # the build; the mix check first, so that the others see an op before it raises
-        # the kernels' own workspaces and copies above the tracer: charged after each op's outputs are traced
-        with FakeTensorMode(), tracer, KernelScratch(execution.device, charge), mixes, host_math, \
-                StreamCheck(execution.device) as streams:
+        # the kernels' own workspaces and copies above the tracer, charged after each op's outputs are traced --
+        # CUDA's kernels' (the stand-in device's), none for a CPU execution
+        scratch = KernelScratch(execution.device, charge) if execution.device.type != "cpu" else nullcontext()
+        with FakeTensorMode(), tracer, scratch, mixes, host_math, StreamCheck(execution.device) as streams:
             moments = Moments(tracer.events, on_phase)
             trainer = None
             try:
