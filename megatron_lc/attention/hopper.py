@@ -105,13 +105,16 @@ def cudnn_head_dim_refusal(head_dim: int, cap: Optional[tuple], cudnn: Optional[
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` if its elements fill its storage range without gaps (any dim order), else a contiguous copy: what
-    ``empty_like(t)`` gives dQ / dK / dV then has ``t``'s strides."""
-    order = sorted((i for i in range(t.dim()) if t.shape[i] != 1), key=lambda i: t.stride(i))
+    """``t`` if its elements fill its storage range without gaps (any dim order), else a dense copy in the same dim
+    order: what ``empty_like(t)`` gives dQ / dK / dV then has ``t``'s strides, and out / dout, which the cores keep
+    in that order (the forward's out has q's layout), need no copy. Example: q a ``[b, n, s, d]`` view of the QKV
+    output's ``[s, b, n + 2 nkv, d]`` -> a ``[s, b, n, d]`` tensor, viewed ``[b, n, s, d]``."""
+    order = sorted(range(t.dim()), key=lambda i: (t.stride(i), -i))  # innermost first
     step = 1
     for i in order:
-        if t.stride(i) != step:
-            return t.contiguous()
+        if t.shape[i] != 1 and t.stride(i) != step:
+            outer = order[::-1]
+            return t.permute(outer).contiguous().permute([outer.index(i) for i in range(t.dim())])
         step *= t.shape[i]
     return t
 

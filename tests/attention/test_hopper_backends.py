@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import megatron_lc.attention.backends as backends
 from megatron_lc.attention.backends import Kernels, MathBackend, TorchCPUBackend
 from megatron_lc.attention.fused_cuda import TorchCUDABackend
-from megatron_lc.attention.hopper import CudnnBackend, RegisteredFlashBackend, cudnn_head_dim_refusal
+from megatron_lc.attention.hopper import CudnnBackend, RegisteredFlashBackend, cudnn_head_dim_refusal, dense
 from megatron_lc.attention.kernel_table import parse_table
 from megatron_lc.config import ConfigError, load_config, resolve_layout
 from tests.attention import test_attention_backends as same_as_sdpa, test_ranges as same_as_masked
@@ -35,6 +35,7 @@ class NativeGQAStandIns:
         assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and not return_debug_mask
         self.seen.append(("cudnn", k, v))
         out, lse = self.math.forward(q, k, v, is_causal, scale)
+        out = dense(torch.empty_like(q)).copy_(out)  # MHA.cpp alloc_with_matching_layout: dense, in q's dim order
         seed = torch.zeros((), dtype=torch.int64)
         return out, lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], seed, seed, None
 
@@ -48,6 +49,7 @@ class NativeGQAStandIns:
         for t in (q, k, v):
             assert torch.empty_like(t).stride() == t.stride(), "check_tensor_matches_graph(DQ / DK / DV) fails"
         assert out.stride() == q.stride() and dout.stride() == q.stride(), "check_tensor_matches_graph(O / DO)"
+        self.seen.append(("cudnn_backward_inputs", q, out, dout))
         self.seen.append(("cudnn_backward", k, v, lse))
         return self.math.backward(dout, q, k, v, out, lse[..., 0], is_causal, scale)
 
@@ -109,7 +111,7 @@ def test_gqa_reaches_the_kernel_without_repeat_or_layout_copy(make):
     q, k, v = (torch.randn(16, 1, n, 8, generator=g).permute(1, 2, 0, 3) for n in (8, 2, 2))
     out, lse = backend.forward(q, k, v, True)
     backend.backward(torch.randn_like(out), q, k, v, out, lse, True)
-    (_, k_f, v_f), (_, k_b, v_b, lse_b) = backend.ops.seen
+    (_, k_f, v_f), (_, k_b, v_b, lse_b) = [e for e in backend.ops.seen if e[0] != "cudnn_backward_inputs"]
     for got in (k_f, k_b):
         assert got is k and got.shape[1] == 2  # no repeat_interleave, no .contiguous()
     assert v_f is v and v_b is v
@@ -152,11 +154,13 @@ def test_cudnn_backward_gets_dense_q_k_v_and_out_dout_in_q_layout():
     q, k, v = (t.view(16, 1, -1, 8).permute(1, 2, 0, 3) for t in fused.split([64, 16, 16], dim=-1))
     assert torch.empty_like(v).stride() != v.stride()  # gapped: what made cuDNN's backward fail
     backend = adapters()[0]
-    dout = torch.randn(q.shape, generator=g)
+    dout = torch.randn(16, 1, 8, 8, generator=g).permute(1, 2, 0, 3)  # the cores' view of an [s, b, n, d] grad
     out, lse = backend.forward(q, k, v, True)
     grads = backend.backward(dout, q, k, v, out, lse, True)
     for got, want in zip((out, *grads), same_as_sdpa.reference(q, k, v, True, dout)):
         assert (got - want).abs().max() <= same_as_sdpa.TOL
+    (_, q_b, out_b, dout_b), = [e for e in backend.ops.seen if e[0] == "cudnn_backward_inputs"]
+    assert q_b is not q and out_b is out and dout_b is dout  # q copied dense in its own dim order; out, dout not
 
 
 def test_cudnn_head_dims_above_128_as_sdpa_checks_them():
