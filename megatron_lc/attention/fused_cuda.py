@@ -14,9 +14,9 @@ PyTorch install has: no flash-attn, no TransformerEngine.
   ``piecewise.py``) -- its custom ops ``torch_attn::_varlen_attn`` (out and lse ``[n, total_q]``) and
   ``torch_attn::_varlen_attn_backward``, which takes the out and lse it is given (``varlen_attn``'s autograd only
   passes its own; the op itself is what the ring's merged backward calls). Both have fake-tensor kernels, so a
-  rehearsal runs their shapes. The rectangles of a block are packed by kind: FULL ones in one call with
-  ``is_causal=False``, CAUSAL ones and the ANTI ones with their rows listed in reverse (then causal) in one call with
-  ``is_causal=True``; each rectangle is one ``cu_seq`` segment, its rows gathered from the block's q, k, v by index
+  rehearsal runs their shapes. The rectangles of a block are packed by kind: FULL ones in calls with
+  ``is_causal=False``, CAUSAL ones and the ANTI ones with their rows listed in reverse (then causal) in calls with
+  ``is_causal=True``, each call of at most ``MAX_CALL_ROWS`` rows; each rectangle is one ``cu_seq`` segment, its rows gathered from the block's q, k, v by index
   (``[total, n, d]``, GQA native: no repeat). A forward call's query rows must be distinct (the merge writes them
   back), so a kind whose rectangles share query rows (a query span against two key spans) takes one call per layer
   of disjoint rectangles. The backward adds every call's dq, dk, dv into the fp32 accumulators with ``index_add_``
@@ -102,17 +102,38 @@ class _Call:
         return [_index(dev, a) for a in (self.q_rows, self.q_pos, self.k_rows, self.k_pos, self.cu_q, self.cu_k)]
 
 
+# A call's packed rows, of its queries and of its keys, at most (a larger rectangle is a call of its own): what a
+# call gathers and what the kernel holds inside itself (FlashAttention-2's fp32 dq accumulator, GQA's dk, dv at the
+# query heads: device/kernel_scratch.py) grow with its rows, not its work. Ulysses at 4M with documents (4 query
+# heads, 1 kv head of 128 a rank): one backward call over all 4M rows held 16 GiB inside the kernel and 20 GiB of
+# packed tensors; eight calls of 512K rows hold 2 and 2.5.
+MAX_CALL_ROWS = 1 << 19
+
+
+def _bounded(rects: list) -> list:
+    """``rects`` in runs whose query rows and key rows each stay within ``MAX_CALL_ROWS``."""
+    runs, rows_q, rows_k = [[]], 0, 0
+    for r in rects:
+        lq, lk = r.q1 - r.q0, r.k1 - r.k0
+        if runs[-1] and (rows_q + lq > MAX_CALL_ROWS or rows_k + lk > MAX_CALL_ROWS):
+            runs.append([])
+            rows_q = rows_k = 0
+        runs[-1].append(r)
+        rows_q, rows_k = rows_q + lq, rows_k + lk
+    return runs if runs[0] else []
+
+
 def calls(rects, forward: bool) -> list[_Call]:
-    """The varlen calls of ``rects`` (each with its batch row: ``_per_row``), see the module doc: one per kind in
-    backward (its grads are added per batch row, ``index_add_``); in forward one per layer of a kind's rectangles
-    with disjoint query rows -- by start, each to the first layer whose rows of its batch row end before it
-    (interval colouring: as few layers as rectangles overlap at a row, 2 for a query span against two key spans).
-    Either way a call's rectangles are in batch-row order."""
+    """The varlen calls of ``rects`` (each with its batch row: ``_per_row``), see the module doc: per kind in
+    backward (its grads are added per batch row, ``index_add_``); in forward per layer of a kind's rectangles with
+    disjoint query rows -- by start, each to the first layer whose rows of its batch row end before it (interval
+    colouring: as few layers as rectangles overlap at a row, 2 for a query span against two key spans). Either way
+    cut into calls of at most ``MAX_CALL_ROWS`` rows (``_bounded``), each with its rectangles in batch-row order."""
     if not forward:
         by_kind: dict = {}
         for r in sorted(rects, key=lambda r: r.row or 0):
             by_kind.setdefault(r.kind != FULL, []).append(r)
-        return [_Call(causal, rs) for causal, rs in sorted(by_kind.items())]
+        return [_Call(causal, run) for causal, rs in sorted(by_kind.items()) for run in _bounded(rs)]
     layers: dict = {}  # causal -> [(rectangles, {batch row: end of its last query rows})]
     for r in sorted(rects, key=lambda r: (r.row or 0, r.q0)):
         kind = layers.setdefault(r.kind != FULL, [])
@@ -123,7 +144,8 @@ def calls(rects, forward: bool) -> list[_Call]:
                 break
         else:
             kind.append(([r], {r.row: r.q1}))
-    return [_Call(causal, layer) for causal, kind in sorted(layers.items()) for layer, _ in kind]
+    return [_Call(causal, run) for causal, kind in sorted(layers.items()) for layer, _ in kind
+            for run in _bounded(layer)]
 
 
 def packed_calls(rects, b: int, forward: bool) -> list[_Call]:

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+from ..attention.fused_cuda import MAX_CALL_ROWS
 from ..config import Config
 from ..device.kernel_scratch import (cudnn_workspace, efficient_workspace, flash_workspace, gqa_expanded,
                                      kept_workspaces, total)
@@ -81,10 +82,16 @@ def varlen_extra(dims: Dims, Q: float, KV: float, fq: float, fk: float, backward
     works in place). Backward: at the kernel packed dout, q, out, k, v and its dq, dk, dv (4 fq·Q, 2 fk·KV) and what
     it holds inside itself (``_flash_scratch``: the fp32 dq accumulator, f·fq·Q, and under GQA dk, dv at the query
     heads, 2 fk·Q); then the grads and each one's fp32 copy for the accumulation, added in by ``index_add_`` (no
-    copy of the accumulator): f·(fq·Q + fk·KV) more, one at a time. Example, Llama3-8B, Ulysses cp 4 + tp 2 at 4M
-    with documents (the inner call: 4M rows, 4 query heads and 1 kv head; Q = 4 GiB, KV = 2 GiB in bf16): 16 + 4 +
-    8.06 + 8 = 36.06 GiB at the kernel in backward."""
+    copy of the accumulator): f·(fq·Q + fk·KV) more, one at a time. Each call has at most ``MAX_CALL_ROWS`` rows
+    (``fused_cuda._bounded``), or one document's. Example, Llama3-8B, Ulysses cp 4 + tp 2 at 4M with documents (the
+    inner attention: 4M rows, 4 query heads and 1 kv head; Q = 4 GiB, KV = 2 GiB in bf16), calls of 512K rows
+    (fq = fk = 1/8): 2 + 0.5 + 1.0 + 1.0 = 4.5 GiB at the kernel in backward (one call over the 4M rows: 36.1)."""
     f = 4 / dims.compute_bytes
+    # a call's rows at most MAX_CALL_ROWS, or one rectangle's (a document: its mean length, ``reach``): its share of
+    # the block's rows, at the call's heads (Ulysses' and FPDT's after the all-to-all)
+    heads = dims.heads_local / (dims.ulysses if dims.uses_a2a else 1)
+    cap = max(MAX_CALL_ROWS, dims.reach) * heads * dims.head_dim * dims.compute_bytes / Q
+    fq, fk = min(fq, cap), min(fk, cap)
     if not backward:
         return max(2 * fq * Q + fk * KV, fq * Q * (1 + f))
     return max(4 * fq * Q + 2 * fk * KV + _flash_scratch(dims, Q, KV, fq, fk),

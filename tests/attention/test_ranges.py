@@ -218,3 +218,20 @@ def test_plain_model_attention_is_untouched_without_masks():
     assert torch.allclose(TorchCPUBackend().forward(x, x, x, True)[0], F.scaled_dot_product_attention(x, x, x,
                                                                                                      is_causal=True),
                           atol=TOL)
+
+
+def test_varlen_calls_are_cut_at_max_call_rows_and_still_exact(monkeypatch):
+    """What a variable-length call gathers and what the kernel holds inside itself grow with its rows
+    (``fused_cuda.MAX_CALL_ROWS``): with the cap at 12 rows the block's rectangles go in calls of at most 12 query
+    and 12 key rows (a larger rectangle alone), forward and backward, and the results are the dense masked
+    attention's, as with one call per kind."""
+    from megatron_lc.attention import fused_cuda
+
+    monkeypatch.setattr(fused_cuda, "MAX_CALL_ROWS", 12)
+    docs = DocumentRanges(((0, 5, 6, 23, 31, 40), (0, 40)))
+    rects = block_rects(docs, 7, spans([(20, 30), (30, 40)]), spans([(0, 10), (25, 40)]))
+    for forward in (True, False):
+        for call in fused_cuda.calls(fused_cuda._per_row(rects, 2), forward):
+            segments = len(call.cu_q) - 1
+            assert segments == 1 or (call.cu_q[-1] <= 12 and call.cu_k[-1] <= 12), (forward, call.cu_q, call.cu_k)
+    test_rectangles_equal_the_dense_masked_attention(BACKENDS[2], 7, (4, 1))
