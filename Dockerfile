@@ -33,8 +33,16 @@ sys.exit(0 if v == '${TORCH_VERSION}' else 'base image has torch ' + v + ', expe
     && pip freeze | grep -iE '^(torch|triton|numpy)==' > /etc/megatron_lc_pins.txt \
     && cat /etc/megatron_lc_pins.txt
 
-# flash-attn and TransformerEngine, compiled against this torch (their wheels must match its C++ ABI).
-RUN MAX_JOBS=8 pip install --no-build-isolation -c /etc/megatron_lc_pins.txt "flash-attn==${FLASH_ATTN_VERSION}" \
+# flash-attn and TransformerEngine, compiled against this torch (their wheels must match its C++ ABI): built with
+# --no-build-isolation, so their build tools come first; on a builder without a GPU the architectures are named
+# (torch's cpp_extension would otherwise ask the driver for them) and the driver's stub library stands in for
+# libcuda. About 1-2 hours on 8 cores (flash-attn the most of it; MAX_JOBS bounds the memory, ~4 GB a job).
+ENV TORCH_CUDA_ARCH_LIST="8.0;9.0" \
+    NVTE_CUDA_ARCHS="80;90" \
+    FLASH_ATTENTION_FORCE_BUILD=TRUE
+RUN pip install -c /etc/megatron_lc_pins.txt wheel packaging ninja pybind11 \
+    && export LIBRARY_PATH="/usr/local/cuda/lib64/stubs:${LIBRARY_PATH:-}" \
+    && MAX_JOBS=8 pip install --no-build-isolation -c /etc/megatron_lc_pins.txt "flash-attn==${FLASH_ATTN_VERSION}" \
     && NVTE_FRAMEWORK=pytorch pip install --no-build-isolation -c /etc/megatron_lc_pins.txt \
         "transformer_engine[pytorch]==${TE_VERSION}" \
     && pip freeze | grep -iE '^(flash[-_]attn|transformer[-_]engine.*)==' >> /etc/megatron_lc_pins.txt

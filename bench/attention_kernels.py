@@ -166,7 +166,11 @@ def main(argv=None) -> int:
             raise ConfigError(f"unknown call kind or backend {bad[0]!r}; valid: {', '.join(CALL_KINDS + BACKENDS)}")
         cs = {k: cs[k] for k in kinds}
         if args.dry_run:
-            print(json.dumps({k: {**c, "fwd_tflop": forward_flops(c) / 1e12} for k, c in cs.items()}, indent=1))
+            listed = {k: {**c, "fwd_tflop": forward_flops(c) / 1e12} for k, c in cs.items()}
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump({"dryrun": True, "calls": listed}, f, indent=1)
+            print(json.dumps(listed, indent=1))
             return 0
         if not torch.cuda.is_available():
             raise ConfigError("no CUDA device: this benchmark times GPU kernels (--dry-run lists the calls)")

@@ -4,7 +4,8 @@
 
 spec: ``{"kind": "framework" | "hf", "device": "cuda" | "cpu", "seq": N, "steps": k, "bf16": bool,
 "model": {hidden_size, num_layers, num_attention_heads, num_query_groups, ffn_hidden_size, vocab_size,
-rotary_base}, "sets": [extra --set items, framework only], "profile_trace": path (profile the last step, Chrome
+rotary_base}, "sets": [extra --set items, framework only], "config": a config file the ``sets`` apply to (framework
+only, in place of ``model``: ``bench/gpu_step.py``), "profile_trace": path (profile the last step, Chrome
 trace), "simulate_oom_above": N (dry run: tokens above N fail like an out-of-memory, to exercise the search)}``.
 
 The framework runs through ``Trainer.train_step`` (mock data, batch 1, fp32 master weights, bf16 autocast with
@@ -75,7 +76,13 @@ def _framework(spec: dict, device: torch.device, res: dict) -> None:
 
     plan_runtime.simulate = keep_sim
     with tempfile.TemporaryDirectory() as d:
-        cfg = load_config(None, framework_sets(spec) + [f"logging.metrics_file={os.path.join(d, 'm.jsonl')}"])
+        metrics = [f"logging.metrics_file={os.path.join(d, 'm.jsonl')}"]
+        if spec.get("config"):  # a config file and its --set items, as given (bench/gpu_step.py)
+            cfg = load_config(spec["config"], list(spec.get("sets", [])) + [
+                f"train.train_iters={spec['steps']}", f"train.device={spec['device']}",
+                f"train.bf16={str(spec['bf16']).lower()}", "data.mock_data=true", "logging.log_interval=1"] + metrics)
+        else:
+            cfg = load_config(None, framework_sets(spec) + metrics)
         trainer = Trainer(cfg, Topology(), device)
         for i in range(spec["steps"]):
             rec = _profiled(spec, device, trainer.train_step, i)

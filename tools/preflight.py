@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import json
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -57,7 +58,11 @@ TORCH = [
     Api("torch.distributed.device_mesh.DeviceMesh.from_group", "FSDP2 and checkpoints", ("mesh", "mesh_dim_names")),
     Api("torch.distributed.checkpoint.save", "checkpoints", ("storage_writer", "no_dist")),
     Api("torch.distributed.checkpoint.async_save", "checkpoint.async_save", ("storage_writer", "process_group",
-                                                                            "no_dist")),
+                                                                            "no_dist", "async_stager")),
+    Api("torch.distributed.checkpoint.staging.DefaultStager", "the async save's one staging area, async_save.py"),
+    Api("torch.distributed.checkpoint.staging.StagingOptions", "pinned, reused checkpoint staging",
+        ("use_pinned_memory", "use_shared_memory", "use_async_staging", "use_non_blocking_copy")),
+    Api("torch.distributed.reduce_scatter_tensor", "sequence parallelism's reduce-scatter, parallel/collectives.py"),
     Api("torch.distributed.checkpoint.load", "resume", ("storage_reader", "no_dist")),
     Api("torch.distributed.checkpoint.filesystem._StorageInfo", "checkpoint metadata read as data"),
     Api("torch.nn.functional.rms_norm", "RMSNorm on CUDA, model/norm.py"),
@@ -170,6 +175,7 @@ def check(require: set) -> tuple[list, list]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--require", default="", help="comma-separated: flash-attn, te, fa3, fa4 (default: none required)")
+    p.add_argument("--json", default=None, help="also write the line and what is missing to this file")
     args = p.parse_args(argv)
     require = {r.strip() for r in args.require.split(",") if r.strip()}
     unknown = require - set(PACKAGES)
@@ -181,11 +187,13 @@ def main(argv=None) -> int:
         print("preflight: missing: torch (not installed in this Python)")
         return 1
     seen, gaps = check(require)
-    if gaps:
-        print(f"preflight: missing: {'; '.join(gaps)} -- with {', '.join(seen)}")
-        return 1
-    print(f"preflight: {', '.join(seen)}: every API the code calls is present")
-    return 0
+    line = (f"preflight: missing: {'; '.join(gaps)} -- with {', '.join(seen)}" if gaps else
+            f"preflight: {', '.join(seen)}: every API the code calls is present")
+    print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"line": line, "seen": seen, "missing": gaps}, f, indent=1)
+    return 1 if gaps else 0
 
 
 if __name__ == "__main__":

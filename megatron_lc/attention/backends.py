@@ -264,6 +264,7 @@ def get_backend(name: str = "auto", device: Optional[torch.device] = None,
     fused kernel of the device. ``math`` only when named. ``real_device``: the GPU the kernels run on (None: a
     rehearsal or a test, which gets the aten ops without activating any package)."""
     dev = device.type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    named = name != "auto"
     if name == "auto":
         if dev != "cuda":
             return TorchCPUBackend()
@@ -274,8 +275,8 @@ def get_backend(name: str = "auto", device: Optional[torch.device] = None,
         return TorchCUDABackend() if dev == "cuda" else TorchCPUBackend()
     if name == "math":
         return MathBackend()
-    if name == "cudnn":
-        return CudnnBackend()
+    if name == "cudnn":  # (a head dim cuDNN refuses: one line when named, the torch kernel under auto)
+        return CudnnBackend(named=named, device=real_device)
     if name in ("fa3", "fa4"):
         return RegisteredFlashBackend(name, activate=real_device is not None)
     if name == "flash":

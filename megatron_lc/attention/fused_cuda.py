@@ -2,31 +2,41 @@
 PyTorch install has: no flash-attn, no TransformerEngine.
 
 * bf16 / fp16, head dim <= 256: ``aten._scaled_dot_product_flash_attention`` and its backward (FlashAttention-2
-  inside PyTorch; lse ``[b, n, sq]`` fp32).
+  inside PyTorch; lse ``[b, n, sq]`` fp32). GQA native: k, v keep their kv heads (SDPA's own check lets flash take
+  them, ``check_batch_size_and_num_heads_dense<true /*supports GQA*/>`` in sdp_utils.cpp; ``mha_fwd`` / ``mha_bwd``
+  take ``num_heads_k`` dividing ``num_heads``, the backward sums dk, dv over each group itself).
 * fp32 or larger heads: ``aten._scaled_dot_product_efficient_attention`` (the memory-efficient kernel; its lse is
-  ``[b, n, round_up(sq, 32)]`` -- sliced to ``sq`` here and padded back for its backward).
+  ``[b, n, round_up(sq, 32)]`` -- sliced to ``sq`` here and padded back for its backward). It takes no GQA
+  (``_efficient_attention_backward`` checks ``query.size(2) == key.size(2)``): k, v repeated to the query heads for
+  the call and dk, dv summed back over each group (the memory of one repeated block, not of the sequence).
 * Rectangles of document masks and windows (``ranges.py``), bf16 / fp16: the variable-length kernel of
   ``torch.nn.attention.varlen`` (flash's: fp32 rectangles go one by one to the memory-efficient kernel,
   ``piecewise.py``) -- its custom ops ``torch_attn::_varlen_attn`` (out and lse ``[n, total_q]``) and
   ``torch_attn::_varlen_attn_backward``, which takes the out and lse it is given (``varlen_attn``'s autograd only
   passes its own; the op itself is what the ring's merged backward calls). Both have fake-tensor kernels, so a
-  rehearsal runs their shapes. The rectangles of a block are packed by kind: FULL ones in one call with
-  ``is_causal=False``, CAUSAL ones and the ANTI ones with their rows listed in reverse (then causal) in one call with
-  ``is_causal=True``; each rectangle is one ``cu_seq`` segment, its rows gathered from the block's q, k, v by index
+  rehearsal runs their shapes. The rectangles of a block are packed by kind: FULL ones in calls with
+  ``is_causal=False``, CAUSAL ones and the ANTI ones with their rows listed in reverse (then causal) in calls with
+  ``is_causal=True``, each call of at most ``MAX_CALL_ROWS`` rows; each rectangle is one ``cu_seq`` segment, its rows gathered from the block's q, k, v by index
   (``[total, n, d]``, GQA native: no repeat). A forward call's query rows must be distinct (the merge writes them
   back), so a kind whose rectangles share query rows (a query span against two key spans) takes one call per layer
-  of disjoint rectangles; the backward adds every call's dq, dk, dv with ``index_put_(accumulate=True)``. The
+  of disjoint rectangles. The backward adds every call's dq, dk, dv into the fp32 accumulators with ``index_add_``
+  along the sequence of each batch row's ``[n, s, d]`` slice: a strided write, no copy of the accumulator (CUDA's
+  ``index_put_(accumulate=True)`` -- ``index_put_with_sort_kernel`` in aten/src/ATen/native/cuda/Indexing.cu --
+  makes a non-contiguous target contiguous first and copies it back: a whole fp32 dq, dk, dv per call). The
   indices are built on the host (numpy) and copied from pinned memory without blocking: no host sync.
 
 The flash and memory-efficient backwards take the out and lse they are given -- the *merged* ones of ring / FPDT
-blocks, as the protocol needs. Neither kernel takes fewer kv heads than query heads: k and v are repeated to nq heads
-for the kernel and dk, dv summed back over each group (the memory of one repeated block, not of the sequence).
-Dropout is 0, so the kernels' RNG arguments are unused (placeholders are passed).
+blocks, as the protocol needs. dout is passed as the caller's view: the kernel makes its ``[b, s, n, d]`` transpose
+contiguous itself (``_flash_attention_backward``: ``grad_out.contiguous()``), which copies nothing for the cores'
+``[s, b, n, d]`` tensors at batch 1 -- a ``dout.contiguous()`` here would be a ``[b, n, s, d]`` copy the kernel then
+copies again. What the kernels allocate inside themselves (FlashAttention-2's fp32 dq accumulator, GQA's dk, dv at
+the query heads, ...) is ``device/kernel_scratch.py``'s table, which the rehearsal and the estimator both count.
+Dropout is 0, so the kernels' RNG arguments are never read (``rng_placeholders``).
 
-Never executed on this project's CPU machines: the wrapping (GQA repeat and sum, lse padding, the varlen packing,
-reversal and merge) is tested on CPU with stand-in kernels of the same signatures
-(tests/attention/test_attention_backends.py, tests/attention/test_ranges.py); ``scripts/gpu_check.sh`` T1 is where
-the kernels themselves are checked.
+Never executed on this project's CPU machines: the wrapping (GQA, lse padding, the varlen packing, reversal and
+merge) is tested on CPU with stand-in kernels of the same signatures and constraints
+(tests/attention/test_attention_backends.py, tests/attention/test_ranges.py); ``scripts/gpu_check.sh`` is where the
+kernels themselves are checked.
 """
 from __future__ import annotations
 
@@ -47,10 +57,16 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def no_rng(q: torch.Tensor) -> tuple:
-    """The dense kernels' RNG seed and offset: dropout is 0, so they are never read (placeholders)."""
-    placeholder = torch.zeros((), dtype=torch.int64, device=q.device)
-    return placeholder, placeholder
+def rng_placeholders(q: torch.Tensor, flash: bool = True) -> tuple:
+    """The backwards' RNG seed and offset, in the forms the forwards return them (flash: a ``[2]`` uint64 state and a
+    0-dim uint64, flash_api.cpp ``mha_fwd``'s ``rng_state`` / ``_unused``; the memory-efficient kernel: 0-dim int64,
+    ``seed_t`` / ``offset_t``). Dropout is 0, so no kernel reads them:
+    ``mha_bwd`` / ``mha_varlen_bwd`` set ``params.rng_state`` only ``if (is_dropout)``, the memory-efficient backward
+    reads ``philox_seed`` only ``if (use_dropout)`` (attention_backward.cu), cuDNN builds its seed / offset tensors
+    only when ``dropout_probability != 0``."""
+    if not flash:
+        return tuple(torch.zeros((), dtype=torch.int64, device=q.device) for _ in range(2))
+    return (torch.zeros(2, dtype=torch.uint64, device=q.device), torch.zeros((), dtype=torch.uint64, device=q.device))
 
 
 def _index(dev: torch.device, values: np.ndarray) -> torch.Tensor:
@@ -60,8 +76,9 @@ def _index(dev: torch.device, values: np.ndarray) -> torch.Tensor:
 
 
 class _Call:
-    """One varlen call: the rows of its segments (batch row and position of each packed query and key) and the
-    segments' offsets. ``calls(rects)`` groups a block's rectangles into calls."""
+    """One varlen call: the rows of its segments (batch row and position of each packed query and key), the
+    segments' offsets and, per batch row, its packed rows (``row_spans``: ``(row, q0, q1, k0, k1)``; the rectangles
+    come sorted by batch row). ``calls(rects)`` groups a block's rectangles into calls."""
 
     def __init__(self, causal: bool, rects: list):
         self.causal = causal
@@ -75,22 +92,48 @@ class _Call:
         self.cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
         self.cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
         self.max_q, self.max_k = max(lq), max(lk)
+        rows = [r.row or 0 for r in rects]
+        starts = [i for i in range(len(rects)) if i == 0 or rows[i] != rows[i - 1]] + [len(rects)]
+        self.row_spans = [(rows[a], int(self.cu_q[a]), int(self.cu_q[b]), int(self.cu_k[a]), int(self.cu_k[b]))
+                          for a, b in zip(starts[:-1], starts[1:])]
 
     def on(self, dev: torch.device):
         """Device index tensors: (q rows, q positions, k rows, k positions, cu_q, cu_k)."""
         return [_index(dev, a) for a in (self.q_rows, self.q_pos, self.k_rows, self.k_pos, self.cu_q, self.cu_k)]
 
 
+# A call's packed rows, of its queries and of its keys, at most (a larger rectangle is a call of its own): what a
+# call gathers and what the kernel holds inside itself (FlashAttention-2's fp32 dq accumulator, GQA's dk, dv at the
+# query heads: device/kernel_scratch.py) grow with its rows, not its work. Ulysses at 4M with documents (4 query
+# heads, 1 kv head of 128 a rank): one backward call over all 4M rows held 16 GiB inside the kernel and 20 GiB of
+# packed tensors; eight calls of 512K rows hold 2 and 2.5.
+MAX_CALL_ROWS = 1 << 19
+
+
+def _bounded(rects: list) -> list:
+    """``rects`` in runs whose query rows and key rows each stay within ``MAX_CALL_ROWS``."""
+    runs, rows_q, rows_k = [[]], 0, 0
+    for r in rects:
+        lq, lk = r.q1 - r.q0, r.k1 - r.k0
+        if runs[-1] and (rows_q + lq > MAX_CALL_ROWS or rows_k + lk > MAX_CALL_ROWS):
+            runs.append([])
+            rows_q = rows_k = 0
+        runs[-1].append(r)
+        rows_q, rows_k = rows_q + lq, rows_k + lk
+    return runs if runs[0] else []
+
+
 def calls(rects, forward: bool) -> list[_Call]:
-    """The varlen calls of ``rects`` (each with its batch row: ``_per_row``), see the module doc: one per kind in
-    backward (its grads are added with ``accumulate=True``); in forward one per layer of a kind's rectangles with
+    """The varlen calls of ``rects`` (each with its batch row: ``_per_row``), see the module doc: per kind in
+    backward (its grads are added per batch row, ``index_add_``); in forward per layer of a kind's rectangles with
     disjoint query rows -- by start, each to the first layer whose rows of its batch row end before it (interval
-    colouring: as few layers as rectangles overlap at a row, 2 for a query span against two key spans)."""
+    colouring: as few layers as rectangles overlap at a row, 2 for a query span against two key spans). Either way
+    cut into calls of at most ``MAX_CALL_ROWS`` rows (``_bounded``), each with its rectangles in batch-row order."""
     if not forward:
         by_kind: dict = {}
-        for r in rects:
+        for r in sorted(rects, key=lambda r: r.row or 0):
             by_kind.setdefault(r.kind != FULL, []).append(r)
-        return [_Call(causal, rs) for causal, rs in sorted(by_kind.items())]
+        return [_Call(causal, run) for causal, rs in sorted(by_kind.items()) for run in _bounded(rs)]
     layers: dict = {}  # causal -> [(rectangles, {batch row: end of its last query rows})]
     for r in sorted(rects, key=lambda r: (r.row or 0, r.q0)):
         kind = layers.setdefault(r.kind != FULL, [])
@@ -101,7 +144,8 @@ def calls(rects, forward: bool) -> list[_Call]:
                 break
         else:
             kind.append(([r], {r.row: r.q1}))
-    return [_Call(causal, layer) for causal, kind in sorted(layers.items()) for layer, _ in kind]
+    return [_Call(causal, run) for causal, kind in sorted(layers.items()) for layer, _ in kind
+            for run in _bounded(layer)]
 
 
 def packed_calls(rects, b: int, forward: bool) -> list[_Call]:
@@ -140,6 +184,7 @@ class TorchCUDABackend:
 
     @staticmethod
     def _repeat(k: torch.Tensor, v: torch.Tensor, nq: int):
+        """k, v at the query heads, for the memory-efficient kernel (it takes no GQA)."""
         if k.shape[1] == nq:
             return k, v
         r = nq // k.shape[1]
@@ -167,23 +212,19 @@ class TorchCUDABackend:
         lse_p = torch.zeros(b, nq, _round_up(sq, LSE_PAD), dtype=torch.float32, device=q.device)
         lse_p[..., :sq] = lse
         dq, dk, dv, _ = self.ops._scaled_dot_product_efficient_attention_backward(
-            dout.contiguous(), q, ke, ve, None, out, lse_p, *no_rng(q), 0.0, [True, True, True, False], causal,
-            scale=scale)
+            dout, q, ke, ve, None, out, lse_p, *rng_placeholders(q, flash=False), 0.0, [True, True, True, False],
+            causal, scale=scale)  # (dout as given: the kernel makes its transpose contiguous itself)
         return dq, self._sum_groups(dk, nkv), self._sum_groups(dv, nkv)
 
     # ---- bf16 / fp16: the dense kernel of this backend (subclasses: cuDNN's, FlashAttention-3 / 4's) ----------
     def _low_precision_forward(self, q, k, v, causal: bool, scale: Optional[float]):
-        ke, ve = self._repeat(k, v, q.shape[1])
-        res = self.ops._scaled_dot_product_flash_attention(q, ke, ve, 0.0, causal, False, scale=scale)
+        res = self.ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return res[0], res[1].float()
 
     def _low_precision_backward(self, dout, q, k, v, out, lse, causal: bool, scale: Optional[float]):
-        nkv = k.shape[1]
-        ke, ve = self._repeat(k, v, q.shape[1])
-        dq, dk, dv = self.ops._scaled_dot_product_flash_attention_backward(
-            dout.contiguous(), q, ke, ve, out, lse, None, None, q.shape[2], ke.shape[2], 0.0, causal, *no_rng(q),
-            scale=scale)
-        return dq, self._sum_groups(dk, nkv), self._sum_groups(dv, nkv)
+        return tuple(self.ops._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, *rng_placeholders(q),
+            scale=scale))
 
     # ---- rectangles: the variable-length kernel -------------------------------------------------------------
     @staticmethod
@@ -202,8 +243,10 @@ class TorchCUDABackend:
         for call in packed_calls(rects, q.shape[0], forward=True):
             idx = call.on(q.device)
             qp, kp, vp = self._packed(idx, q, k, v)
+            # the op's first ten arguments, the same in every torch that has it (2.11 has no enable_gqa and later
+            # ones: the flash kernel under it takes fewer kv heads either way)
             o, l, _ = self.varlen._varlen_attn(qp, kp, vp, idx[4], idx[5], call.max_q, call.max_k, call.causal,
-                                              scale, [-1, -1], kp.shape[1] != qp.shape[1], None, None, None)
+                                              scale, [-1, -1])
             del qp, kp, vp
             rows = (idx[0], idx[1])
             acc_out, acc_lse = out_t[rows], lse_t[rows]  # the call's rows gathered: [T, n, d], [T, n] fp32
@@ -222,8 +265,7 @@ class TorchCUDABackend:
             grads = (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
                      torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                      torch.zeros(v.shape, dtype=torch.float32, device=v.device))
-        dq_t, dk_t, dv_t = (g.transpose(1, 2) for g in grads)  # [b, s, n, d] views
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: the RNG state is not read
+        rng = rng_placeholders(q)[0]
         for call in packed_calls(rects, q.shape[0], forward=False):
             idx = call.on(q.device)
             qp, kp, vp = self._packed(idx, q, k, v)
@@ -233,8 +275,19 @@ class TorchCUDABackend:
             gq, gk, gv = self.varlen._varlen_attn_backward(do_p, qp, kp, vp, o_p, l_p, idx[4], idx[5], call.max_q,
                                                            call.max_k, call.causal, rng, scale, [-1, -1])
             del qp, kp, vp, do_p, o_p, l_p
-            dq_t.index_put_(rows, gq.float(), accumulate=True)
-            dk_t.index_put_((idx[2], idx[3]), gk.float(), accumulate=True)
-            dv_t.index_put_((idx[2], idx[3]), gv.float(), accumulate=True)
-            del gq, gk, gv
+            _add_rows(grads[0], gq, idx[1], [(r, a, b) for r, a, b, _, _ in call.row_spans])
+            del gq
+            for acc, g in zip(grads[1:], (gk, gv)):
+                _add_rows(acc, g, idx[3], [(r, a, b) for r, _, _, a, b in call.row_spans])
+            del gk, gv
         return grads
+
+
+def _add_rows(acc: torch.Tensor, packed: torch.Tensor, positions: torch.Tensor, spans: list) -> None:
+    """``acc[row, :, positions[a:b]] += packed[a:b]`` for each ``(row, a, b)``: ``acc`` fp32 ``[b, n, s, d]``,
+    ``packed`` ``[T, n, d]`` (a call's grads, cast to fp32 one at a time). ``index_add_`` along the sequence dim of
+    the row's ``[n, s, d]`` slice writes through its strides (``index_add_cuda_impl``: no copy of ``acc``); repeated
+    positions (a query span against two key spans) add up."""
+    src = packed.float()
+    for row, a, b in spans:
+        acc[row].index_add_(1, positions[a:b], src[a:b].transpose(0, 1))

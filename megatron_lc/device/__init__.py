@@ -17,11 +17,11 @@ the CPU twin::
 """
 from .account import BufferAccount
 from .adapter import DeviceAdapter, use_adapter
-from .host_budget import HostMemoryError, check_pool_budget, host_budget, ranks_on_this_node
+from .host_budget import HostMemoryError, host_budget, host_share, pool_budget_error, ranks_on_this_node
 from .host_pool import HostPool, HostPoolError
 from .storage import has_values, storage_id
 from .stream_check import StreamCheck, StreamViolation
 
 __all__ = ["BufferAccount", "DeviceAdapter", "HostMemoryError", "HostPool", "HostPoolError", "StreamCheck",
-           "StreamViolation", "check_pool_budget", "has_values", "host_budget", "ranks_on_this_node", "storage_id",
-           "use_adapter"]
+           "StreamViolation", "has_values", "host_budget", "host_share", "pool_budget_error", "ranks_on_this_node",
+           "storage_id", "use_adapter"]

@@ -1,14 +1,19 @@
 """The host memory a rank may give its ``HostPool``: ``memory.host_memory_gb`` (a node's budget) or, by default,
 ``MemAvailable`` of /proc/meminfo, shared by the ranks of the node (counted by hostname). Example: 8 ranks on a node
-with ``host_memory_gb: 1600`` -> 200 GiB per rank; the pool's exact size (every technique's reservation) is
-checked against it before the first step, and a pool that does not fit is one ``HostMemoryError`` naming the
-numbers."""
+with ``host_memory_gb: 1600`` -> 200 GiB per rank; the pool's exact size (every technique's reservation, and the
+checkpoint staging beside it) is checked against it before the first step, and a pool that does not fit is one
+``HostMemoryError`` naming the numbers. ``MemAvailable`` falls as the node's ranks allocate and pin, so setup has
+every rank read it before any rank pins and agree on the smallest reading of the node (``training/setup.py``): a
+rank that read after a neighbour pinned would otherwise refuse alone while the others wait in their first
+collective."""
 from __future__ import annotations
 
 import os
 import socket
 
 import torch.distributed as dist
+
+from typing import Optional
 
 from ..config import ConfigError
 from ..units import GIB, fmt_bytes
@@ -49,12 +54,18 @@ def host_budget(host_memory_gb) -> tuple[float, str]:
     return available_host_bytes(), "MemAvailable"
 
 
-def check_pool_budget(pool, host_memory_gb, rank: int, hint: str) -> None:
-    """``pool``'s exact size within this rank's share of the node's host memory, else a one-line
-    ``HostMemoryError`` naming every reservation and ``hint`` (what to change)."""
+def host_share(host_memory_gb) -> tuple[float, str]:
+    """This rank's share of its node's host memory as read now: (bytes, "config" | "MemAvailable")."""
     node, source = host_budget(host_memory_gb)
-    share = node / ranks_on_this_node()
-    if pool.size > share:
-        shares = ", ".join(f"{tag} {fmt_bytes(n)}" for tag, n in pool.reserved.items())
-        raise HostMemoryError(f"rank {rank}: the host pool needs {fmt_bytes(pool.size)} ({shares}), over this rank's "
-                              f"share {fmt_bytes(share)} of the host memory ({source}); {hint}")
+    return node / ranks_on_this_node(), source
+
+
+def pool_budget_error(pool, share: float, source: str, rank: int, hint: str) -> Optional[str]:
+    """The one line a pool that does not fit ``share`` (what the node's ranks agreed on) is refused with, naming every
+    reservation and ``hint`` (what to change); None when it fits. The pool's bytes include what the run holds
+    beside it on the host (``HostPool.beside``: the checkpoint staging area)."""
+    if pool.budget_bytes <= share:
+        return None
+    shares = ", ".join(f"{tag} {fmt_bytes(n)}" for tag, n in {**pool.reserved, **pool.beside}.items())
+    return (f"rank {rank}: the host pool needs {fmt_bytes(pool.budget_bytes)} ({shares}), over this rank's share "
+            f"{fmt_bytes(share)} of the host memory ({source}, the smallest reading of its node's ranks); {hint}")

@@ -94,6 +94,7 @@ class HostPool:
 
     def __init__(self) -> None:
         self.reserved: dict = {}  # tag -> bytes
+        self.beside: dict = {}  # tag -> bytes the run holds on the host outside the pool, budgeted with it (``hold``)
         self.dev: Optional["DeviceAdapter"] = None
         self.data: Optional[torch.Tensor] = None  # the one allocation (uint8, ``size`` bytes)
         self.fit: Optional[_FirstFit] = None
@@ -113,6 +114,20 @@ class HostPool:
     @property
     def size(self) -> int:
         return sum(self.reserved.values())
+
+    @property
+    def budget_bytes(self) -> int:
+        """What the host budget is compared with: the pool and what is held beside it."""
+        return self.size + sum(self.beside.values())
+
+    def others_than(self, tag: str) -> int:
+        """The budgeted bytes of everything but ``tag``'s share (what Memo's alpha LP must leave room for)."""
+        return self.budget_bytes - self.reserved.get(tag, 0)
+
+    def hold(self, tag: str, nbytes: int) -> None:
+        """Host memory the run holds outside the pool, counted with it against the budget (and so in Memo's alpha
+        LP): the asynchronous checkpoint's pinned staging area, which torch.distributed.checkpoint's stager owns."""
+        self.beside[tag] = int(nbytes)
 
     def bind(self, dev: "DeviceAdapter") -> None:
         """The device whose host memory this is (pinned for it on CUDA); one device per pool."""

@@ -4,19 +4,36 @@
 * Attention backward from the merged out and lse (``attention_backward_lse``): local, ring (``_ring_backward``,
   moment by moment along the ring) and Ulysses (the all-to-all's copies around the inner core).
 * FPDT's chunks (``fpdt_chunk_bytes``, ``fpdt_block_backward``): a q / kv chunk of the full sequence at a rank's heads.
-* On CUDA with PyTorch's fused attention kernels (``attention/fused_cuda.py``; ``torch_kernels``), each kernel call
-  also holds k and v repeated to the query heads (GQA), and in backward dk, dv at the query heads before the group
-  sum and dout made contiguous when the caller passes a permuted view (``kernel_extra``). These are per call: ring
-  attention's blocks (half blocks in the zigzag), Ulysses' inner attention after the all-to-all, FPDT's chunks.
-  cuDNN's and FlashAttention-3 / 4's kernels (``attention/hopper.py``) take the kv heads and the views as they are:
-  none of that in bf16 / fp16 (``repeats_kv``); in fp32 they fall back to the memory-efficient kernel, which
-  repeats. Documents and windows as ranges run variable-length calls (``varlen_extra``).
+* On CUDA with PyTorch's fused attention kernels (``attention/fused_cuda.py`` and ``attention/hopper.py``;
+  ``torch_kernels``), what each kernel call holds beyond its inputs and outputs (``kernel_extra``): what the kernels
+  allocate inside themselves, from ``device/kernel_scratch.py`` -- the table the rehearsal charges at each op --
+  (FlashAttention-2's fp32 dq accumulator and, under GQA, dk, dv at the query heads; cuDNN's fp32 dQ accumulator;
+  the memory-efficient kernel's delta), the copies the calls make (fp32: k, v repeated to the query heads, the one
+  kernel without GQA; cuDNN: gapped q, k, v made dense), dout's contiguous copy where the kernel's transpose of it is
+  not contiguous (a batch above 1). These are per call: ring attention's blocks (half blocks in the zigzag),
+  Ulysses' inner attention after the all-to-all, FPDT's chunks. Documents and windows as ranges run
+  variable-length calls (``varlen_extra``).
 """
 from __future__ import annotations
 
+from ..attention.fused_cuda import MAX_CALL_ROWS
 from ..config import Config
+from ..device.kernel_scratch import (cudnn_workspace, efficient_workspace, flash_workspace, gqa_expanded,
+                                     kept_workspaces, total)
 from .dims import Dims
 from .ring_balance import ring_balance
+
+
+def kernel_workspaces(dims: Dims) -> float:
+    """What a CUDA run keeps from its first matmul and collectives on (``kernel_scratch.kept_workspaces``, the
+    rehearsal's kept charges): cuBLAS's workspaces and NCCL's buffers per communicator that carries device tensors in
+    a step -- tp's, the ring's, Ulysses', dp x cp's (FSDP2's gathers and reduce-scatters, the gradients'). Example,
+    tp 2 x Ulysses 4: 3 communicators, 448 MiB."""
+    if dims.device != "cuda":
+        return 0.0
+    groups = (dims.tp, dims.cp // dims.ulysses if dims.cp_comm_type != "fpdt" else 1, dims.ulysses if dims.uses_a2a
+              else 1, dims.dp * dims.cp)
+    return float(total(kept_workspaces(sum(n > 1 for n in groups))))
 
 
 def fpdt_chunk_bytes(cfg: Config, dims: Dims) -> dict:
@@ -33,14 +50,28 @@ def torch_kernels(cfg: Config, dims: Dims) -> bool:
     """The attention kernels are called through PyTorch's ops (``fused_cuda.TorchCUDABackend`` and its subclasses
     of ``attention/hopper.py``): on CUDA with ``parallel.attention_backend`` torch, cudnn, fa3, fa4, or auto (which
     ``estimate()`` has resolved to the backend the run picks on the profile's GPU); flash-attn and TransformerEngine
-    take fewer kv heads than query heads and need none of ``kernel_extra``."""
+    are not read here (``kernel_extra`` 0)."""
     return dims.device == "cuda" and cfg.parallel.attention_backend in ("auto", "torch", "cudnn", "fa3", "fa4")
 
 
 def repeats_kv(cfg: Config, dims: Dims) -> bool:
-    """The dense kernel is handed k, v repeated to the query heads: PyTorch's own (flash, memory-efficient), and
-    every backend's fp32 fallback (the memory-efficient kernel); cuDNN's and FlashAttention-3 / 4's take GQA."""
-    return cfg.parallel.attention_backend in ("auto", "torch") or dims.compute_bytes == 4
+    """The dense kernel is handed k, v repeated to the query heads: only the memory-efficient kernel, every
+    backend's fp32 path (it takes no GQA); flash, cuDNN and FlashAttention-3 / 4 take the kv heads as they are."""
+    return dims.compute_bytes == 4
+
+
+def _rowheads(dims: Dims, Q: float) -> float:
+    """Rows times heads of a q-sized tensor of ``Q`` bytes (the unit of ``device/kernel_scratch.py``'s formulas)."""
+    return Q / (dims.head_dim * dims.compute_bytes)
+
+
+def _flash_scratch(dims: Dims, Q: float, KV: float, fq: float, fk: float) -> float:
+    """What FlashAttention-2's backward holds inside itself for a call over ``fq`` of the queries and ``fk`` of the
+    keys (``kernel_scratch.flash_workspace``, and ``gqa_expanded`` with fewer kv than query heads: KV < 2Q)."""
+    out = total(flash_workspace(_rowheads(dims, fq * Q), dims.head_dim))
+    if KV < 2 * Q:
+        out += total(gqa_expanded(_rowheads(dims, fk * Q), dims.head_dim, dims.compute_bytes))
+    return out
 
 
 def varlen_extra(dims: Dims, Q: float, KV: float, fq: float, fk: float, backward: bool = True) -> float:
@@ -49,47 +80,63 @@ def varlen_extra(dims: Dims, Q: float, KV: float, fq: float, fk: float, backward
     moments. The rectangles' rows are gathered into packed tensors (no GQA repeat: the kernel takes the kv heads as
     they are). Forward: at the kernel packed q, k, v and its out (fq·Q twice, fk·KV); then, the packed inputs
     freed, the out and the accumulator rows it merges into, gathered in fp32 (fq·Q + f·fq·Q; ``merge.merge_into``
-    works in place). Backward: at the kernel packed dout, q, out, k, v and its dq, dk, dv (4 fq·Q, 2 fk·KV); then
-    the grads and each one's fp32 copy for the accumulation (f·(fq·Q + fk·KV) more). Example, Llama3-8B, ring cp 8 at
-    1M with documents (a rank's q Q = 1 GiB in bf16, KV = 0.5 GiB): an earlier rank's block (fq 1, fk 1/2) holds
-    3 GiB in forward, 4.5 GiB in backward."""
+    works in place). Backward: at the kernel packed dout, q, out, k, v and its dq, dk, dv (4 fq·Q, 2 fk·KV) and what
+    it holds inside itself (``_flash_scratch``: the fp32 dq accumulator, f·fq·Q, and under GQA dk, dv at the query
+    heads, 2 fk·Q); then the grads and each one's fp32 copy for the accumulation, added in by ``index_add_`` (no
+    copy of the accumulator): f·(fq·Q + fk·KV) more, one at a time. Each call has at most ``MAX_CALL_ROWS`` rows
+    (``fused_cuda._bounded``), or one document's. Example, Llama3-8B, Ulysses cp 4 + tp 2 at 4M with documents (the
+    inner attention: 4M rows, 4 query heads and 1 kv head; Q = 4 GiB, KV = 2 GiB in bf16), calls of 512K rows
+    (fq = fk = 1/8): 2 + 0.5 + 1.0 + 1.0 = 4.5 GiB at the kernel in backward (one call over the 4M rows: 36.1)."""
     f = 4 / dims.compute_bytes
+    # a call's rows at most MAX_CALL_ROWS, or one rectangle's (a document: its mean length, ``reach``): its share of
+    # the block's rows, at the call's heads (Ulysses' and FPDT's after the all-to-all)
+    heads = dims.heads_local / (dims.ulysses if dims.uses_a2a else 1)
+    cap = max(MAX_CALL_ROWS, dims.reach) * heads * dims.head_dim * dims.compute_bytes / Q
+    fq, fk = min(fq, cap), min(fk, cap)
     if not backward:
         return max(2 * fq * Q + fk * KV, fq * Q * (1 + f))
-    return max(4 * fq * Q + 2 * fk * KV, (fq * Q + fk * KV) + f * max(fq * Q, fk * KV / 2))
+    return max(4 * fq * Q + 2 * fk * KV + _flash_scratch(dims, Q, KV, fq, fk),
+               (fq * Q + fk * KV) + f * max(fq * Q, fk * KV / 2))
 
 
 def kernel_extra(cfg: Config, dims: Dims, Q: float, KV: float, fq: float, fk: float, dout_view: bool = False,
                  backward: bool = True) -> float:
-    """Bytes one fused CUDA kernel call holds above a kernel that takes the kv heads as they are (0 with other
-    kernels). ``Q``: q of the rank's tokens at the call's heads, ``KV``: k + v at their heads (compute dtype);
-    ``fq``, ``fk``: the call's share of those query and key tokens (ring's zigzag blocks: 1/2 or 1). With GQA
-    (fewer kv than query heads) k and v repeated to the query heads (``_repeat``: 2·fk·Q), and in backward dk, dv
-    at the query heads (2·fk·Q), all alive until the call returns, when dk, dv have been summed to the kv heads;
-    ``dout_view``: dout is a permuted view of the caller's ``[s, b, n, d]`` tensor, made contiguous for the kernel
-    (fq·Q; freed when the kernel returns, before the sums).
+    """Bytes one fused CUDA kernel call holds above its inputs and its own outputs (0 with other kernels). ``Q``: q
+    of the rank's tokens at the call's heads, ``KV``: k + v at their heads (compute dtype); ``fq``, ``fk``: the
+    call's share of those query and key tokens (ring's zigzag blocks: 1/2 or 1); ``dout_view``: dout is a permuted
+    view of the caller's ``[s, b, n, d]`` tensor (the cores' ``to_bnsd``), whose ``[b, s, n, d]`` transpose the
+    kernel makes contiguous itself -- a copy only with a batch above 1 (``_dense_extra``).
 
     Example, Llama3-8B (32 query, 8 kv heads) on 8 ranks with Ulysses (4 query heads and 1 kv head a rank, all 1M
-    tokens after the all-to-all; Q = 1 GiB, KV = 0.5 GiB): 2 GiB of repeated k, v in forward; in backward, at the
-    kernel, 1 (dout) + 2 + 2 GiB beside dq and at the query heads, dk, dv, in place of dk, dv (0.5): 4.5 GiB more."""
+    tokens after the all-to-all; Q = 1 GiB, KV = 0.5 GiB), ``torch`` in bf16: nothing in forward; in backward,
+    inside the flash kernel, its fp32 dq accumulator (2 GiB) and dk, dv at the 4 query heads (2 GiB): 4.02 GiB."""
     if not torch_kernels(cfg, dims):
         return 0.0
     ranges = varlen_extra(dims, Q, KV, fq, fk, backward) if dims.ranges else 0.0
     if dims.rects_everywhere:
         return ranges  # every block runs the variable-length kernel
-    if not repeats_kv(cfg, dims):
-        return ranges  # cuDNN / FlashAttention-3 / 4 in bf16: k, v and dout as they are
-    return max(ranges, _dense_extra(Q, KV, fq, fk, dout_view, backward))  # full-attention layers: the dense kernels
+    return max(ranges, _dense_extra(cfg, dims, Q, KV, fq, fk, dout_view, backward))  # full-attention layers
 
 
-def _dense_extra(Q: float, KV: float, fq: float, fk: float, dout_view: bool, backward: bool) -> float:
-    """``kernel_extra`` of the dense fused kernels (see there)."""
-    copy = fq * Q if dout_view else 0.0
-    if KV >= 2 * Q:  # as many kv heads as query heads: nothing repeated
-        return copy if backward else 0.0
+def _dense_extra(cfg: Config, dims: Dims, Q: float, KV: float, fq: float, fk: float, dout_view: bool,
+                 backward: bool) -> float:
+    """``kernel_extra`` of the dense fused kernels (see there): bf16 / fp16 through flash (``torch``, FlashAttention-3
+    / 4 by the same aten op) or cuDNN, fp32 through the memory-efficient kernel."""
+    copy = fq * Q if dout_view and dims.micro_batch > 1 else 0.0  # the kernel's own dout.contiguous()
+    gqa = KV < 2 * Q
+    if repeats_kv(cfg, dims):  # fp32: k, v repeated for the kernel, dk, dv at the query heads until summed
+        if not backward:
+            return 2 * fk * Q if gqa else 0.0
+        delta = total(efficient_workspace(_rowheads(dims, fq * Q)))
+        return (4 * fk * Q + max(0.0, copy - fk * KV) if gqa else copy) + delta
     if not backward:
-        return 2 * fk * Q
-    return 4 * fk * Q + max(0.0, copy - fk * KV)  # at the kernel (with dout's copy) or at the sums (with dk, dv)
+        return 0.0
+    if cfg.parallel.attention_backend == "cudnn":
+        # cuDNN's dQ accumulator and softmax sums; q, k, v made dense (``hopper.dense``) unless they came through
+        # an all-to-all (fresh tensors): local and ring attention hand views of the QKV projection's output
+        dense = 0.0 if dims.uses_a2a else fq * Q + fk * KV
+        return dense + copy + total(cudnn_workspace(_rowheads(dims, fq * Q), dims.head_dim))
+    return copy + _flash_scratch(dims, Q, KV, fq, fk)
 
 
 def _ring_backward(cfg: Config, dims: Dims, Q: float, KV: float, R: int, dout_view: bool) -> float:

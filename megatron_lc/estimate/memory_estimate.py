@@ -28,6 +28,7 @@ from typing import Optional
 
 from ..config import Config
 from . import transient as T
+from .attention_kernels import kernel_workspaces
 from .hardware import HardwareProfile
 from .dims import Dims
 from .inventory import shared_skeletal
@@ -144,7 +145,8 @@ def estimate_memory(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, 
     scale = act_peak / act_peak_formula if act_peak_formula else 1.0
     frag = share.fragmentation * act_peak
     accum = ms["grads"] if dims.micro_batches > 1 or ms["persistent_grads"] else 0.0
-    static = ms["params"] + ms["optimizer"]
+    kept = kernel_workspaces(dims)  # cuBLAS's and NCCL's, held from the first matmul and collectives on
+    static = ms["params"] + ms["optimizer"] + kept
     head_units = ms.get("head_gathered", 0.0)  # FSDP2: the gathered embedding / head weights
     bwd_grads = accum or ms.get("last_layer_grads", ms["head_grad"] + ms["layer_grad"])
     # every layer's gradients (FSDP2: the shards + one layer unsharded)
@@ -173,7 +175,8 @@ def estimate_memory(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, 
              "autocast bf16 weight copies": ms["autocast_copies"],
              "kept activations (all layers)": dims.num_layers * share.kept,
              "rounding buffers (Memo)": rounding, "final norm + head kept": final,
-             "activation peak (at its moment)": act_peak, "fragmentation reserve": frag}
+             "activation peak (at its moment)": act_peak, "fragmentation reserve": frag,
+             "kernel workspaces (cuBLAS, NCCL)": kept}
     ranks_per_node = min(hw.gpus_per_node, dims.world)
     return MemoryEstimate(parts=parts, phases=phases, peak=phases[peak_phase], peak_phase=peak_phase,
                           capacity=hw.device_bytes, host_per_rank=host_rank, host_per_node=host_rank * ranks_per_node,

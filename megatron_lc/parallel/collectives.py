@@ -13,6 +13,10 @@ import torch.distributed as dist
 
 from .topology import Axis, Topology
 
+# torch 2.13 names it reduce_scatter_single (the old name warns it is deprecated); 2.11, the GPU check's torch, has
+# only reduce_scatter_tensor -- the same call
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def fake_world() -> bool:
     """torch.distributed runs a fake process group (a rehearsal: ``fake``, or ``cpu:fake,standin:fake`` for the
@@ -72,20 +76,25 @@ def all_gather(t: torch.Tensor, topo: Topology, axis: Axis, dim: int = 0) -> tor
 def reduce_scatter(t: torch.Tensor, topo: Topology, axis: Axis, dim: int = 0) -> torch.Tensor:
     """Sum over ranks, then keep this rank's 1/n slice of ``dim``.
 
-    gloo has no reduce_scatter, so this is an all-reduce followed by a slice (same result; the counter records
-    reduce-scatter's volume, which is what NCCL would send)."""
+    Decided by the tensor's device, not by the group's backend name: the groups of a CUDA run are
+    ``cpu:gloo,cuda:nccl`` (``dist.get_backend(group)`` says that, never ``nccl``), and a device tensor goes to the
+    device's backend (NCCL; a rehearsal's fake one on its stand-in device) as ``reduce_scatter_tensor`` -- what
+    sequence parallelism's backward sends. A host tensor goes to gloo, whose ``reduce_scatter_tensor`` not every
+    torch has: an all-reduce, then the slice (the same result; the counter records reduce-scatter's volume either
+    way)."""
     n = topo.size(axis)
     if n == 1:
         return t
     if t.shape[dim] % n != 0:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {axis.value} size {n}")
     topo.comm.add("reduce_scatter", (n - 1) / n * _nbytes(t))
-    t = t.contiguous().clone()
     group = topo.group(axis)
-    if dist.get_backend(group) == "nccl":
-        out = torch.empty_like(t.chunk(n, dim=dim)[0]).contiguous()
-        dist.reduce_scatter_tensor(out, t.movedim(dim, 0).contiguous(), group=group)
+    if t.device.type != "cpu":
+        send = t.movedim(dim, 0).contiguous()  # the pieces along dim 0, one after the other
+        out = torch.empty((send.shape[0] // n, *send.shape[1:]), dtype=t.dtype, device=t.device)
+        _reduce_scatter(out, send, group=group)
         return out if dim == 0 else out.movedim(0, dim).contiguous()
+    t = t.contiguous().clone()
     dist.all_reduce(t, group=group)
     return t.chunk(n, dim=dim)[topo.axis_rank(axis)].contiguous()
 

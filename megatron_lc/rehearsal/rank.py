@@ -4,10 +4,11 @@ group, every storage traced; returns the rank's figures (``rehearse_rank``).
 
 The accelerator is the stand-in device ``standin:0`` (``standin.py``), a device of its own beside the host, computing
 as a GPU run does: the dtypes are those ``resolve_execution`` gives a CUDA run (bf16 autocast with ``train.bf16``,
-the residual stream's dtype), the autocast rules are CUDA's, and an op mixing host and device tensors raises where
-CUDA would (``mix_check.py``: the rank stops there). The host's share is told apart by device (every ``cpu``
-storage) and by identity (the host pool's one allocation; with ``fsdp_cpu_offload``, FSDP2's shards, gradients and
-optimizer states). Example: rank 7 of ``configs/llama3_8b_1m.yaml`` -> its peak 45.17 GiB at ``step 1 mb 0 layer 0
+the residual stream's dtype), the autocast rules are CUDA's, an op mixing host and device tensors raises where
+CUDA would (``mix_check.py``: the rank stops there), and what CUDA's kernels hold inside themselves (fp32
+accumulators, workspaces, hidden copies: ``device/kernel_scratch.py``) is charged at each op. The host's share is
+told apart by device (every ``cpu`` storage) and by identity (the host pool's one allocation; with
+``fsdp_cpu_offload``, FSDP2's shards, gradients and optimizer states). Example: rank 7 of ``configs/llama3_8b_1m.yaml`` -> its peak 45.17 GiB at ``step 1 mb 0 layer 0
 backward``, each part of the job's peaks, its checkpoint's 11.22 GiB of pieces.
 
 Run it in a fresh process per rank (``tools/rehearse.py`` does): the fake process group, the tracker and the
@@ -25,12 +26,14 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from typing import Callable, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..config import Config, Execution, load_config, resolve_execution, resolve_layout
+from ..device.kernel_scratch import KernelScratch
 from ..device.stream_check import StreamCheck
 from ..parallel.topology import Topology
 from ..planning.capture.tracker import DispatchTracer
@@ -88,12 +91,22 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
         layout = resolve_layout(cfg, world)
         topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
         tracer = DispatchTracer()
+        charged: dict = {}  # what a CUDA kernel holds inside itself -> the most it held at one call
+
+        def charge(func, items) -> None:  # at the op's moment, beside its inputs and outputs
+            tracer.charge(str(execution.device), [(s.nbytes, s.what, s.kept) for s in items])
+            for s in items:
+                charged[s.what] = max(charged.get(s.what, 0), s.nbytes)
+
         host_math = HostMathCheck([])
         mixes = DeviceMixCheck(execution.device)
         seconds, job, stopped = {"steps": []}, {}, None
         # the stream-order check is the device adapter every runtime binds to: entered inside the fake mode, before
         # the build; the mix check first, so that the others see an op before it raises
-        with FakeTensorMode(), tracer, mixes, host_math, StreamCheck(execution.device) as streams:
+        # the kernels' own workspaces and copies above the tracer, charged after each op's outputs are traced --
+        # CUDA's kernels' (the stand-in device's), none for a CPU execution
+        scratch = KernelScratch(execution.device, charge) if execution.device.type != "cpu" else nullcontext()
+        with FakeTensorMode(), tracer, scratch, mixes, host_math, StreamCheck(execution.device) as streams:
             moments = Moments(tracer.events, on_phase)
             trainer = None
             try:
@@ -136,6 +149,7 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
         out["attention"] = {"pairs_per_step": sum(topo.comm.pairs.values()),  # every layer's forward calls
                             "kv_received_bytes_per_step": {op: sum(n for (_, o), n in topo.comm.received.items()
                                                                    if o == op) for op in ("p2p_fwd", "p2p_bwd")}}
+        out["kernel_scratch"] = charged
         out["violations"] = mixes.violations + host_math.violations + [
             {"kind": v.kind, "buffer": v.buffer, "site": str(v.second), "first_site": str(v.first), "text": str(v)}
             for v in streams.violations]

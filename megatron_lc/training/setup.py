@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -21,13 +22,15 @@ import torch
 from ..compose import Calibration, ModelContext, ModelSpec, build_model
 from ..config import Config, ConfigError, Execution, Layout, resolve_execution, resolve_layout
 from ..data import DataSplits, build_dataset, split_sizes
-from ..device import check_pool_budget
+from ..device import HostMemoryError, HostPool, host_share, pool_budget_error
 from ..memory.arena import PlannedArena
 from ..model.init import materialize
+from ..parallel.collectives import all_gather_objects
 from ..parallel.fsdp import apply_fsdp
 from ..parallel.topology import Topology
 from ..planning.memory_plan import check_plan_setting
 from .batches import microbatches
+from .checkpointing.async_save import STAGING, staging_bytes
 from .checkpointing.directory import check_save_dir, find_latest, read_meta
 from .checkpointing.load import load_checkpoint
 from .optimizer import build_optimizer
@@ -87,6 +90,21 @@ def check_topology(layout: Layout, topo: Topology) -> None:
                           f"{layout.world_size}, tp {layout.tp}, cp {layout.cp}, ulysses {layout.ulysses})")
 
 
+def check_host_budget(pool: HostPool, host_memory_gb, rank: int) -> None:
+    """The pool's exact size (and what is held beside it) against this rank's share of its node's host memory, the
+    same decision on every rank: each reads its share now, before any rank pins (``pool.allocate`` comes after this
+    collective on every rank), the node's ranks take the smallest reading (``MemAvailable`` only falls as neighbours
+    allocate), and a pool that does not fit on any rank is that rank's one ``HostMemoryError`` line on all of them --
+    never one rank refusing alone while the others wait in their first collective. Example: 2 ranks on a node read
+    40 and 30 GiB (the first read before the second's neighbour pinned): both take 30."""
+    share, source = host_share(host_memory_gb)
+    host = socket.gethostname()
+    agreed = min(s for h, s in all_gather_objects((host, share)) if h == host)
+    errors = [e for e in all_gather_objects(pool_budget_error(pool, agreed, source, rank, HOST_HINT)) if e]
+    if errors:
+        raise HostMemoryError(errors[0])
+
+
 def run_technique_runtimes(model, ctx: ModelContext, env: Calibration) -> None:
     """The technique runtimes (``compose/context.py``), each step over all of them in their order: bind to the
     device; calibrate on the built model (each reserves its host-pool share); the host pool's exact size against
@@ -97,8 +115,9 @@ def run_technique_runtimes(model, ctx: ModelContext, env: Calibration) -> None:
         rt.bind(env.execution.device)
     for rt in ctx.runtimes:
         rt.calibrate(model, env)
+    if ctx.host_pool.budget_bytes:
+        check_host_budget(ctx.host_pool, env.cfg.memory.host_memory_gb, env.topo.rank)
     if ctx.host_pool.size:
-        check_pool_budget(ctx.host_pool, env.cfg.memory.host_memory_gb, env.topo.rank, HOST_HINT)
         ctx.host_pool.allocate()  # page-locked here: a failure is one line before training, not a rank stuck in
         # its first forward while the others wait for it in p2p
     for rt in ctx.runtimes:
@@ -133,6 +152,8 @@ def build_and_calibrate(cfg: Config, layout: Layout, topo: Topology, execution: 
         # offloaded shards on the device and FSDP2 refuses them at the first forward)
         model.to(execution.device)
     env = Calibration(cfg, layout, topo, execution, batch or _no_batch)
+    if cfg.checkpoint.async_save and cfg.checkpoint.save:  # the async save's staging area, budgeted with the pool
+        ctx.host_pool.hold(STAGING, staging_bytes(model, cfg, topo))  # (before Memo's alpha LP reads the budget)
     stage("runtimes")
     run_technique_runtimes(model, ctx, env)
     return model, ctx

@@ -70,25 +70,32 @@ def test_merge_handles_rows_with_no_keys():
 
 # ---- PyTorch's fused CUDA kernels (fused_cuda.TorchCUDABackend), wrapping tested on CPU ---------------------------
 class StandInKernels:
-    """CPU stand-ins with the signatures and constraints of aten's CUDA kernels: equal q and kv heads, the
-    memory-efficient kernel's lse padded to a multiple of 32 (NaN in the padding, which must never be read) and no
-    bias (masks are never dense); computed by ``MathBackend``."""
+    """CPU stand-ins with the signatures and constraints of aten's CUDA kernels, computed by ``MathBackend``: the
+    flash pair takes fewer kv heads (``mha_fwd`` / ``mha_bwd``: "Number of heads in key/value must divide number of
+    heads in query"), the memory-efficient pair does not (``_efficient_attention_backward``: ``query.size(2) ==
+    key.size(2)``) and pads its lse to a multiple of 32 (NaN in the padding, which must never be read); no bias
+    (masks are never dense); dropout 0, so the RNG arguments are never read (flash_api.cpp: ``if (is_dropout)``).
+    ``seen``: (op, k, dout) of each backward, for the no-repeat / no-copy checks."""
 
     math = MathBackend()
 
+    def __init__(self):
+        self.seen = []
+
     @staticmethod
     def _heads(q, k):
-        assert q.shape[1] == k.shape[1], "the fused kernels take no GQA"
+        assert q.shape[1] == k.shape[1], "the memory-efficient kernel takes no GQA"
 
     def _scaled_dot_product_flash_attention(self, q, k, v, dropout_p, is_causal, return_debug_mask, scale=None):
-        self._heads(q, k)
+        assert q.shape[1] % k.shape[1] == 0 and dropout_p == 0.0
         out, lse = self.math.forward(q, k, v, is_causal, scale)
         return out, lse, None, None, q.shape[2], k.shape[2], None, None, None
 
     def _scaled_dot_product_flash_attention_backward(self, dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k,
                                                      dropout_p, is_causal, seed, offset, scale=None):
-        self._heads(q, k)
+        assert q.shape[1] % k.shape[1] == 0 and dropout_p == 0.0
         assert lse.shape == q.shape[:3] and max_q == q.shape[2] and max_k == k.shape[2]
+        self.seen.append(("flash_backward", k, dout))
         return self.math.backward(dout, q, k, v, out, lse, is_causal, scale)
 
     def _scaled_dot_product_efficient_attention(self, q, k, v, bias, compute_lse, dropout_p, is_causal, scale=None):
@@ -105,6 +112,7 @@ class StandInKernels:
         self._heads(q, k)
         sq = q.shape[2]
         assert lse.shape[-1] == (sq + 31) // 32 * 32 and bias is None
+        self.seen.append(("efficient_backward", k, dout))
         dq, dk, dv = self.math.backward(dout, q, k, v, out, lse[..., :sq], is_causal, scale)
         return dq, dk, dv, None
 
@@ -131,6 +139,38 @@ def test_fused_cuda_wrapping_matches_sdpa(backend, causal, heads):
 @pytest.mark.parametrize("backend", CUDA_WRAPPERS, ids=["efficient", "flash"])
 def test_fused_cuda_wrapping_merges_blocks(backend):
     test_two_key_blocks_merged_by_lse_equal_one_call(backend)
+
+
+def test_the_flash_kernel_gets_the_kv_heads_and_dout_as_they_are():
+    """8 query and 2 kv heads as ``[b, n, s, d]`` views of ``[s, b, n, d]`` tensors (``core.to_bnsd``): the flash
+    backward gets k and dout themselves -- no repeat to the query heads (the kernel sums dk, dv over each group
+    itself), no ``dout.contiguous()`` (the kernel makes the ``[b, s, n, d]`` transpose contiguous, a no-op for this
+    layout at batch 1, so a copy here would be a second one); the memory-efficient kernel still gets k repeated."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(16, 1, n, 8, generator=g).permute(1, 2, 0, 3) for n in (8, 2, 2, 8))
+    flash, efficient = FlashPathOnCPU(ops=StandInKernels()), TorchCUDABackend(ops=StandInKernels())
+    for backend in (flash, efficient):
+        out, lse = backend.forward(q, k, v, True)
+        ref = reference(q, k, v, True, dout)
+        grads = backend.backward(dout, q, k, v, out, lse, True)
+        for got, want in zip((out, *grads), ref):
+            assert (got - want).abs().max() <= TOL
+    (_, k_flash, dout_flash), = flash.ops.seen
+    assert k_flash is k and dout_flash is dout
+    (_, k_eff, _), = efficient.ops.seen
+    assert k_eff.shape[1] == 8  # repeated for the kernel that takes no GQA
+
+
+def test_the_rng_placeholders_have_the_forwards_forms():
+    """Dropout 0: no backward reads its RNG arguments (flash_api.cpp ``mha_bwd``: ``if (is_dropout) {
+    params.rng_state = philox_seed.data_ptr<uint64_t>(); }``); they are passed in the forms the forwards return --
+    flash's ``[2]`` uint64 state and 0-dim uint64, the memory-efficient kernel's 0-dim int64 seed and offset."""
+    from megatron_lc.attention.fused_cuda import rng_placeholders
+
+    q = torch.empty(1, 2, 4, 8)
+    (state, unused), (seed, offset) = rng_placeholders(q), rng_placeholders(q, flash=False)
+    assert state.shape == (2,) and state.dtype == torch.uint64 and unused.shape == () and unused.dtype == torch.uint64
+    assert seed.shape == offset.shape == () and seed.dtype == offset.dtype == torch.int64
 
 
 def test_backend_choice_per_device(monkeypatch):

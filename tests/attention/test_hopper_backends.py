@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import megatron_lc.attention.backends as backends
 from megatron_lc.attention.backends import Kernels, MathBackend, TorchCPUBackend
 from megatron_lc.attention.fused_cuda import TorchCUDABackend
-from megatron_lc.attention.hopper import CudnnBackend, RegisteredFlashBackend
+from megatron_lc.attention.hopper import CudnnBackend, RegisteredFlashBackend, cudnn_head_dim_refusal, dense
 from megatron_lc.attention.kernel_table import parse_table
 from megatron_lc.config import ConfigError, load_config, resolve_layout
 from tests.attention import test_attention_backends as same_as_sdpa, test_ranges as same_as_masked
@@ -35,6 +35,7 @@ class NativeGQAStandIns:
         assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and not return_debug_mask
         self.seen.append(("cudnn", k, v))
         out, lse = self.math.forward(q, k, v, is_causal, scale)
+        out = dense(torch.empty_like(q)).copy_(out)  # MHA.cpp alloc_with_matching_layout: dense, in q's dim order
         seed = torch.zeros((), dtype=torch.int64)
         return out, lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], seed, seed, None
 
@@ -42,6 +43,13 @@ class NativeGQAStandIns:
                                                      cum_k, max_q, max_k, dropout_p, is_causal, scale=None):
         assert lse.shape == (*q.shape[:3], 1) and attn_bias is None and cum_q is None and cum_k is None
         assert (max_q, max_k) == (q.shape[2], k.shape[2]) and dropout_p == 0.0
+        # CUDA's constraints (aten/src/ATen/native/cudnn/MHA.cpp): the graph's dQ / dK / dV have q's / k's / v's
+        # strides and are checked against ``empty_like`` of them (dense: a gapped view's strides differ); O and dO
+        # have q's layout
+        for t in (q, k, v):
+            assert torch.empty_like(t).stride() == t.stride(), "check_tensor_matches_graph(DQ / DK / DV) fails"
+        assert out.stride() == q.stride() and dout.stride() == q.stride(), "check_tensor_matches_graph(O / DO)"
+        self.seen.append(("cudnn_backward_inputs", q, out, dout))
         self.seen.append(("cudnn_backward", k, v, lse))
         return self.math.backward(dout, q, k, v, out, lse[..., 0], is_causal, scale)
 
@@ -103,7 +111,7 @@ def test_gqa_reaches_the_kernel_without_repeat_or_layout_copy(make):
     q, k, v = (torch.randn(16, 1, n, 8, generator=g).permute(1, 2, 0, 3) for n in (8, 2, 2))
     out, lse = backend.forward(q, k, v, True)
     backend.backward(torch.randn_like(out), q, k, v, out, lse, True)
-    (_, k_f, v_f), (_, k_b, v_b, lse_b) = backend.ops.seen
+    (_, k_f, v_f), (_, k_b, v_b, lse_b) = [e for e in backend.ops.seen if e[0] != "cudnn_backward_inputs"]
     for got in (k_f, k_b):
         assert got is k and got.shape[1] == 2  # no repeat_interleave, no .contiguous()
     assert v_f is v and v_b is v
@@ -132,7 +140,50 @@ def test_fp32_falls_back_to_the_memory_efficient_kernel_with_repeat():
     ops = Both()
     ops.seen = []
     same_as_sdpa.test_backend_matches_sdpa(CudnnBackend(ops=ops), True, (4, 2))
-    assert ops.seen == []  # cuDNN's op never called in fp32
+    assert not [e for e in ops.seen if e[0].startswith("cudnn")]  # cuDNN's op never called in fp32
+
+
+def test_cudnn_backward_gets_dense_q_k_v_and_out_dout_in_q_layout():
+    """q, k, v as the attention block makes them: gapped views of the fused QKV output ``[s, b, (8 + 2 + 2) * 8]``
+    (``model/attention.py``), as ``[b, n, s, d]`` views. cuDNN's backward checks dQ / dK / dV -- ``empty_like`` of
+    q, k, v, so dense -- against a graph built with q's, k's, v's strides, and O / dO against q's layout (the
+    stand-in asserts both, as MHA.cpp's ``check_tensor_matches_graph``): the adapter hands it dense copies of the
+    gapped views and out, dout in q's layout; the grads equal SDPA's."""
+    g = torch.Generator().manual_seed(4)
+    fused = torch.randn(16, 1, 12 * 8, generator=g)
+    q, k, v = (t.view(16, 1, -1, 8).permute(1, 2, 0, 3) for t in fused.split([64, 16, 16], dim=-1))
+    assert torch.empty_like(v).stride() != v.stride()  # gapped: what made cuDNN's backward fail
+    backend = adapters()[0]
+    dout = torch.randn(16, 1, 8, 8, generator=g).permute(1, 2, 0, 3)  # the cores' view of an [s, b, n, d] grad
+    out, lse = backend.forward(q, k, v, True)
+    grads = backend.backward(dout, q, k, v, out, lse, True)
+    for got, want in zip((out, *grads), same_as_sdpa.reference(q, k, v, True, dout)):
+        assert (got - want).abs().max() <= same_as_sdpa.TOL
+    (_, q_b, out_b, dout_b), = [e for e in backend.ops.seen if e[0] == "cudnn_backward_inputs"]
+    assert q_b is not q and out_b is out and dout_b is dout  # q copied dense in its own dim order; out, dout not
+
+
+def test_cudnn_head_dims_above_128_as_sdpa_checks_them():
+    """``check_cudnn_tensor_shapes`` (sdp_utils.cpp): 128 at most, 256 with cuDNN >= 9.10 on compute capability
+    9.0, multiples of 8; a direct op call skips that check, so the adapter mirrors it: named, one ConfigError line;
+    under auto, PyTorch's flash kernel for that head dim."""
+    assert cudnn_head_dim_refusal(128, (8, 0), 8900) is None and cudnn_head_dim_refusal(256, (9, 0), 91002) is None
+    assert cudnn_head_dim_refusal(256, None, None) is None  # no GPU (a rehearsal): nothing known, nothing refused
+    assert "9.10" in cudnn_head_dim_refusal(256, (9, 0), 90800) and "9.10" in cudnn_head_dim_refusal(256, (10, 0),
+                                                                                                    91002)
+    assert "multiple of 8" in cudnn_head_dim_refusal(100, (9, 0), 91002)
+    named, under_auto = (CudnnOnCPU(ops=NativeGQAStandIns(), named=n, device=torch.device("cuda")) for n in (True,
+                                                                                                          False))
+    for b in (named, under_auto):
+        b._refusal[16] = cudnn_head_dim_refusal(256, (9, 0), 90800)  # this GPU: cuDNN 9.8 (head dim 16 plays 256)
+    q, k, v = (torch.randn(1, n, 8, 16) for n in (4, 2, 2))
+    with pytest.raises(ConfigError) as e:
+        named.forward(q, k, v, True)
+    assert str(e.value).startswith("parallel.attention_backend cudnn: head dim 256 needs cuDNN >= 9.10") and \
+        "\n" not in str(e.value)
+    under_auto.ops = Both = type("Both", (StandInKernels, NativeGQAStandIns), {})()
+    out, lse = under_auto.forward(q, k, v, True)
+    assert Both.seen == [] and out.shape == q.shape  # the flash stand-in ran, cuDNN's op never did
 
 
 @pytest.mark.parametrize("name", ["cudnn", "fa3"])

@@ -126,8 +126,9 @@ class StandInVarlen:
     def _bnsd(t, a, b):
         return t[None, a:b].transpose(1, 2)
 
-    def _varlen_attn(self, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, window, gqa, *rest):
-        assert window == [-1, -1] and cu_q.dtype == torch.int32 and gqa == (k.shape[1] != q.shape[1])
+    def _varlen_attn(self, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, window, *rest):
+        # (the first ten arguments: every torch with the op has them; the flash kernel takes fewer kv heads)
+        assert window == [-1, -1] and cu_q.dtype == torch.int32 and not rest and q.shape[1] % k.shape[1] == 0
         out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0])
         for a, b, c, e in self._segments(cu_q, cu_k):
             assert not is_causal or b - a == e - c and b - a <= max_q
@@ -217,3 +218,20 @@ def test_plain_model_attention_is_untouched_without_masks():
     assert torch.allclose(TorchCPUBackend().forward(x, x, x, True)[0], F.scaled_dot_product_attention(x, x, x,
                                                                                                      is_causal=True),
                           atol=TOL)
+
+
+def test_varlen_calls_are_cut_at_max_call_rows_and_still_exact(monkeypatch):
+    """What a variable-length call gathers and what the kernel holds inside itself grow with its rows
+    (``fused_cuda.MAX_CALL_ROWS``): with the cap at 12 rows the block's rectangles go in calls of at most 12 query
+    and 12 key rows (a larger rectangle alone), forward and backward, and the results are the dense masked
+    attention's, as with one call per kind."""
+    from megatron_lc.attention import fused_cuda
+
+    monkeypatch.setattr(fused_cuda, "MAX_CALL_ROWS", 12)
+    docs = DocumentRanges(((0, 5, 6, 23, 31, 40), (0, 40)))
+    rects = block_rects(docs, 7, spans([(20, 30), (30, 40)]), spans([(0, 10), (25, 40)]))
+    for forward in (True, False):
+        for call in fused_cuda.calls(fused_cuda._per_row(rects, 2), forward):
+            segments = len(call.cu_q) - 1
+            assert segments == 1 or (call.cu_q[-1] <= 12 and call.cu_k[-1] <= 12), (forward, call.cu_q, call.cu_k)
+    test_rectangles_equal_the_dense_masked_attention(BACKENDS[2], 7, (4, 1))

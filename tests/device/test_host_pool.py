@@ -10,6 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_lc.device import DeviceAdapter, HostPool, HostPoolError
+from tests.dist_cases.offload import host_budget_agreed
+from tests.support.dist import run_dist
 from tests.support.parity import (assert_close_grads, assert_close_loss, batch_for, build, reference_loss_and_grads,
                                   small_config)
 
@@ -286,3 +288,15 @@ def test_setup_allocates_the_pool_and_a_refused_page_lock_is_one_line(monkeypatc
         build(small_config(FPDT))
     assert "\n" not in str(e.value) and "could not allocate and page-lock" in str(e.value), str(e.value)
     assert str(e.value).endswith("CUDA error: out of memory"), str(e.value)
+
+
+def test_the_host_budget_is_agreed_by_the_nodes_ranks_before_anyone_pins():
+    """Two ranks of a node with a 30 GiB pool each: rank 0 reads a 40 GiB share, rank 1 reads 28 (it read after a
+    neighbour pinned; ``MemAvailable`` planted). Each rank deciding alone, rank 0 would go on into its first
+    collective and rank 1 refuse alone; agreed (the node's smallest reading, decided on every rank), both refuse
+    with the same one line. With room on both, both go on."""
+    said = run_dist(2, host_budget_agreed, [40, 28])
+    assert said[0] == said[1] and said[0].startswith("rank 0: the host pool needs 30.00 GiB (fpdt 30.00 GiB), over "
+                                                     "this rank's share 28.00 GiB"), said
+    assert "\n" not in said[0]
+    assert run_dist(2, host_budget_agreed, [40, 31]) == ["fits", "fits"]

@@ -73,3 +73,23 @@ def memo_parity_cases(rank, world, cases, tp: int = 1, cp: int = 1):
         except AssertionError as e:
             raise AssertionError(f"case {overrides} tp={tp_} cp={cp_}: {e}") from None
     return out
+
+
+def host_budget_agreed(rank, world, readings):
+    """``training.setup.check_host_budget`` on this rank with a pool of 30 GiB, ``MemAvailable`` planted per rank
+    (``readings[rank]`` GiB, one node, as if a neighbour had pinned before the other read): what each rank said."""
+    import importlib
+
+    from megatron_lc.device import HostMemoryError, HostPool
+    from megatron_lc.training.setup import check_host_budget
+    from megatron_lc.units import GIB
+
+    hb = importlib.import_module("megatron_lc.device.host_budget")  # (the package exports a function of that name)
+    hb.available_host_bytes = lambda: readings[rank] * GIB * world
+    pool = HostPool()
+    pool.reserve("fpdt", 30 * GIB)
+    try:
+        check_host_budget(pool, None, rank)
+    except HostMemoryError as e:
+        return str(e)
+    return "fits"

@@ -64,8 +64,9 @@ def test_a_measured_table_replaces_the_assumed_attention_and_auto_takes_the_fast
     assert f"attention that runs: cudnn (auto: the fastest measured on NVIDIA H100 80GB HBM3) forward 0.70, " \
            f"backward 0.60 of peak ({src})" in estimate_table(auto)
     assert auto.time.mfu > torch_named.time.mfu
-    # cuDNN takes the kv heads as they are: the fused kernels' repeated k, v (and dk, dv at the query heads) are gone
-    assert auto.memory.peak < torch_named.memory.peak - 1 * GIB
+    # both take the kv heads as they are; cuDNN's backward makes the QKV projection's gapped q, k, v dense, flash's
+    # holds dk, dv at the query heads (device/kernel_scratch.py): within 1 GiB of each other at this layout
+    assert abs(auto.memory.peak - torch_named.memory.peak) < 1 * GIB
     # a backend measured for other calls than the layout's: the profile's published figure, said so
     ulysses = estimate(load_config(CONFIG, ["parallel.cp_comm_type=a2a", "parallel.ulysses_size=8",
                                             "parallel.attention_backend=cudnn"]), hw, 8)

@@ -47,3 +47,34 @@ def test_process_group_backend_per_device():
     assert process_group_backend(cfg, torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
     named = load_config(None, ["data.mock_data=true", "parallel.distributed_backend=nccl"])
     assert process_group_backend(named, torch.device("cuda", 0)) == "nccl"  # named: as named
+
+
+def test_sequence_parallels_reduce_scatter_is_the_device_backends(monkeypatch):
+    """A CUDA run's groups are ``cpu:gloo,cuda:nccl``: ``dist.get_backend(group)`` names both, never ``nccl`` -- the
+    check that chose NCCL's reduce-scatter by that name never did, and every SP reduce-scatter was a clone, an
+    all-reduce (twice the bytes) and a slice. Played with the rehearsal's ``cpu:fake,standin:fake`` (its stand-in
+    device in CUDA's place) and a counting wrapper of both calls: a device tensor goes to ``reduce_scatter_tensor``
+    (1/tp of it comes back), a host tensor to gloo's all-reduce and slice."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_lc.parallel import collectives
+    from megatron_lc.parallel.topology import Axis, Topology
+    from megatron_lc.rehearsal.standin import install
+    from megatron_lc.rehearsal.world import fake_world
+
+    device = install()
+    calls = []
+    real_rs, real_ar = collectives._reduce_scatter, torch.distributed.all_reduce
+    monkeypatch.setattr(collectives, "_reduce_scatter", lambda *a, **k: (calls.append("reduce_scatter"),
+                                                                         real_rs(*a, **k))[1])
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: (calls.append("all_reduce"),
+                                                                         real_ar(*a, **k))[1])
+    with fake_world(0, 2, 2, device):
+        topo = Topology.build(tp=2)
+        assert torch.distributed.get_backend(topo.group(Axis.TP)) == "cpu:fake,standin:fake"
+        with FakeTensorMode():
+            out = collectives.reduce_scatter(torch.empty(8, 3, device=device), topo, Axis.TP)
+            assert out.shape == (4, 3) and out.device == device and calls == ["reduce_scatter"]
+            host = collectives.reduce_scatter(torch.empty(8, 3), topo, Axis.TP)
+            assert host.shape == (4, 3) and calls == ["reduce_scatter", "all_reduce"]
+    assert topo.comm.bytes[("untagged", "reduce_scatter")] == 2 * 8 * 3 * 4 // 2  # reduce-scatter's volume, both times

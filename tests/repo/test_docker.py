@@ -63,6 +63,12 @@ def test_dockerfile_structure():
     assert installs and all("-c /etc/megatron_lc_pins.txt" in i for i in installs), installs
     assert not any(re.search(r"\btorch\b", i) for i in installs), "never reinstall torch over the image's build"
     assert "import torch, transformer_engine, flash_attn, megatron.core, megatron_lc" in runs
+    # flash-attn and TE build with --no-build-isolation: their build tools installed in the same RUN first, the
+    # architectures named (a builder without a GPU cannot be asked for them), the driver's stub for libcuda
+    build = next(a for w, a in ins if w == "RUN" and "flash-attn==" in a)
+    assert build.index("wheel packaging ninja pybind11") < build.index("flash-attn==") and "lib64/stubs" in build
+    env = " ".join(a for w, a in ins if w == "ENV")
+    assert "TORCH_CUDA_ARCH_LIST=" in env and "NVTE_CUDA_ARCHS=" in env
     shell = dict(ins)["SHELL"]
     assert "pipefail" in shell
     # the pin file exists before the first install, and dependencies are installed before the full source copy

@@ -141,7 +141,7 @@ def calibrate_memo(model, runtime, env) -> None:
     fixed = None if memory_cfg.offload_fraction == "auto" else float(memory_cfg.offload_fraction)
     with topo.comm.tag("memo.profile"), autocast(), pool.measuring():
         prof = profile_layer(model, layout, device, memory_cfg.host_memory_gb, timing=fixed is None)
-    others = pool.size - pool.reserved.get("memo", 0)  # FPDT's parked chunks (reserved before)
+    others = pool.others_than("memo")  # FPDT's parked chunks (reserved before), the checkpoint staging beside the pool
     swapped = sum(runtime.swapped(i) for i in range(runtime.n))
     inp = AlphaInputs(s_input=prof.s_input, s_attn=prof.s_attn, s_others=prof.s_others,
                       bandwidth=prof.bw_d2h if fixed is None else math.inf,
@@ -152,7 +152,8 @@ def calibrate_memo(model, runtime, env) -> None:
         result = solve_alpha(inp) if fixed is None else check_fixed_alpha(inp, fixed)
     except HostMemoryError as e:
         error = (f"rank {topo.rank}: {e} (this rank's share {fmt_bytes(prof.host_budget)} less the host pool's "
-                 f"{fmt_bytes(others)} of FPDT chunks and {fmt_bytes(swapped * prof.s_padding)} of alignment)")
+                 f"{fmt_bytes(others)} of FPDT chunks and checkpoint staging and "
+                 f"{fmt_bytes(swapped * prof.s_padding)} of alignment)")
     answers = all_gather_objects((None if result is None else result.alpha, error))
     errors = [e for _, e in answers if e is not None]
     if errors:
@@ -168,7 +169,7 @@ def calibrate_memo(model, runtime, env) -> None:
     if host > prof.host_budget:
         error = (f"rank {topo.rank}: memory.activation_offload=memo: the host pool needs {fmt_bytes(host)} "
                  f"({swapped} swapped layers x {fmt_bytes(runtime.capacity(need))} at alpha {runtime.alpha:.4f}"
-                 f"{f' + {fmt_bytes(others)} of FPDT chunks' if others else ''}), budget "
+                 f"{f' + {fmt_bytes(others)} of FPDT chunks and checkpoint staging' if others else ''}), budget "
                  f"{fmt_bytes(prof.host_budget)}; lower memory.offload_fraction or raise memory.host_memory_gb")
     errors = [e for e in all_gather_objects(error) if e is not None]
     if errors:

@@ -30,8 +30,8 @@ Events are the planner's trace format (``trace.py``: ``op``, ``id``, ``size``, o
         del x                                 # free 1
     tr.peak().bytes == 4000
 
-Not seen: storages an op creates and frees inside itself (kernel scratch), memory of C++ code that bypasses the
-dispatcher, the allocator's rounding and caching (sizes are exact ``nbytes``). A storage that exists before the
+Not seen: storages an op creates and frees inside itself (kernel scratch: ``charge`` adds what a table says of them),
+memory of C++ code that bypasses the dispatcher, the allocator's rounding and caching (sizes are exact ``nbytes``). A storage that exists before the
 tracker starts is not counted until a resize gives it new bytes (then from that moment); one first seen at a resize
 is attributed to its storage's device (for a fake tensor: ``meta``).
 """
@@ -221,6 +221,25 @@ class DispatchTracer(TorchDispatchMode):
                 if st.nbytes() != sizes[key]:
                     self._resized(st, sizes[key], owner)
         return out
+
+    def charge(self, device: str, items: list) -> None:
+        """Bytes no storage of ours shows, on ``device``: what a kernel holds inside itself while it runs
+        (``device/kernel_scratch.py``), ``items`` ``[(nbytes, tag, kept)]`` -- all allocated now, together, and
+        freed at once, at the op's moment in the trace (after its outputs), but for the ``kept`` ones, held to the
+        end (a workspace made at a first call)."""
+        with self._lock:
+            if not self.active:
+                return
+            made = []
+            for nbytes, tag, kept in items:
+                if nbytes > 0:
+                    entry = _Entry(None, nbytes, device)
+                    self._malloc(entry, nbytes)
+                    self._events[-1].tag = tag
+                    made.append((entry, kept))
+            for entry, kept in made:
+                if not kept:
+                    self._free(entry)
 
     # ---- naming and leaving out ---------------------------------------------------------------------------------
     def _current(self, tensor: torch.Tensor) -> Optional[_Entry]:

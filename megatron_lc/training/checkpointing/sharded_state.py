@@ -201,16 +201,18 @@ def write(path: str, state: dict, collective: bool = True) -> None:
                  no_dist=not collective or _no_dist())
 
 
-def write_async(path: str, state: dict, group) -> Future:
+def write_async(path: str, state: dict, group, stager) -> Future:
     """``write`` in the background (``checkpoint.async_save``): DCP's ``async_save`` copies ``state`` to host memory
-    and returns once staged; the write goes on in a thread. ``group``: the process group of the write's own
-    collectives (None: one process). Wait for it with ``wait_written``."""
+    through ``stager`` (the caller's, kept across saves: ``async_save.py``) and returns once staged; the write goes
+    on in a thread. ``group``: the process group of the write's own collectives (None: one process). Wait for it
+    with ``wait_written``."""
     alone = group is None and _no_dist() or fake_world()
     if alone:  # the background thread's own single-process save warns too, outside any catch_warnings
         warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+    writer = _writer(path, state)  # a rehearsal's state stages through its size-only writer (fake host copies)
     with _single_process_quiet(), unset_fake_temporarily():
-        return dcp.async_save(state, checkpoint_id=path, storage_writer=_writer(path, state),
-                              process_group=None if alone else group, no_dist=alone)
+        return dcp.async_save(state, checkpoint_id=path, storage_writer=writer, process_group=None if alone else group,
+                              no_dist=alone, async_stager=stager if writer is None else None)
 
 
 def wait_written(future: Future) -> None:

@@ -47,6 +47,34 @@ def test_async_checkpoints_equal_sync_ones_and_resume_exactly(tmp_path, caplog):
     assert resumed.losses == straight.losses[4:]
 
 
+def test_the_staging_area_is_made_once_pinned_on_cuda_reused_and_budgeted(tmp_path, monkeypatch):
+    """DCP's ``async_save`` without a stager stages every save into fresh pageable memory (state_dict_saver.py:
+    ``DefaultStager(StagingOptions(False, False, False, False))``, closed after the write). The checkpointer keeps one
+    stager for the run -- page-locked with non-blocking copies on CUDA (``staging_options``) -- and two saves stage
+    into the very same host storages; setup holds its exact bytes beside the host pool, in the budget (every
+    storage of the rank's state: weights, AdamW's two moments, step counts)."""
+    from megatron_lc.training.checkpointing import async_save as A
+
+    cuda = A.staging_options(torch.device("cuda"))
+    assert cuda.use_pinned_memory and cuda.use_non_blocking_copy and not cuda.use_async_staging
+    assert not A.staging_options(torch.device("cpu")).use_pinned_memory  # (pinning needs CUDA)
+    made, staged = [], []
+    real_stager, real_stage = A.DefaultStager, A.DefaultStager.stage
+    monkeypatch.setattr(A, "DefaultStager", lambda options: made.append(options) or real_stager(options))
+    monkeypatch.setattr(real_stager, "stage", lambda self, state, **kw: staged.append(real_stage(self, state, **kw))
+                        or staged[-1])
+    cfg = small_config(BASE + ["train.train_iters=4", f"checkpoint.save={tmp_path / 'a'}",
+                               "checkpoint.async_save=true"])
+    trainer = Trainer(cfg, Topology())
+    trainer.train()
+    assert len(made) == 1 and len(staged) == 2  # one stager, two saves through it
+    first, second = staged
+    assert first.keys() == second.keys() and all(
+        first[k].untyped_storage().data_ptr() == second[k].untyped_storage().data_ptr() for k in first)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in first.values()}
+    assert trainer.ctx.host_pool.beside[A.STAGING] == sum(storages.values())
+
+
 def test_async_on_two_ranks_resumes_at_another_layout(tmp_path):
     ck = str(tmp_path / "ck")
     common = ["train.global_batch_size=4", "train.micro_batch_size=2", "checkpoint.save_interval=2",
