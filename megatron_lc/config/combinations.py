@@ -64,6 +64,10 @@ def _moe_refusals(cfg):
            f"parallel.expert_model_parallel_size={ep} with parallel.use_distributed_optimizer: ZeRO-1 shards every "
            f"state over dp x cp, where the expert ranks hold different experts; use use_torch_fsdp2 (the experts "
            f"sharded over the ranks outside their expert group) or plain AdamW")
+    yield (ep > 1 and cfg.memory.activation_offload == "memo",
+           f"parallel.expert_model_parallel_size={ep} with memory.activation_offload=memo: the rows an expert rank "
+           f"receives change every step and Memo's rounding buffers are sized once; use recompute_granularity full "
+           f"(token-wise recompute without offload) or activation_offload checkpoints")
     yield (moe and cfg.memory.activation_offload == "memo" and len(set(m.moe_layers())) > 1,
            f"model.moe_layer_freq={m.moe_layer_freq} with memory.activation_offload=memo: Memo sizes its rounding "
            f"buffers by layer 0, and dense and MoE layers keep different tensors; make every layer MoE or use "

@@ -50,16 +50,17 @@ def reference_overrides(overrides: list) -> list:
 
 def _trainer(model: dict, overrides: list, world: int, topos: dict, tmp: str) -> Trainer:
     """A ``Trainer`` of the model section ``model`` under ``overrides`` on ``world`` ranks (1: this process;
-    topologies cached in ``topos`` by (tp, cp, ulysses))."""
+    topologies cached in ``topos`` by (tp, cp, ulysses, ep))."""
     path = os.path.join(tmp, "model.yaml")
     with open(path, "w") as f:
         yaml.safe_dump({"model": model}, f)
     cfg = load_config(path, TRAIN + list(overrides) + [f"logging.metrics_file={os.path.join(tmp, 'm.jsonl')}",
                                                         "train.clip_grad=0"])
     layout = resolve_layout(cfg, world)
-    key = (layout.tp, layout.cp, layout.ulysses)
+    key = (layout.tp, layout.cp, layout.ulysses, layout.ep)
     if key not in topos:
-        topos[key] = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses) if world > 1 else Topology()
+        topos[key] = (Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, ep=layout.ep) if world > 1
+                      else Topology())
     return Trainer(cfg, topos[key], layout=layout)
 
 
