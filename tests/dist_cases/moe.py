@@ -4,6 +4,8 @@ with every context-parallel layout and memory technique, trained through the rea
 (``families.train_cases``); and the MoE block alone on a batch whose every token routes to one expert."""
 from __future__ import annotations
 
+import tempfile
+
 import torch
 
 from megatron_lc.config import load_config, resolve_layout
@@ -102,3 +104,22 @@ def one_expert_block(rank: int, world: int, ep_size: int, tokens: int = 24) -> d
     grads = {n: full_grad(p, topo) for n, p in block.named_parameters()}
     return {"y": y.detach(), "dx": x.grad, "grads": grads, "aux": float(routing.aux_loss()),
             "counts": routing.total[:4].tolist()}
+
+
+# ---- checkpoints under expert parallelism -------------------------------------------------------------------------
+def save_then_resume(rank: int, world: int, model: dict, saved_at: list, resumed_at: list, run: str) -> dict:
+    """Step 3's loss of: 2 steps under ``saved_at`` saved to ``run`` then one more under ``resumed_at`` from that
+    checkpoint (weights and AdamW states), and 3 steps under ``saved_at`` in one go."""
+    from tests.dist_cases.families import _trainer
+
+    torch.set_num_threads(1)
+    topos: dict = {}
+    out = {}
+    saved_at, resumed_at = saved_at + ["train.lr_decay_style=constant"], resumed_at + ["train.lr_decay_style=constant"]
+    with tempfile.TemporaryDirectory() as tmp:
+        _trainer(model, saved_at + [f"checkpoint.save={run}"], world, topos, tmp).train()
+        resumed = _trainer(model, resumed_at + ["train.train_iters=3", f"checkpoint.load={run}"], world, topos,
+                           tmp).train()
+        whole = _trainer(model, saved_at + ["train.train_iters=3"], world, topos, tmp).train()
+    out["resumed"], out["whole"] = resumed.losses, whole.losses
+    return out

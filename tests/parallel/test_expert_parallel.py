@@ -65,3 +65,17 @@ def test_one_expert_taking_every_token_gives_the_one_process_block(ep):
     assert (dx - ref["dx"]).abs().max() <= 1e-5
     assert abs(got[0]["aux"] - ref["aux"]) <= 1e-6 * ref["aux"]
     assert_close_grads(got[0]["grads"], ref["grads"])
+
+
+@pytest.mark.parametrize("saved_at,resumed_at", [
+    (dm.ep(2) + ["train.micro_batch_size=1"], ["parallel.use_torch_fsdp2=true", "train.micro_batch_size=1"]),
+    (dm.ep(2) + ["parallel.use_torch_fsdp2=true", "train.micro_batch_size=1"], dm.EP2["ring"]),
+], ids=["ep2-to-fsdp2-ep1", "ep2-fsdp2-to-ring-ep2"])
+def test_checkpoint_saved_under_ep_resumes_at_another_layout(tmp_path, saved_at, resumed_at):
+    """The experts are stored whole ([E, ...], DCP), so a checkpoint saved at one ep (with or without FSDP2's
+    shards of them) resumes at another: step 3 after the resume is step 3 of the run that never stopped."""
+    got = run_dist(2, dm.save_then_resume, dm.section("qwen3_moe"), saved_at, resumed_at, str(tmp_path / "run"))
+    for r in got:
+        assert len(r["resumed"]) == 1 and len(r["whole"]) == 3
+        a, b = r["resumed"][0], r["whole"][2]
+        assert abs(a - b) <= 1e-5 * abs(b), (a, b)
