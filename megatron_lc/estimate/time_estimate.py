@@ -35,6 +35,7 @@ from typing import Optional
 
 from ..attention.kernel_table import BWD_FLOPS
 from ..config import Config
+from . import moe
 from .flops import head_flops_fwd, layer_flops, model_flops_per_sample
 from .hardware import HardwareProfile
 from .dims import Dims
@@ -141,8 +142,12 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, al
     run = Run(cfg, dims, hw, terms)
     share = terms.time(run, LayerSeconds(lin_f, att_f, att_b, **comm),
                        TimeShare(shape=terms.layer_shape(run), alpha=alpha))
-    fwd = lin_f + att_f + comm["tp_fwd"] + comm["cp_fwd"] + share.host_fwd
-    bwd = lin_b + att_b + comm["tp_bwd"] + comm["cp_bwd"] + share.host_bwd
+    # expert parallelism's all-to-alls (the copies there and back, again in backward), not overlapped; the mean over
+    # the layers (estimate/moe.py)
+    ep_a2a = (sum(dims.moe_layers) / dims.num_layers * moe.all_to_all_bytes(dims) / _bw(hw, dims.ep, dims.tp)
+              if dims.ep > 1 else 0.0)
+    fwd = lin_f + att_f + comm["tp_fwd"] + comm["cp_fwd"] + share.host_fwd + ep_a2a
+    bwd = lin_b + att_b + comm["tp_bwd"] + comm["cp_bwd"] + share.host_bwd + ep_a2a
     recompute, offloaded = share.recompute, share.offloaded
     xfer = offloaded / (hw.pcie_gbps * 1e9)
     stall = max(0.0, xfer - fwd) + max(0.0, xfer - (bwd + recompute)) if offloaded else 0.0
@@ -154,6 +159,11 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, al
     numel = sum(n for _, n, _ in param_shards(dims))
     n = dims.dp * dims.cp
     sync = 2 * (n - 1) / n * 4 * numel / _bw(hw, n, dims.tp) if n > 1 else 0.0
+    if dims.ep > 1:  # an expert rank's experts are summed over its n / ep expert-data ranks only
+        experts = sum(k for name, k, _ in param_shards(dims) if moe.is_expert_param(name))
+        m = n // dims.ep
+        sync -= 2 * (n - 1) / n * 4 * experts / _bw(hw, n, dims.tp)
+        sync += 2 * (m - 1) / m * 4 * experts / _bw(hw, m, dims.tp * dims.ep) if m > 1 else 0.0
     if cfg.parallel.use_torch_fsdp2:
         sync, owned = fsdp_exposed_seconds(cfg, dims, hw, numel, micro), numel / n
     elif cfg.parallel.use_distributed_optimizer and n > 1:
@@ -170,6 +180,7 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, al
         "recompute": dims.micro_batches * dims.num_layers * recompute,
         "tp communication": dims.micro_batches * dims.num_layers * (comm["tp_fwd"] + comm["tp_bwd"]),
         "cp communication (exposed)": dims.micro_batches * dims.num_layers * (comm["cp_fwd"] + comm["cp_bwd"]),
+        "expert all-to-all": dims.micro_batches * dims.num_layers * 2 * ep_a2a,
         "host transfers (exposed)": dims.micro_batches * (dims.num_layers * (share.host_fwd + share.host_bwd)
                                                           + n_swapped * stall),
         "gradient sync" + (" + FSDP2 gathers (exposed)" if cfg.parallel.use_torch_fsdp2 else ""): sync,

@@ -61,8 +61,8 @@ def imported_state(hf_dir: str, tp: int = 1) -> tuple[Config, dict]:
     """(the config of the model section, the full fp32 state dict) of the Hugging Face directory ``hf_dir``,
     checked: every tensor used, none missing, the model divisible over ``tp``."""
     hf_cfg, tensors = read_hf_dir(hf_dir)
-    cfg = Config.from_dict({"model": model_section_from_hf(hf_cfg),
-                            "parallel": {"tensor_model_parallel_size": tp}})
+    cfg = Config.from_dict({"model": model_section_from_hf(hf_cfg),  # (SP: an MoE model asks for it with tp)
+                            "parallel": {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1}})
     resolve_layout(cfg, tp)  # heads / kv heads / ffn / vocab divisible by tp: one line if not
     family = BY_ARCHITECTURE[cfg.model.hf_architecture]
     tensors = {k: v for k, v in tensors.items() if not k.endswith(IGNORED)}

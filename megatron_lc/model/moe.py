@@ -66,9 +66,8 @@ class GroupedExperts(nn.Module):
                                         sequence_parallel)
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``rows [M, h]`` grouped by local expert (``counts [E_local]``) -> ``[M, h]`` in the compute dtype."""
-        dtype = _compute_dtype(rows)
-        rows = rows.to(dtype)
+        """``rows [M, h]`` grouped by local expert (``counts [E_local]``, in the compute dtype) -> ``[M, h]``."""
+        dtype = rows.dtype
         hidden = grouped_linear(rows, self.weight1.to(dtype), counts)  # [M, 2f]
         return grouped_linear(activate(hidden, "swiglu"), self.weight2.to(dtype), counts)  # [M, h]
 
@@ -117,6 +116,7 @@ class MoE(nn.Module):
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' output ``[T, h]`` of ``x [T, h]``: token-wise (MsT cuts it into mini-sequences)."""
+        x = x.to(_compute_dtype(x))  # one cast: the router, the k copies and the all-to-alls in the compute dtype
         probs, weights, selected, lse = self.route(x)
         t, k = selected.shape
         flat = selected.flatten()  # copy c: token c // k, its (c % k)-th expert

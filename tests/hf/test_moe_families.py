@@ -39,7 +39,7 @@ import convert_to_hf  # noqa: E402
 @pytest.mark.parametrize("name", MOE_FAMILIES)
 def test_import_verify_routers_and_export_bit_for_bit(tmp_path, name, capsys):
     save_hf_model(name, tmp_path / "hf")
-    assert convert_from_hf.main([str(tmp_path / "hf"), str(tmp_path / "ours"), "--verify"]) == 0
+    assert convert_from_hf.main([str(tmp_path / "hf"), str(tmp_path / "ours"), "--tp", "2", "--verify"]) == 0
     logits, routers = capsys.readouterr().out.strip().splitlines()[-2:]
     assert logits.startswith("verify: max |logits - transformers' logits| = ") and logits.endswith(": ok"), logits
     assert routers.startswith("verify: max |router logits - transformers'| = ") and routers.endswith(": ok"), routers

@@ -166,7 +166,7 @@ LAYERS = [
 SUBLAYERS = {
     "training": [{"errors", "batches"}, {"checkpointing", "eval"}, {"*"}],
     "planning": [{"trace"}, {"capture", "solver"}, {"*"}],
-    "estimate": [{"dims", "hardware"}, {"inventory"}, {"flops", "states", "attention_kernels"}, {"transient"},
+    "estimate": [{"dims", "hardware"}, {"moe"}, {"inventory"}, {"flops", "states", "attention_kernels"}, {"transient"},
                  {"terms"}, {"*"}],
 }
 
