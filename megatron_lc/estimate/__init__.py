@@ -44,7 +44,7 @@ def estimate(cfg: Config, hw: HardwareProfile, world_size: int,
     on CUDA when ``train.bf16``). ``states``: ``framework`` (this trainer) or a what-if preset of ``states.py``;
     ``recompute_style``: ``token_wise`` (this trainer) or the what-if ``checkpoint`` (``terms/classic_checkpoint.py``);
     ``expert_load``: under expert parallelism the busiest expert rank's rows over its fair share (None:
-    ``dims.EXPERT_LOAD``). Raises ConfigError for a layout the framework would refuse."""
+    ``config.moe.EXPERT_LOAD``). Raises ConfigError for a layout the framework would refuse."""
     layout = resolve_layout(cfg, world_size)
     terms = terms_for(resolve_techniques(cfg, layout), recompute_style)
     dims = dims_for(Dims.from_config(cfg, layout, hw.device), states)

@@ -14,14 +14,8 @@ import torch
 
 from ..config import Config, Layout, resolve_execution
 from ..config.layout import kv_replication
-from ..config.moe import expert_ffn
+from ..config.moe import EXPERT_LOAD, expert_ffn
 
-# The dropless MoE's assumed worst case under expert parallelism: the busiest expert rank receives this times its
-# fair share of the copies (an estimate, not a bound: the router decides). The load-balancing loss at Hugging Face's
-# coefficients (1e-3 to 1e-2) keeps a trained router's per-rank load within tens of percent of the mean when each
-# rank holds many experts; with the aux loss off or few experts a rank it can be far worse. The rehearsal's
-# stand-in exchange sends the busiest rank this load too (``parallel/expert_parallel.py``).
-EXPERT_LOAD = 1.25
 
 
 @dataclass(frozen=True)
@@ -75,7 +69,7 @@ class Dims:
     shared_gate: bool = False
     moe_layers: tuple = ()  # which layers are MoE
     ep: int = 1  # expert parallelism (parallel.expert_model_parallel_size)
-    expert_load: float = 1.0  # received rows over the fair share on the busiest expert rank (EXPERT_LOAD under ep)
+    expert_load: float = 1.0  # the busiest expert rank's rows over its fair share (config.moe.EXPERT_LOAD under ep)
 
     @classmethod
     def from_config(cls, cfg: Config, layout: Layout, device: str) -> "Dims":

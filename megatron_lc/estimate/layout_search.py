@@ -20,7 +20,7 @@ What is searched (model, data and batch sizes stay as configured):
 * model states: ZeRO-1 (``use_distributed_optimizer``) whenever dp x cp > 1, FSDP2 (``use_torch_fsdp2``), FSDP2
   with ``fsdp_cpu_offload``;
 * an MoE model's expert parallelism: every ``parallel.expert_model_parallel_size`` dividing dp x cp and the
-  experts (the estimate assumes the busiest expert rank's load ``dims.EXPERT_LOAD``).
+  experts (the estimate assumes the busiest expert rank's load ``config.moe.EXPERT_LOAD``).
 
 Skipped: anything ``config.resolve_layout`` rejects; recompute / Memo with FPDT unless ``allow_fpdt_recompute`` (the
 framework runs them in Memo's block mode, but no calibration case covers the estimate of it yet); selective recompute

@@ -5,7 +5,7 @@ they keep for backward and what their dispatch holds briefly, for the sizes of `
 Per rank and micro-batch an MoE layer routes its R residual rows (``tokens_residual``: under sequence parallelism
 each tp rank routes its own share) to k experts each: C = R k copies. Expert parallelism sends the copies to their
 experts' ranks; a rank receives C' = C x ``Dims.expert_load`` rows -- dropless, the load is whatever the router
-decides, so the peak assumes the imbalance ``dims.EXPERT_LOAD`` states (at ep 1 every copy stays: exactly C).
+decides, so the peak assumes the imbalance ``config.moe.EXPERT_LOAD`` states (at ep 1 every copy stays: exactly C).
 Per copy the layer keeps its row for the first grouped matmul, the ``[2f]`` gate and up, silu(gate) and their
 product, and per token copy the experts' output row the combine saves (bytes of the compute dtype), plus the router's
 softmax ``[R, E]`` fp32 and index vectors. MsT's mini-sequences keep only the block's input; one chunk's set exists at
@@ -17,6 +17,7 @@ layer; in mini-sequences of 2048 tokens: the 1 GiB input.
 """
 from __future__ import annotations
 
+from ..memory.mst.rules import mlp_chunk_tokens
 from .dims import Dims
 
 
@@ -63,11 +64,17 @@ def flops_fwd(dims: Dims) -> float:
 
 
 def all_to_all_bytes(dims: Dims) -> float:
-    """Bytes a rank sends per MoE layer and micro-batch in forward (the copies to the experts and their rows back:
-    the (ep - 1) / ep leaving the rank); the backward sends the same again."""
+    """Bytes the busiest expert rank sends per MoE layer and micro-batch in forward, the (ep - 1) / ep of each
+    exchange that leaves it: its copies to the experts (C) and the rows its experts took back to their ranks (C
+    times the load); the backward sends the same again (the gradients, the other way)."""
     if dims.ep == 1:
         return 0.0
-    return 2 * copies(dims) * (dims.ep - 1) / dims.ep * dims.hidden * dims.compute_bytes
+    return (1 + dims.expert_load) * copies(dims) * (dims.ep - 1) / dims.ep * dims.hidden * dims.compute_bytes
+
+
+def remade_in_backward(cfg, dims: Dims) -> bool:
+    """MsT's chunks re-make the routed part in backward (``memory/mst/moe.py``): its forward exchanges run again."""
+    return bool(cfg.memory.mst) and dims.tokens_residual > mlp_chunk_tokens(cfg)
 
 
 def _per_copy(dims: Dims) -> float:

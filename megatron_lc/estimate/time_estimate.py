@@ -142,12 +142,13 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, al
     run = Run(cfg, dims, hw, terms)
     share = terms.time(run, LayerSeconds(lin_f, att_f, att_b, **comm),
                        TimeShare(shape=terms.layer_shape(run), alpha=alpha))
-    # expert parallelism's all-to-alls (the copies there and back, again in backward), not overlapped; the mean over
-    # the layers (estimate/moe.py)
+    # expert parallelism's all-to-alls (the copies there and back, again in backward, and again when MsT re-makes
+    # its chunks there), not overlapped; the mean over the layers (estimate/moe.py)
     ep_a2a = (sum(dims.moe_layers) / dims.num_layers * moe.all_to_all_bytes(dims) / _bw(hw, dims.ep, dims.tp)
               if dims.ep > 1 else 0.0)
+    ep_bwd = ep_a2a * (2 if moe.remade_in_backward(cfg, dims) else 1)
     fwd = lin_f + att_f + comm["tp_fwd"] + comm["cp_fwd"] + share.host_fwd + ep_a2a
-    bwd = lin_b + att_b + comm["tp_bwd"] + comm["cp_bwd"] + share.host_bwd + ep_a2a
+    bwd = lin_b + att_b + comm["tp_bwd"] + comm["cp_bwd"] + share.host_bwd + ep_bwd
     recompute, offloaded = share.recompute, share.offloaded
     xfer = offloaded / (hw.pcie_gbps * 1e9)
     stall = max(0.0, xfer - fwd) + max(0.0, xfer - (bwd + recompute)) if offloaded else 0.0
@@ -180,7 +181,7 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, al
         "recompute": dims.micro_batches * dims.num_layers * recompute,
         "tp communication": dims.micro_batches * dims.num_layers * (comm["tp_fwd"] + comm["tp_bwd"]),
         "cp communication (exposed)": dims.micro_batches * dims.num_layers * (comm["cp_fwd"] + comm["cp_bwd"]),
-        "expert all-to-all": dims.micro_batches * dims.num_layers * 2 * ep_a2a,
+        "expert all-to-all": dims.micro_batches * dims.num_layers * (ep_a2a + ep_bwd),
         "host transfers (exposed)": dims.micro_batches * (dims.num_layers * (share.host_fwd + share.host_bwd)
                                                           + n_swapped * stall),
         "gradient sync" + (" + FSDP2 gathers (exposed)" if cfg.parallel.use_torch_fsdp2 else ""): sync,

@@ -11,7 +11,9 @@ are contiguous for the grouped matmul; ``combine`` undoes the regrouping and sen
 from. The backward of each all-to-all is the same exchange with the split sizes swapped (``_AllToAllV``).
 
 The split sizes are host integers: the one device-to-host read of the exchange is the counts after their
-all-to-all (as in Megatron-LM's all-to-all dispatcher)."""
+all-to-all (as in Megatron-LM's all-to-all dispatcher). Without values (a rehearsal's fake tensors) the exchange
+takes the stated worst case instead (``split_sizes``): this rank sends its copies evenly and, as the busiest expert
+rank, receives ``config.moe.EXPERT_LOAD`` times its fair share, evenly from every rank."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,9 +22,14 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..config.moe import EXPERT_LOAD
+from ..device import has_values
 from .collectives import all_to_all, all_to_all_v
 from .tensor_parallel import replicated_parameter
 from .topology import Axis, Topology
+
+
+TAG = "experts"  # the exchanges' bytes in ``topo.comm``: ``experts.fwd`` / ``experts.bwd`` (the counts' in forward)
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -32,12 +39,14 @@ class _AllToAllV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send, recv, topo):
         ctx.splits, ctx.topo = (send, recv), topo
-        return all_to_all_v(x, send, recv, topo, Axis.EP)
+        with topo.comm.tag(TAG + ".fwd"):
+            return all_to_all_v(x, send, recv, topo, Axis.EP)
 
     @staticmethod
     def backward(ctx, g):
         send, recv = ctx.splits
-        return all_to_all_v(g.contiguous(), recv, send, ctx.topo, Axis.EP), None, None, None
+        with ctx.topo.comm.tag(TAG + ".bwd"):
+            return all_to_all_v(g.contiguous(), recv, send, ctx.topo, Axis.EP), None, None, None
 
 
 def expert_parameter(p: nn.Parameter, init: tuple, sequence_parallel: bool) -> nn.Parameter:
@@ -90,11 +99,21 @@ class ExpertDispatcher:
         if self.ep == 1:
             return rows, counts, None
         sent = counts.view(self.ep, self.num_local)  # row j: the counts of rank j's experts
-        got = all_to_all(sent, self.topo, Axis.EP, scatter_dim=0, gather_dim=0)  # row j: rank j's counts of mine
-        send, recv = torch.stack([sent.sum(1), got.sum(1)]).tolist()  # the exchange's one host read
+        with self.topo.comm.tag(TAG + ".fwd"):  # row j of ``got``: rank j's counts of my experts
+            got = all_to_all(sent, self.topo, Axis.EP, scatter_dim=0, gather_dim=0)
+        send, recv = self.split_sizes(sent, got, rows.shape[0])
         received = _AllToAllV.apply(rows, send, recv, self.topo)  # blocks (source rank, local expert)
         order = _regroup(got, sum(recv))
         return received[order], got.sum(0), Exchange(send, recv, order)
+
+    def split_sizes(self, sent: torch.Tensor, got: torch.Tensor, copies: int) -> tuple[list, list]:
+        """(rows to each expert rank, rows from each): the counts read on the host (the exchange's one read), or
+        without values the stated worst case (module doc)."""
+        if has_values(got):
+            return torch.stack([sent.sum(1), got.sum(1)]).tolist()
+        even = [copies // self.ep + (j < copies % self.ep) for j in range(self.ep)]
+        busiest = round(copies * EXPERT_LOAD / self.ep)
+        return even, [busiest] * self.ep
 
     def combine(self, rows: torch.Tensor, exchange: Optional[Exchange]) -> torch.Tensor:
         """The inverse of ``dispatch``: this rank's experts' output rows ``[M', h]`` (grouped by local expert) back to

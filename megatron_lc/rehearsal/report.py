@@ -23,7 +23,10 @@ import torch
 
 from ..attention.cp_bytes import cp_attention_bytes
 from ..config import Config, resolve_execution, resolve_layout
-from ..estimate import estimate
+from ..config.moe import EXPERT_LOAD
+from ..estimate import Dims, estimate
+from ..estimate.moe import all_to_all_bytes, remade_in_backward
+from ..parallel.expert_parallel import TAG as EXPERTS_TAG
 from ..units import GIB
 from .moments import phase
 
@@ -57,7 +60,8 @@ def summarize(cfg: Config, hw, world: int, ranks: dict, steps: int = 2) -> dict:
             "violations": sum(len(r.get("violations", [])) for r in ranks.values()),
             "stopped": {k: r["stopped"] for k, r in ranks.items() if r.get("stopped")},
             "phases": phase_figures(ranks, est.memory), "job": next(iter(ranks.values())).get("job", []),
-            "layer0_attention_bytes": attention_bytes(cfg, world, ranks)}
+            "layer0_attention_bytes": attention_bytes(cfg, world, ranks),
+            "expert_all_to_all_bytes": expert_bytes(cfg, world, ranks)}
 
 
 PERSISTENT = ("parameters", "gradients", "optimizer states (+ master weights)", "autocast bf16 weight copies",
@@ -119,6 +123,27 @@ def attention_bytes(cfg: Config, world: int, ranks: dict) -> dict:
                 phase = "bwd" if op.endswith("bwd") else "fwd"
                 seen[phase] = max(seen.get(phase, 0), n)
     return {"rehearsed": seen, "formula": formula}
+
+
+def expert_bytes(cfg: Config, world: int, ranks: dict) -> dict:
+    """Bytes one rank sent in the experts' all-to-alls of the last step (every MoE layer; the largest over the
+    ranks; ``fwd`` with the forward exchanges MsT's chunks run again in backward), beside the estimator's (``estimate/moe.all_to_all_bytes`` at the stated load, each way), and the load
+    the exchange assumed (a rehearsal has no router values: ``config.moe.EXPERT_LOAD`` on every rank, as the
+    busiest); empty without expert parallelism."""
+    layout = resolve_layout(cfg, world)
+    if layout.ep == 1:
+        return {}
+    dims = Dims.from_config(cfg, layout, "cuda")
+    per_step = sum(dims.moe_layers) * layout.num_micro_batches * all_to_all_bytes(dims)
+    remade = per_step if remade_in_backward(cfg, dims) else 0.0  # MsT's chunks exchange again in backward
+    seen = {}
+    for r in ranks.values():
+        for key, n in r["comm_bytes_per_step"].items():
+            tag, _ = key.split("/", 1)
+            if tag.startswith(EXPERTS_TAG + "."):
+                phase = tag.rsplit(".", 1)[1]
+                seen[phase] = max(seen.get(phase, 0), n)
+    return {"rehearsed": seen, "formula": {"fwd": per_step + remade, "bwd": per_step}, "load": EXPERT_LOAD}
 
 
 def summary_line(s: dict) -> str:
