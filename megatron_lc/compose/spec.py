@@ -104,7 +104,8 @@ def model_spec(cfg: Config, layout: Layout, ctx: ModelContext) -> ModelSpec:
     t = resolve_techniques(cfg, layout)
     return dataclasses.replace(
         architecture_spec(cfg), attention_block=ATTENTION_BLOCKS[t.attention_block], mlp=MLPS[t.mlp_and_head],
-        moe=MOES[t.mlp_and_head], head=HEADS[t.mlp_and_head], executor=EXECUTORS[t.executor](ctx, layout, t.attention_block))
+        moe=MOES[t.mlp_and_head], head=HEADS[t.mlp_and_head],
+        executor=EXECUTORS[t.executor](ctx, layout, t.attention_block))
 
 
 def architecture_spec(cfg: Config) -> ModelSpec:

@@ -127,8 +127,8 @@ def attention_bytes(cfg: Config, world: int, ranks: dict) -> dict:
 
 def expert_bytes(cfg: Config, world: int, ranks: dict) -> dict:
     """Bytes one rank sent in the experts' all-to-alls of the last step (every MoE layer; the largest over the
-    ranks; ``fwd`` with the forward exchanges MsT's chunks run again in backward), beside the estimator's (``estimate/moe.all_to_all_bytes`` at the stated load, each way), and the load
-    the exchange assumed (a rehearsal has no router values: ``config.moe.EXPERT_LOAD`` on every rank, as the
+    ranks; ``fwd`` with the forward exchanges MsT's chunks run again in backward), beside the estimator's
+    (``estimate/moe.all_to_all_bytes`` at the stated load, each way), and the load the exchange assumed (a rehearsal has no router values: ``config.moe.EXPERT_LOAD`` on every rank, as the
     busiest); empty without expert parallelism."""
     layout = resolve_layout(cfg, world)
     if layout.ep == 1:

@@ -1,9 +1,9 @@
 """Throughput, MFU and memory figures of a step.
 
 Model FLOPs per sample (Memo §5.1, FlashAttention with the causal mask): ``6*s*P + 6*n*h*s^2`` with s the sequence
-length, P the parameter count (of an MoE layer the parameters one token passes through: its router, top-k experts and
-shared expert, ``ModelConfig.num_active_parameters``), n the number of layers and h the hidden size; ``12*n*h`` per attended (query, key)
-pair, of which a causal sample has ``s^2 / 2`` -- with document masks (``data.reset_attention_mask``) or sliding
+length, P the parameter count (of an MoE layer the parameters one token passes through: its router, top-k
+experts and shared expert, ``ModelConfig.num_active_parameters``), n the number of layers and h the hidden size;
+``12*n*h`` per attended (query, key) pair, of which a causal sample has ``s^2 / 2`` -- with document masks (``data.reset_attention_mask``) or sliding
 windows (``model.sliding_window``) the step's own count from the host's document ranges, the sum over documents of
 ``len^2 / 2``, each query at most W keys, averaged over the layers (``attention/masks.attended_pairs``). MFU = model FLOPs per second /
 (devices x peak), the peak ``logging.peak_tflops`` or, unset, measured at start on this device (``measure_peak``:

@@ -66,6 +66,8 @@ EP4 = {
     "ep4/ring+host-checkpoints": ep(4) + LAYOUTS["ring"][:2] + ["memory.activation_offload=checkpoints",
                                                                  "train.micro_batch_size=1"],
     "ep4/ring+documents": ep(4) + LAYOUTS["ring"][:2] + DOCS + ["train.micro_batch_size=1"],
+    "ep4/hybrid": ep(4) + ["parallel.context_parallel_size=4", "parallel.cp_comm_type=a2a+p2p",
+                           "parallel.ulysses_size=2", "train.micro_batch_size=2"],
 }
 
 

@@ -2,9 +2,11 @@
 renormalised) and Mixtral -- each a random tiny transformers model built from its config class
 (tests/support/hf_families.py; nothing is downloaded; routers drawn at std 0.5 so the picks are decisive):
 
-* ``tools/convert_from_hf.py --verify``: logits, every MoE layer's router logits and Hugging Face's load-balancing loss
-  within 1e-4 (relative) of transformers' (fp32 on the CPU; the sides differ only in how sums are ordered, measured
-  ~3e-7 on the logits and ~1e-7 on the loss); HF -> ours -> HF bit for bit, and transformers loads the export.
+* ``tools/convert_from_hf.py --tp 2 --verify`` (tests/hf/test_families.py, with the dense families): logits, every MoE
+  layer's router logits and Hugging Face's load-balancing loss within 1e-4 (relative) of transformers' (fp32 on the
+  CPU; the sides differ only in how sums are ordered, measured ~3e-7 on the logits and ~1e-7 on the loss); HF ->
+  ours -> HF bit for bit, and transformers loads the export. Seen failing with the top-k weights not renormalised
+  (Qwen3-MoE and Mixtral: logits 1.5e-2 relative off).
 * Training gradients: ours (the load-balancing loss reaching the routers as a gradient, ``model/moe_loss.py``) equal
   the gradients of transformers' training loss ``lm loss + router_aux_loss_coef * aux`` (``output_router_logits``),
   every tensor within 1e-5 absolute -- the aux loss's gradient alone is ~1e-3 on the routers.
@@ -27,32 +29,11 @@ from megatron_lc.parallel.topology import Topology
 from tests.support.hf_families import ARCHITECTURES, MOE_FAMILIES, save_hf_model
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
 from transformers.core_model_loading import revert_weight_conversion  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import convert_from_hf  # noqa: E402
-import convert_to_hf  # noqa: E402
-
-
-@pytest.mark.parametrize("name", MOE_FAMILIES)
-def test_import_verify_routers_and_export_bit_for_bit(tmp_path, name, capsys):
-    save_hf_model(name, tmp_path / "hf")
-    assert convert_from_hf.main([str(tmp_path / "hf"), str(tmp_path / "ours"), "--tp", "2", "--verify"]) == 0
-    logits, routers = capsys.readouterr().out.strip().splitlines()[-2:]
-    assert logits.startswith("verify: max |logits - transformers' logits| = ") and logits.endswith(": ok"), logits
-    assert routers.startswith("verify: max |router logits - transformers'| = ") and routers.endswith(": ok"), routers
-    convert_to_hf.convert(str(tmp_path / "ours"), str(tmp_path / "back"))
-    back, ref = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("back", "hf"))
-    assert back.keys() == ref.keys()
-    for k in ref:
-        assert torch.equal(back[k], ref[k]), k
-    cfg = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert cfg["architectures"] == [ARCHITECTURES[name]]
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32)
-    assert type(reloaded).__name__ == ARCHITECTURES[name]
-    assert reloaded.config.num_experts_per_tok == 2 and reloaded.config.router_aux_loss_coef == 0.02
 
 
 @pytest.mark.parametrize("name", MOE_FAMILIES)
