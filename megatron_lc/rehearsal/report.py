@@ -135,10 +135,11 @@ def attention_balance(cfg: Config, world: int, ranks: dict, steps: int) -> dict:
     """Per rehearsed rank, one layer's attention in the last step: the (query, key) pairs it ran and the k/v bytes
     its ring attention received in forward (the step's counts over layers x micro-batches), beside what
     ``tools/cp_layout.py`` prints for the same micro-batches (``kv_plan.cp_rank_figures``: the mean over them), and
-    the slowest / mean rank of both over the rehearsed ranks (``{}`` for a rehearsal that counted none)."""
-    if not all("attention" in r for r in ranks.values()):
-        return {}
+    the slowest / mean rank of both over the rehearsed ranks (``{}`` for a rehearsal that counted none, and for a
+    layout without a ring: Ulysses and FPDT split heads, every rank runs the same pairs)."""
     layout = resolve_layout(cfg, world)
+    if layout.ring == 1 or not all("attention" in r for r in ranks.values()):
+        return {}
     elem = resolve_execution(cfg, torch.device("cuda")).compute_dtype.itemsize
     cfg = copy.deepcopy(cfg)
     cfg.data.mock_data = True  # the rehearsal's data (rank.rehearsal_config)
