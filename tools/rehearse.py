@@ -190,6 +190,12 @@ def main(argv=None) -> int:
             for k in ("fwd", "bwd")))
     if attention_line(summary):
         print(attention_line(summary))
+    moe = summary["expert_all_to_all_bytes"]
+    if moe:  # no router values in a rehearsal: every rank receives the stated worst-case load
+        print("experts' all-to-all sent per step by a rank: " + ", ".join(
+            f"{k} {moe['rehearsed'].get(k, 0) / GIB:.2f} GiB (estimator {moe['formula'][k] / GIB:.2f})"
+            for k in ("fwd", "bwd")) + f"; each expert rank received {moe['load']:g} x its fair share of the "
+            f"copies (the stated worst case: a rehearsal has no router values)")
     for line in phase_lines(summary):
         print(line)
     if args.steps < 2:

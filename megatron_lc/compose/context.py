@@ -37,6 +37,7 @@ from ..memory.arena import ArenaHandle
 from ..memory.checkpoint_offload import CheckpointOffload
 from ..memory.chunked_layer import BlockAttentionPart, CoreAttentionPart
 from ..memory.memo import MemoRuntime
+from ..model.moe_loss import RoutingRecord
 from ..parallel.topology import Topology
 from ..planning.memory_plan import MemoryPlan
 
@@ -75,6 +76,9 @@ class ModelContext:
     memo: Optional[MemoRuntime] = None  # recompute_granularity full / Memo offload: buffers, host copies, counters
     checkpoints: Optional[CheckpointOffload] = None  # activation_offload checkpoints: layer inputs on the host
     plan: Optional[MemoryPlan] = None  # memory.plan auto / a plan file: the planned arena
+    # the MoE routers' counts of a forward and the load-balancing / z-loss gradients they give (model/moe_loss.py);
+    # the default records nothing (a model without experts)
+    routing: RoutingRecord = field(default_factory=RoutingRecord)
 
     @property
     def runtimes(self) -> list:
@@ -104,4 +108,8 @@ def model_context(cfg: Config, layout: Layout) -> ModelContext:
                                             attention_part=CHUNKED_ATTENTION[t.layer_rerun])
     if t.memory_plan != "none":
         ctx.plan = MemoryPlan(m.plan, ctx.arena)
+    mc = cfg.model
+    if mc.num_moe_experts is not None:
+        ctx.routing = RoutingRecord(mc.num_moe_experts, mc.moe_aux_loss_coeff, mc.moe_z_loss_coeff,
+                                    sum(mc.moe_layers()), layout.num_micro_batches, layout.sequence_parallel)
     return ctx

@@ -28,12 +28,14 @@ from ..attention.fpdt.block import FPDTSelfAttention
 from ..config import Config, Execution, Layout, resolve_techniques
 from ..memory.checkpoint_offload import CheckpointOffloadExecutor
 from ..memory.memo import MemoBlockExecutor, MemoExecutor
-from ..memory.mst import MiniSequenceLMHead, MiniSequenceMLP
+from ..memory.mst import MiniSequenceLMHead, MiniSequenceMLP, MiniSequenceMoE
 from ..memory.recompute import SelectiveExecutor
 from ..model.attention import SelfAttention
 from ..model.head import LMHead
 from ..model.mlp import MLP
+from ..model.moe import MoE
 from ..model.norm import build_norm, norm_kind
+from ..parallel.expert_parallel import ExpertDispatcher
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..parallel.topology import Topology
 from .context import ModelContext
@@ -58,11 +60,18 @@ class ModelSpec:
     qk_norm: Optional[Callable[..., nn.Module]] = None  # per head, over kv_channels (model.qk_layernorm)
     post_self_attn_norm: Callable[..., nn.Module] = no_norm  # model.post_self_attn_layernorm
     post_mlp_norm: Callable[..., nn.Module] = no_norm  # model.post_mlp_layernorm
+    moe: type = MoE  # the MLP of the MoE layers, (cfg, parts, output_std) like ``mlp``
+    moe_layers: tuple = ()  # which layers take ``moe`` (model.moe_layer_freq; empty: none)
+
+    def mlp_of(self, layer_number: int) -> type:
+        """The class of layer ``layer_number``'s MLP: ``moe`` on the MoE layers, else ``mlp``."""
+        return self.moe if self.moe_layers and self.moe_layers[layer_number] else self.mlp
 
 
 # The class each slot's technique builds, looked up by ``config.Techniques`` (adding a technique: one entry here)
 ATTENTION_BLOCKS = {"self_attention": SelfAttention, "fpdt": FPDTSelfAttention}
 MLPS = {"plain": MLP, "mst": MiniSequenceMLP}
+MOES = {"plain": MoE, "mst": MiniSequenceMoE}
 HEADS = {"plain": LMHead, "mst": MiniSequenceLMHead}
 # token-wise recompute and Memo run around the attention block: whole layers, or Memo's block mode around FPDT's
 TOKEN_WISE_EXECUTORS = {"self_attention": MemoExecutor, "fpdt": MemoBlockExecutor}
@@ -95,7 +104,8 @@ def model_spec(cfg: Config, layout: Layout, ctx: ModelContext) -> ModelSpec:
     t = resolve_techniques(cfg, layout)
     return dataclasses.replace(
         architecture_spec(cfg), attention_block=ATTENTION_BLOCKS[t.attention_block], mlp=MLPS[t.mlp_and_head],
-        head=HEADS[t.mlp_and_head], executor=EXECUTORS[t.executor](ctx, layout, t.attention_block))
+        moe=MOES[t.mlp_and_head], head=HEADS[t.mlp_and_head],
+        executor=EXECUTORS[t.executor](ctx, layout, t.attention_block))
 
 
 def architecture_spec(cfg: Config) -> ModelSpec:
@@ -107,7 +117,7 @@ def architecture_spec(cfg: Config) -> ModelSpec:
     norm = partial(build_norm, norm_kind(m.normalization, m.apply_layernorm_1p))
     return ModelSpec(norm=norm, qk_norm=norm if m.qk_layernorm else None,
                      post_self_attn_norm=norm if m.post_self_attn_layernorm else no_norm,
-                     post_mlp_norm=norm if m.post_mlp_layernorm else no_norm)
+                     post_mlp_norm=norm if m.post_mlp_layernorm else no_norm, moe_layers=m.moe_layers())
 
 
 @dataclass
@@ -140,6 +150,11 @@ class ModelParts:
     def vocab_embedding(self, vocab: int, hidden: int, *, std: float) -> nn.Module:
         return VocabParallelEmbedding(vocab, hidden, self.topo, sequence_parallel=self.sequence_parallel,
                                       init_std=std)
+
+    def expert_dispatcher(self, num_experts: int) -> ExpertDispatcher:
+        """An MoE layer's dispatcher: its experts over this rank's expert group (``parallel.expert_model_
+        parallel_size``), the identity without one."""
+        return ExpertDispatcher(self.topo, num_experts)
 
     def kernels(self) -> Kernels:
         """The attention kernels of ``parallel.attention_backend`` for the execution's kernel device."""

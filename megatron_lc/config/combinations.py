@@ -49,6 +49,31 @@ def _refusals(cfg):
            "set use_torch_fsdp2 true")
 
 
+def _moe_refusals(cfg):
+    """Mixture-of-experts pairs (``model/moe.py``, ``parallel/expert_parallel.py``)."""
+    m, p = cfg.model, cfg.parallel
+    moe = m.num_moe_experts is not None
+    ep = p.expert_model_parallel_size
+    yield (ep > 1 and not moe,
+           f"parallel.expert_model_parallel_size={ep} without model.num_moe_experts: there are no experts to shard")
+    yield (moe and p.tensor_model_parallel_size > 1 and not p.sequence_parallel,
+           f"model.num_moe_experts with parallel.tensor_model_parallel_size={p.tensor_model_parallel_size} and "
+           f"sequence_parallel false: the experts are whole on every tp rank and take its sequence-parallel share "
+           f"of the tokens (as Megatron-LM asks); set sequence_parallel true")
+    yield (ep > 1 and p.use_distributed_optimizer,
+           f"parallel.expert_model_parallel_size={ep} with parallel.use_distributed_optimizer: ZeRO-1 shards every "
+           f"state over dp x cp, where the expert ranks hold different experts; use use_torch_fsdp2 (the experts "
+           f"sharded over the ranks outside their expert group) or plain AdamW")
+    yield (ep > 1 and cfg.memory.activation_offload == "memo",
+           f"parallel.expert_model_parallel_size={ep} with memory.activation_offload=memo: the rows an expert rank "
+           f"receives change every step and Memo's rounding buffers are sized once; use recompute_granularity full "
+           f"(token-wise recompute without offload) or activation_offload checkpoints")
+    yield (moe and cfg.memory.activation_offload == "memo" and len(set(m.moe_layers())) > 1,
+           f"model.moe_layer_freq={m.moe_layer_freq} with memory.activation_offload=memo: Memo sizes its rounding "
+           f"buffers by layer 0, and dense and MoE layers keep different tensors; make every layer MoE or use "
+           f"activation_offload checkpoints")
+
+
 def _document_refusals(cfg):
     """Documents and windows reach the kernels as rectangles (attention/ranges.py): PyTorch's kernels take them (one
     call each on CPU, the variable-length kernel on CUDA); the flash-attn / TransformerEngine adapters do not."""
@@ -65,6 +90,6 @@ def _document_refusals(cfg):
 
 def check_combinations(cfg) -> None:
     """Raise ``ConfigError`` for the first refused feature pair of ``cfg``."""
-    for refused, message in [*_refusals(cfg), *_document_refusals(cfg)]:
+    for refused, message in [*_refusals(cfg), *_moe_refusals(cfg), *_document_refusals(cfg)]:
         if refused:
             raise ConfigError(message)

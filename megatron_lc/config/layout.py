@@ -72,6 +72,8 @@ class Layout:
     # each layer's RoPE as (theta, rope_scaling applies) (None without RoPE; model.rope_local_base_freq on the
     # sliding_attention layers): the model computes each distinct table once a step and hands layer n ropes[n]'s
     ropes: tuple = ()
+    # expert parallelism: each MoE layer's experts sharded over groups of ep dp x cp ranks (1: every rank holds all)
+    ep: int = 1
 
     @property
     def balance_window(self):
@@ -166,6 +168,12 @@ def resolve_layout(cfg, world_size: int) -> Layout:
     u = _fpdt_chunks(cfg, cp, sp_degree) if p.cp_comm_type == "fpdt" else 1
     check(s <= m.max_position_embeddings or m.position_embedding_type == "rope",
           f"data.seq_length ({s}) exceeds model.max_position_embeddings ({m.max_position_embeddings})")
+    ep = p.expert_model_parallel_size
+    check(ep == 1 or (m.num_moe_experts is not None and m.num_moe_experts % ep == 0),
+          f"parallel.expert_model_parallel_size ({ep}) must divide model.num_moe_experts ({m.num_moe_experts})")
+    check((dp * cp) % ep == 0,
+          f"parallel.expert_model_parallel_size ({ep}) must divide dp x cp ({dp} x {cp} = {dp * cp}): the experts "
+          f"are sharded over the ranks that hold the same weights")
     mbs = t.micro_batch_size
     gbs = t.global_batch_size if t.global_batch_size is not None else mbs * dp
     check(gbs % (mbs * dp) == 0,
@@ -175,7 +183,7 @@ def resolve_layout(cfg, world_size: int) -> Layout:
                   cp_layout="balanced" if p.cp_layout != "zigzag" and p.ring_size > 1 else "zigzag",
                   seq_length=s, seq_multiple=mult, fpdt_chunks=u,
                   heads=heads, kv_heads=kv_heads, kv_replication=rep, micro_batch_size=mbs, global_batch_size=gbs,
-                  windows=m.attention_windows(), ropes=m.layer_ropes())
+                  windows=m.attention_windows(), ropes=m.layer_ropes(), ep=ep)
 
 
 __all__ = ["Layout", "resolve_layout", "kv_replication"]

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from .base import ConfigError, check
+from .moe import check_moe, moe_layer_pattern, moe_layer_parameters
 
 # rope_scaling fields by type, named as in a Hugging Face config.json: (required, optional)
 ROPE_SCALING = {
@@ -103,6 +104,21 @@ class ModelConfig:
     # imported but those the run changed (hf/configs.export_config: a context extension's RoPE, a longer length)
     hf_import: Optional[dict] = None
 
+    # Mixture of experts (Megatron-LM's names; docs/moe.md). num_moe_experts unset: every MLP dense
+    num_moe_experts: Optional[int] = None  # routed experts of an MoE layer (HF: num_experts / num_local_experts)
+    moe_router_topk: int = 2  # experts per token (HF: num_experts_per_tok)
+    moe_ffn_hidden_size: Optional[int] = None  # one expert's SwiGLU width; unset: ffn_hidden_size
+    # false: the top-k weights renormalised to sum to 1 (Qwen3-MoE's norm_topk_prob, Mixtral); true: the softmax
+    # over all experts, top-k weights as they are (Qwen2-MoE / Qwen1.5-MoE's norm_topk_prob false)
+    moe_router_pre_softmax: bool = False
+    moe_aux_loss_coeff: float = 0.0  # Hugging Face's load-balancing loss times this (HF: router_aux_loss_coef)
+    moe_z_loss_coeff: Optional[float] = None  # the router z-loss (mean squared logsumexp of the logits) times this
+    # which layers are MoE: an integer N -> layers 0, N, 2N, ... (Megatron-LM's 1:N); a list of 0/1 per layer (HF's
+    # decoder_sparse_step / mlp_only_layers, e.g. [0, 1, 1, 1])
+    moe_layer_freq: Union[int, list[int]] = 1
+    moe_shared_expert_intermediate_size: Optional[int] = None  # a dense SwiGLU beside the experts (Qwen2-MoE)
+    moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x w) (Qwen2-MoE)
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
             check(getattr(self, name) is None or getattr(self, name) > 0, f"model.{name} ({getattr(self, name)}) must be positive")
@@ -151,6 +167,12 @@ class ModelConfig:
                   f"model.layer_types has {len(self.layer_types)} entries for model.num_layers ({self.num_layers})")
             check(self.sliding_window is not None or "sliding_attention" not in self.layer_types,
                   "model.layer_types names sliding_attention layers but model.sliding_window is not set")
+        check_moe(self)
+
+    def moe_layers(self) -> tuple:
+        """Which layers are MoE (``moe_layer_freq``; none without ``num_moe_experts``). Example, 4 layers:
+        ``moe_layer_freq: 2`` -> ``(True, False, True, False)``; ``[0, 1, 1, 1]`` -> ``(False, True, True, True)``."""
+        return moe_layer_pattern(self)
 
     def attention_windows(self) -> tuple:
         """Each layer's causal window in tokens, None for full attention. Example: 4 layers, ``sliding_window: 1024,
@@ -187,8 +209,9 @@ class ModelConfig:
         m = self.make_vocab_size_divisible_by
         return m * ((self.vocab_size + m - 1) // m)
 
-    def num_parameters(self) -> int:
-        """Parameter count P of the full (unsharded) model, padded vocab included."""
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameter count P of the full (unsharded) model, padded vocab included (``active``: of an MoE layer only
+        what one token passes through, ``num_active_parameters``)."""
         h, f, v = self.hidden_size, self.ffn_hidden_size, self.padded_vocab_size
         d, nq, nkv = self.kv_channels, self.num_attention_heads, self.num_query_groups
         norm = h if self.normalization == "RMSNorm" else 2 * h
@@ -202,7 +225,13 @@ class ModelConfig:
         if self.qk_layernorm:
             attn += 2 * d
         norms = 2 + self.post_self_attn_layernorm + self.post_mlp_layernorm
-        layer = attn + mlp + norms * norm
+        layer = attn + norms * norm
         emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
         head = v * h if self.untie_embeddings_and_output_weights else 0
-        return self.num_layers * layer + emb + head + norm
+        mlps = sum(moe_layer_parameters(self, active) if moe else mlp for moe in self.moe_layers())
+        return self.num_layers * layer + mlps + emb + head + norm
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token passes through: an MoE layer counts its router, its top-k experts and its shared
+        expert, not the other experts (the count MFU is relative to, as Megatron-LM and the MoE papers count)."""
+        return self.num_parameters(active=True)

@@ -38,12 +38,17 @@ class ParallelConfig:
     # (step flags, token counts); plain "nccl" refuses every CPU tensor
     distributed_backend: Literal["auto", "gloo", "nccl", "cpu:gloo,cuda:nccl"] = "auto"
     distributed_timeout_minutes: float = 10.0
+    # expert parallelism (parallel/expert_parallel.py): an MoE layer's experts sharded over groups of this many
+    # dp x cp ranks, tokens exchanged by all-to-all (Megatron-LM's name); must divide dp x cp and the experts
+    expert_model_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check(self.tensor_model_parallel_size >= 1,
               f"parallel.tensor_model_parallel_size ({self.tensor_model_parallel_size}) must be >= 1")
         check(self.context_parallel_size >= 1,
               f"parallel.context_parallel_size ({self.context_parallel_size}) must be >= 1")
+        check(self.expert_model_parallel_size >= 1,
+              f"parallel.expert_model_parallel_size ({self.expert_model_parallel_size}) must be >= 1")
         cp = self.context_parallel_size
         if self.ulysses_size is None:
             self.ulysses_size = {"p2p": 1, "a2a": cp, "fpdt": cp}.get(self.cp_comm_type, None)

@@ -41,14 +41,17 @@ class Estimate:
 
 def estimate(cfg: Config, hw: HardwareProfile, world_size: int,
              activation_peak_override: Optional[float] = None, states: str = "framework",
-             recompute_style: str = "token_wise") -> Estimate:
+             recompute_style: str = "token_wise", expert_load: Optional[float] = None) -> Estimate:
     """Memory and time of ``cfg`` on ``world_size`` ranks of ``hw`` (device ``hw.device``: fp32 on CPU, bf16 autocast
     on CUDA when ``train.bf16``). ``states``: ``framework`` (this trainer) or a what-if preset of ``states.py``;
-    ``recompute_style``: ``token_wise`` (this trainer) or the what-if ``checkpoint`` (``terms/classic_checkpoint.py``).
-    Raises ConfigError for a layout the framework would refuse."""
+    ``recompute_style``: ``token_wise`` (this trainer) or the what-if ``checkpoint`` (``terms/classic_checkpoint.py``);
+    ``expert_load``: under expert parallelism the busiest expert rank's rows over its fair share (None:
+    ``config.moe.EXPERT_LOAD``). Raises ConfigError for a layout the framework would refuse."""
     layout = resolve_layout(cfg, world_size)
     terms = terms_for(resolve_techniques(cfg, layout), recompute_style)
     dims = dims_for(Dims.from_config(cfg, layout, hw.device), states)
+    if expert_load is not None and dims.ep > 1:
+        dims = dataclasses.replace(dims, expert_load=expert_load)
     named, backend = cfg.parallel.attention_backend, attention_kernel(cfg, dims, hw)[0]
     if backend != named:  # auto: the backend a run picks on this GPU (its kernels' memory)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, attention_backend=backend))

@@ -15,6 +15,8 @@ import torch
 
 from ..config import Config, Layout, resolve_execution
 from ..config.layout import kv_replication
+from ..config.moe import EXPERT_LOAD, expert_ffn
+
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,16 @@ class Dims:
     qk_norm: bool = False  # per-head norms of q and k (model.qk_layernorm)
     post_attn_norm: bool = False  # a norm on the attention block's output (model.post_self_attn_layernorm)
     post_mlp_norm: bool = False  # a norm on the MLP's output (model.post_mlp_layernorm)
+    # mixture of experts (model.num_moe_experts; estimate/moe.py): every layer is taken as MoE when any is (an upper
+    # bound for the dense layers among them), the FLOPs and parameters count each layer as it is
+    experts: int = 0
+    topk: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0  # the shared expert's width (0: none)
+    shared_gate: bool = False
+    moe_layers: tuple = ()  # which layers are MoE
+    ep: int = 1  # expert parallelism (parallel.expert_model_parallel_size)
+    expert_load: float = 1.0  # the busiest expert rank's rows over its fair share (config.moe.EXPERT_LOAD under ep)
 
     @classmethod
     def from_config(cls, cfg: Config, layout: Layout, device: str) -> "Dims":
@@ -81,7 +93,12 @@ class Dims:
                    doc_length=(cfg.data.mean_document_length or 0) if cfg.data.reset_attention_mask else 0,
                    windows=layout.windows, cp_layout=layout.cp_layout, balance_window=layout.balance_window,
                    qkv_bias=m.add_qkv_bias or m.add_bias_linear, qk_norm=m.qk_layernorm,
-                   post_attn_norm=m.post_self_attn_layernorm, post_mlp_norm=m.post_mlp_layernorm)
+                   post_attn_norm=m.post_self_attn_layernorm, post_mlp_norm=m.post_mlp_layernorm,
+                   **(_moe_dims(m, layout) if m.num_moe_experts is not None else {}))
+
+    @property
+    def moe(self) -> bool:
+        return any(self.moe_layers)
 
     # ---- per-rank sizes ------------------------------------------------------------------------------------
     @property
@@ -166,3 +183,10 @@ class Dims:
         if not self.uses_a2a:
             return self.kv_heads_local
         return self.kv_heads_local * kv_replication(self.heads_local, self.kv_heads_local, self.ulysses)
+
+
+def _moe_dims(m, layout: Layout) -> dict:
+    """The MoE fields of ``Dims`` for model section ``m``."""
+    return dict(experts=m.num_moe_experts, topk=m.moe_router_topk, expert_ffn=expert_ffn(m),
+                shared_ffn=m.moe_shared_expert_intermediate_size or 0, shared_gate=m.moe_shared_expert_gate,
+                moe_layers=m.moe_layers(), ep=layout.ep, expert_load=EXPERT_LOAD if layout.ep > 1 else 1.0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import moe
 from .dims import Dims
 from .inventory import param_shards
 
@@ -34,8 +35,10 @@ def layer_flops(dims: Dims) -> LayerFlops:
     (load-balanced zigzag), Ulysses (whole sequence, nq/tp/u heads) and FPDT."""
     h, d = dims.hidden, dims.head_dim
     heads, kv_heads = dims.heads_local, dims.kv_heads_local
-    lin = h * (heads + 2 * kv_heads) * d + heads * d * h + h * dims.ffn_local * (3 if dims.swiglu else 2)
-    linear_fwd = 2.0 * dims.tokens * lin
+    mlp = h * dims.ffn_local * (3 if dims.swiglu else 2)
+    linear_fwd = 2.0 * dims.tokens * (h * (heads + 2 * kv_heads) * d + heads * d * h + mlp)
+    if dims.moe:  # the MoE layers' MLP: the router, k experts a token, the shared expert (the mean over the layers)
+        linear_fwd += sum(dims.moe_layers) / dims.num_layers * (moe.flops_fwd(dims) - 2.0 * dims.tokens * mlp)
     attn_fwd = 2.0 * dims.tokens * dims.attended * dims.heads_local * d  # 4·t·s·d per head, halved by the mask
     return LayerFlops(linear_fwd, attn_fwd)
 
@@ -45,8 +48,10 @@ def head_flops_fwd(dims: Dims) -> float:
 
 
 def model_flops_per_sample(dims: Dims) -> float:
-    """Memo §5.1: 6·s·P + 6·n·h·s² (P the full parameter count, embeddings included; h = nq·d)."""
-    full = Dims(**{**dims.__dict__, "tp": 1, "cp": 1, "dp": 1, "sequence_parallel": False})
-    P = sum(n for _, n, _ in param_shards(full))
+    """Memo §5.1: 6·s·P + 6·n·h·s² (P the full parameter count, embeddings included; h = nq·d; of an MoE layer the
+    active parameters: its router and k of its experts, as ``ModelConfig.num_active_parameters`` counts them)."""
+    full = Dims(**{**dims.__dict__, "tp": 1, "cp": 1, "dp": 1, "sequence_parallel": False, "ep": 1})
+    active = dims.topk / dims.experts if dims.experts else 1.0
+    P = sum(n * (active if moe.is_expert_param(name) else 1.0) for name, n, _ in param_shards(full))
     s = dims.seq_length
     return 6.0 * s * P + 6.0 * dims.num_layers * dims.heads * dims.head_dim * s * dims.attended

@@ -15,6 +15,7 @@ from typing import Literal, Optional
 
 from ..config import Config
 from ..memory.mst.rules import head_chunk_count, head_chunk_tokens, mlp_chunk_tokens
+from . import moe
 from .dims import Dims
 
 Group = Literal["input", "attn", "others"]
@@ -53,12 +54,15 @@ def param_shards(dims: Dims) -> list[tuple[str, int, bool]]:
         if dims.post_attn_norm:
             out += [(pre + "post_self_attn_layernorm." + n, k, g) for n, k, g in norm]
         out += [(pre + "pre_mlp_layernorm." + n, k, g) for n, k, g in norm]
-        out.append((pre + "mlp.linear_fc1.weight", fc1_out * h, True))
-        if dims.linear_bias:
-            out.append((pre + "mlp.linear_fc1.bias", fc1_out, False))
-        out.append((pre + "mlp.linear_fc2.weight", h * dims.ffn_local, True))
-        if dims.linear_bias:
-            out.append((pre + "mlp.linear_fc2.bias", h, False))
+        if dims.moe_layers and dims.moe_layers[i]:  # the router, this expert rank's experts (estimate/moe.py)
+            out += moe.layer_params(dims, pre)
+        else:
+            out.append((pre + "mlp.linear_fc1.weight", fc1_out * h, True))
+            if dims.linear_bias:
+                out.append((pre + "mlp.linear_fc1.bias", fc1_out, False))
+            out.append((pre + "mlp.linear_fc2.weight", h * dims.ffn_local, True))
+            if dims.linear_bias:
+                out.append((pre + "mlp.linear_fc2.bias", h, False))
         if dims.post_mlp_norm:
             out += [(pre + "post_mlp_layernorm." + n, k, g) for n, k, g in norm]
     out += [("final_layernorm." + n, k, g) for n, k, g in norm]
@@ -208,8 +212,11 @@ def layer_skeletal(dims: Dims, mlp_chunked: bool, fpdt_offload: bool, token_wise
         items.append(Item("attention block out (post_self_attn_layernorm's input) + rstd", post_norm_saved(dims)))
     items.append(Item("residual after attention (pre_mlp_layernorm's input)", tr * h * r))
     items += norm_extra
-    items.append(Item("linear_fc1 input (norm out, all-gathered with SP)", t * h * a))
-    if not mlp_chunked:
+    if dims.moe:  # an MoE layer's MLP (every layer taken as one: estimate/moe.py)
+        items += [Item(name, b) for name, b in moe.kept_items(dims, mlp_chunked)]
+    else:
+        items.append(Item("linear_fc1 input (norm out, all-gathered with SP)", t * h * a))
+    if not mlp_chunked and not dims.moe:
         if dims.swiglu:
             items += [Item("linear_fc1 out [gate; up]", t * 2 * dims.ffn_local * a),
                       Item("silu(gate)", t * dims.ffn_local * a),

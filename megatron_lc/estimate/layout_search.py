@@ -18,7 +18,9 @@ What is searched (model, data and batch sizes stay as configured):
   of ``LAYER_CHUNK`` local rows (``memory.layer_chunk_size``; skipped where a chunk holds every re-run row: the same
   run as without); with FPDT the checkpoints mode, chunked (FPDT's block as the chunked layer's attention) or not;
 * model states: ZeRO-1 (``use_distributed_optimizer``) whenever dp x cp > 1, FSDP2 (``use_torch_fsdp2``), FSDP2
-  with ``fsdp_cpu_offload``.
+  with ``fsdp_cpu_offload``;
+* an MoE model's expert parallelism: every ``parallel.expert_model_parallel_size`` dividing dp x cp and the
+  experts (the estimate assumes the busiest expert rank's load ``config.moe.EXPERT_LOAD``).
 
 Skipped: anything ``config.resolve_layout`` rejects; recompute / Memo with FPDT unless ``allow_fpdt_recompute`` (the
 framework runs them in Memo's block mode, but no calibration case covers the estimate of it yet); selective recompute
@@ -59,6 +61,8 @@ class Candidate:
         cp_type = o["parallel.cp_comm_type"]
         cp = o["parallel.context_parallel_size"]
         parts = [f"tp{o['parallel.tensor_model_parallel_size']}", f"cp{cp}"]
+        if o.get("parallel.expert_model_parallel_size", 1) > 1:
+            parts.append(f"ep{o['parallel.expert_model_parallel_size']}")
         if cp > 1 or cp_type == "fpdt":
             parts.append({"p2p": "ring", "a2a": "ulysses", "a2a+p2p": f"ulysses{o['parallel.ulysses_size']}xring",
                           "fpdt": "fpdt"}[cp_type])
@@ -113,9 +117,19 @@ def layouts(cfg: Config, hw: HardwareProfile, world: int) -> Iterator[dict]:
                 flavours += [("a2a", cp)] + [("a2a+p2p", u) for u in _divisors(cp) if 1 < u < cp]
             flavours.append(("fpdt", cp))
             for states in sharding_options(dp * cp):
-                base = {"parallel.tensor_model_parallel_size": tp, "parallel.context_parallel_size": cp,
-                        "parallel.sequence_parallel": tp > 1, **states}
-                yield from _flavoured(base, flavours, s)
+                for experts in expert_options(cfg, dp * cp):
+                    base = {"parallel.tensor_model_parallel_size": tp, "parallel.context_parallel_size": cp,
+                            "parallel.sequence_parallel": tp > 1, **states, **experts}
+                    yield from _flavoured(base, flavours, s)
+
+
+def expert_options(cfg: Config, n: int) -> list[dict]:
+    """An MoE model's expert parallelism over ``n`` = dp x cp ranks: every ep dividing both n and the experts
+    (``parallel.expert_model_parallel_size``); a dense model: nothing to choose."""
+    e = cfg.model.num_moe_experts
+    if e is None:
+        return [{}]
+    return [{"parallel.expert_model_parallel_size": ep} for ep in _divisors(n) if e % ep == 0]
 
 
 def sharding_options(n: int) -> list[dict]:

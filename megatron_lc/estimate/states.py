@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import Config, ConfigError
+from . import moe
 from .dims import Dims
 from .inventory import param_shards, zero1_partition
 
@@ -42,8 +43,10 @@ def model_state_bytes(cfg: Config, dims: Dims, preset: str = "framework") -> dic
     layer = sum(n for name, n, _ in shards if name.startswith("layers.0."))
     head = (dims.vocab_local * dims.hidden if dims.untied_head else 0) + dims.hidden
     zero_ranks = dims.dp * dims.cp
-    if preset == "framework" and cfg.parallel.use_torch_fsdp2:
-        return fsdp_state_bytes(cfg, dims, numels, layer, head)
+    if preset == "framework" and cfg.parallel.use_torch_fsdp2:  # (an expert rank's experts over the ep-times
+        # fewer expert-data ranks: its shard is as large as if all experts were cut over dp x cp)
+        full = [n * (dims.ep if moe.is_expert_param(name) else 1) for name, n, _ in shards]
+        return fsdp_state_bytes(cfg, dims, full, layer, head)
     if preset == "framework":
         if cfg.parallel.use_distributed_optimizer and zero_ranks > 1:
             state_numel = max(zero1_partition(shards, zero_ranks))

@@ -22,6 +22,7 @@ broadcasts half that (0.28 s) after a 15.7 s step; ``overlapped`` hides both und
 from __future__ import annotations
 
 from ..config import Config
+from . import moe
 from .dims import Dims
 from .hardware import HardwareProfile
 from .inventory import param_shards
@@ -83,15 +84,30 @@ def sync_seconds(cfg: Config, dims: Dims, hw: HardwareProfile, states: str, fwd:
     if style == "per_layer":
         ranks = dims.world if states == "zero3" else n
         return dims.micro_batches * per_layer_exposed(cfg, dims, hw, ranks, fwd, bwd, states)
-    if n <= 1:
-        return 0.0
-    _, numel = layer_numels(dims)
-    bw = hw.collective_bytes_per_s(n, dims.tp)
-    if style == "overlapped":  # fp32 reduce-scatter under the backward, bf16 all-gather under the next forward
-        rs = (n - 1) / n * 4 * numel / bw
-        ag = (n - 1) / n * 2 * numel / bw
-        return max(0.0, rs - micro_bwd) + max(0.0, ag - micro_fwd)
-    secs = 2 * (n - 1) / n * 4 * numel / bw  # fp32 all-reduce after the backward
-    if cfg.parallel.use_distributed_optimizer:
-        secs += (n - 1) / n * 4 * numel / bw  # ZeRO-1's owners broadcast the updated fp32 parameters
-    return secs
+    total = 0.0
+    for numel, ranks, stride in reduce_groups(dims):
+        if ranks <= 1:
+            continue
+        bw = hw.collective_bytes_per_s(ranks, stride)
+        share = (ranks - 1) / ranks
+        if style == "overlapped":  # fp32 reduce-scatter under the backward, bf16 all-gather under the next forward
+            total += max(0.0, share * 4 * numel / bw - micro_bwd) + max(0.0, share * 2 * numel / bw - micro_fwd)
+            continue
+        total += 2 * share * 4 * numel / bw  # fp32 all-reduce after the backward
+        if cfg.parallel.use_distributed_optimizer:
+            total += share * 4 * numel / bw  # ZeRO-1's owners broadcast the updated fp32 parameters
+    return total
+
+
+def reduce_groups(dims: Dims) -> list[tuple[float, int, int]]:
+    """(a tp rank's local parameters, the ranks their gradients are summed over, those ranks' stride): everything
+    over dp x cp (tp apart); under expert parallelism the experts apart, over their dp x cp / ep expert-data ranks
+    (tp x ep apart). Example, 8 ranks, tp 1, dp 8, ep 4: the dense weights over 8, the experts over 2 ranks 4 apart."""
+    n = dims.dp * dims.cp
+    shards = param_shards(dims)
+    experts = sum(k for name, k, _ in shards if moe.is_expert_param(name)) if dims.ep > 1 else 0.0
+    dense = float(sum(k for _, k, _ in shards)) - experts
+    groups = [(dense, n, dims.tp)]
+    if experts:
+        groups.append((float(experts), n // dims.ep, dims.tp * dims.ep))
+    return groups

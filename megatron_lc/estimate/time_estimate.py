@@ -45,6 +45,7 @@ from typing import Optional
 
 from ..attention.kernel_table import BWD_FLOPS
 from ..config import Config, ConfigError
+from . import moe
 from .flops import head_flops_fwd, layer_flops, model_flops_per_sample
 from .hardware import HardwareProfile
 from .dims import Dims
@@ -167,8 +168,13 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, al
     run = Run(cfg, dims, hw, terms)
     share = terms.time(run, LayerSeconds(lin_f, att_f, att_b, **comm),
                        TimeShare(shape=terms.layer_shape(run), alpha=alpha))
-    fwd = lin_f + att_f + comm["tp_fwd"] + comm["cp_fwd"] + share.host_fwd
-    bwd = lin_b + att_b + comm["tp_bwd"] + comm["cp_bwd"] + share.host_bwd
+    # expert parallelism's all-to-alls (the copies there and back, again in backward, and again when MsT re-makes
+    # its chunks there), not overlapped; the mean over the layers (estimate/moe.py)
+    ep_a2a = (sum(dims.moe_layers) / dims.num_layers * hw.all_to_all_seconds(moe.all_to_all_bytes(dims), dims.ep,
+                                                                            dims.tp) if dims.ep > 1 else 0.0)
+    ep_bwd = ep_a2a * (2 if moe.remade_in_backward(cfg, dims) else 1)
+    fwd = lin_f + att_f + comm["tp_fwd"] + comm["cp_fwd"] + share.host_fwd + ep_a2a
+    bwd = lin_b + att_b + comm["tp_bwd"] + comm["cp_bwd"] + share.host_bwd + ep_bwd
     recompute, offloaded = share.recompute, share.offloaded
     xfer = offloaded / run.host_bytes_per_s  # every rank of the node copies at once
     stall = max(0.0, xfer - fwd) + max(0.0, xfer - (bwd + recompute)) if offloaded else 0.0
@@ -197,6 +203,7 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, al
         "recompute": dims.micro_batches * dims.num_layers * recompute,
         "tp communication": dims.micro_batches * dims.num_layers * (comm["tp_fwd"] + comm["tp_bwd"]),
         "cp communication (exposed)": dims.micro_batches * dims.num_layers * (comm["cp_fwd"] + comm["cp_bwd"]),
+        "expert all-to-all": dims.micro_batches * dims.num_layers * (ep_a2a + ep_bwd),
         "host transfers (exposed)": dims.micro_batches * (dims.num_layers * (share.host_fwd + share.host_bwd)
                                                           + n_swapped * stall),
         states_comm: sync,

@@ -19,6 +19,7 @@ from typing import Optional
 
 from ..config import Config
 from ..model.norm import RMS_NORM_SLICE_ELEMS as NORM_SLICE
+from . import moe
 from .attention_kernels import attention_backward_lse, fpdt_block_backward, fpdt_chunk_bytes, kernel_extra
 from .dims import Dims
 from .inventory import mst_head_chunk, mst_mlp_chunk, post_norm_saved, qk_norm_saved, qkv_rerun_bytes
@@ -95,7 +96,9 @@ def layer_forward(cfg: Config, dims: Dims, chunk: Optional[float] = None, no_gra
             return t * dims.heads_local * d * a + max(block, dims.tokens_residual * h * dims.residual_bytes + post)
         out = max(out, block)
     rows, c = _mlp_rows(cfg, dims, chunk)
-    if c:  # one chunk's fc1 output, activation (SwiGLU: silu and product) into the preallocated output
+    if dims.moe:  # the dispatch's copies and the experts' output (MsT: a chunk's whole set; estimate/moe.py)
+        out = max(out, moe.forward_transient(dims, c))
+    elif c:  # one chunk's fc1 output, activation (SwiGLU: silu and product) into the preallocated output
         out = max(out, c * (4 if dims.swiglu else 2) * dims.ffn_local * a)
     elif no_graph:  # fc1 output, activation (SwiGLU: silu and product) of the tokens run without autograd
         out = max(out, min(rows, no_graph * dims.tokens) * (4 if dims.swiglu else 2) * dims.ffn_local * a)
@@ -106,6 +109,8 @@ def _mlp_backward(cfg: Config, dims: Dims, chunk: Optional[float], held: bool = 
     """The MLP's backward transient on ``chunk`` tokens at once (None: all the rank's tokens). ``held``: its saved
     tensors live on in a rounding buffer (Memo's kept tokens), so the grads are not offset by their frees."""
     rows, c = _mlp_rows(cfg, dims, chunk)
+    if dims.moe:
+        return moe.backward_transient(dims, c)
     if c:  # input grad (the dtype of its input, the norm's output: the residual's) + one chunk recomputed, its grads
         return rows * dims.hidden * dims.residual_bytes + c * (8 if dims.swiglu else 5) * dims.ffn_local \
             * dims.compute_bytes

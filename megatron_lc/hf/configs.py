@@ -15,6 +15,7 @@ from typing import Optional
 from ..config import ConfigError
 from ..config.model import ROPE_SCALING, ModelConfig, check_rope_scaling
 from .families import BY_ARCHITECTURE, GEMMA3, UNSUPPORTED, Family, export_family
+from .moe import MOE_FIELDS, QWEN_EXPERTS, moe_hf_fields, moe_section_from_hf
 
 HF_TO_MODEL = {  # HF config.json field -> model section key (the rest is derived or checked below)
     "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "ffn_hidden_size",
@@ -57,8 +58,8 @@ def _windows(hf: dict, family: Family, problems: list) -> dict:
     window = hf.get("sliding_window")
     if family.windows == "none" or window is None:
         return {"sliding_window": None, "layer_types": None}
-    if family.windows == "uniform":
-        return {"sliding_window": int(window), "layer_types": None}
+    if family.windows == "uniform":  # (Qwen3-MoE says whether with use_sliding_window)
+        return {"sliding_window": int(window) if hf.get("use_sliding_window", True) else None, "layer_types": None}
     if family is not GEMMA3 and "use_sliding_window" in hf and not hf["use_sliding_window"] and \
             not hf.get("layer_types"):
         return {"sliding_window": None, "layer_types": None}
@@ -104,7 +105,8 @@ def model_section_from_hf(hf: dict) -> dict:
     if family is None or hf.get("model_type") != family.model_type:
         raise ConfigError(f"cannot import this Hugging Face model: architecture {arch} (model_type "
                           f"{hf.get('model_type')!r}; supported: {', '.join(BY_ARCHITECTURE)})")
-    problems = [f"{k}={hf[k]!r} (not implemented)" for k, off in UNSUPPORTED.items() if k in hf and hf[k] not in off]
+    problems = [f"{k}={hf[k]!r} (not implemented)" for k, off in UNSUPPORTED.items() if k in hf and hf[k] not in off
+                and not (family.experts and k in MOE_FIELDS)]
     field_name, value = family.activation
     if hf.get(field_name, value) != value:
         problems.append(f"{field_name}={hf[field_name]!r} (only {value})")
@@ -119,6 +121,7 @@ def model_section_from_hf(hf: dict) -> dict:
         problems.append("mlp_bias=True")
     windows = _windows(hf, family, problems)
     ropes = _ropes(hf, problems)
+    moe = moe_section_from_hf(hf, family.experts, problems) if family.experts else {}
     if problems:
         raise ConfigError(f"cannot import this Hugging Face model: {'; '.join(problems)}")
     model = {ours: hf[theirs] for theirs, ours in HF_TO_MODEL.items() if theirs in hf}
@@ -128,7 +131,8 @@ def model_section_from_hf(hf: dict) -> dict:
                  **family.model_switches(), **windows,
                  softmax_scale=None if scalar is None or scalar == head_dim else float(scalar) ** -0.5,
                  untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", family is GEMMA3),
-                 make_vocab_size_divisible_by=math.gcd(hf["vocab_size"], 128), hf_architecture=family.architecture)
+                 make_vocab_size_divisible_by=math.gcd(hf["vocab_size"], 128), hf_architecture=family.architecture,
+                 **moe)
     return model
 
 
@@ -165,6 +169,10 @@ def _family_fields(family: Family, m) -> dict:
                    attn_logit_softcapping=None, use_bidirectional_attention=False,
                    rope_parameters={"full_attention": full, "sliding_attention": local},
                    rope_local_base_freq=local["rope_theta"])
+    if family.experts:
+        out.update(moe_hf_fields(family.experts, m))
+        if family.experts is QWEN_EXPERTS:  # Qwen3-MoE drops sliding_window unless use_sliding_window
+            out["use_sliding_window"] = any(w is not None for w in windows)
     return out
 
 

@@ -10,12 +10,17 @@ keys (``configs.py``), the exporter picks the family whose switches a model has.
     Gemma 3 text  Gemma3ForCausalLM   qk_layernorm, apply_layernorm_1p, post_self_attn_ and   per layer (local/global,
                                       post_mlp_layernorm, GeGLU, scale_embeddings,            own RoPE theta)
                                       softmax_scale (query_pre_attn_scalar)
+    Qwen3-MoE     Qwen3MoeForCausalLM qk_layernorm, num_moe_experts (moe.py)                  one for every layer
+    Qwen2-MoE     Qwen2MoeForCausalLM add_qkv_bias, num_moe_experts, a gated shared expert    per layer (layer_types)
+    Mixtral       MixtralForCausalLM  num_moe_experts (every layer, top-k renormalised)       one for every layer
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ..config import ConfigError
+from .moe import MIXTRAL_EXPERTS, QWEN2_EXPERTS, QWEN_EXPERTS, ExpertNames, moe_mismatches
 
 # what every family's switches are when it does not set them (the Llama model)
 PLAIN = {"add_qkv_bias": False, "qk_layernorm": False, "apply_layernorm_1p": False, "post_self_attn_layernorm": False,
@@ -42,6 +47,7 @@ class Family:
     windows: str = "none"
     activation: tuple = ("hidden_act", "silu")
     bias: str = "none"
+    experts: Optional[ExpertNames] = None  # a mixture-of-experts family's MoE MLP (``moe.py``); None: dense
 
     def model_switches(self) -> dict:
         return {**PLAIN, **self.switches}
@@ -59,7 +65,12 @@ GEMMA3 = Family("Gemma3", "Gemma3ForCausalLM", "gemma3_text",
                 {"qk_layernorm": True, "apply_layernorm_1p": True, "post_self_attn_layernorm": True,
                  "post_mlp_layernorm": True, "swiglu": False, "gated_linear_unit": True, "scale_embeddings": True},
                 norms=GEMMA_NORMS, windows="per_layer", activation=("hidden_activation", "gelu_pytorch_tanh"))
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3)  # the exporter's order of preference
+QWEN3_MOE = Family("Qwen3-MoE", "Qwen3MoeForCausalLM", "qwen3_moe", {"qk_layernorm": True}, windows="uniform",
+                   experts=QWEN_EXPERTS)
+QWEN2_MOE = Family("Qwen2-MoE", "Qwen2MoeForCausalLM", "qwen2_moe", {"add_qkv_bias": True}, windows="per_layer",
+                   bias="qkv", experts=QWEN2_EXPERTS)
+MIXTRAL = Family("Mixtral", "MixtralForCausalLM", "mixtral", windows="uniform", experts=MIXTRAL_EXPERTS)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, QWEN3_MOE, QWEN2_MOE, MIXTRAL)  # the exporter's preference
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 
 # Hugging Face fields no family here implements, with the values that mean "off"; any other value is refused
@@ -88,7 +99,7 @@ def mismatches(family: Family, m) -> list[str]:
             out.append(f"model.softmax_scale={m.softmax_scale}")
         if m.rope_local_base_freq is not None:
             out.append(f"model.rope_local_base_freq={m.rope_local_base_freq}")
-    return out
+    return out + moe_mismatches(family.experts, m)
 
 
 def export_family(m) -> Family:

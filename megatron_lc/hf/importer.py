@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Optional
 
 import torch
 import yaml
@@ -65,8 +66,8 @@ def imported_state(hf_dir: str, tp: int = 1) -> tuple[Config, dict]:
     if os.path.isfile(generation):
         with open(generation) as f:
             files["generation_config"] = json.load(f)
-    cfg = Config.from_dict({"model": {**model_section_from_hf(hf_cfg), "hf_import": files},
-                            "parallel": {"tensor_model_parallel_size": tp}})
+    cfg = Config.from_dict({"model": {**model_section_from_hf(hf_cfg), "hf_import": files},  # (SP: an MoE model
+                            "parallel": {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1}})  # asks)
     resolve_layout(cfg, tp)  # heads / kv heads / ffn / vocab divisible by tp: one line if not
     family = BY_ARCHITECTURE[cfg.model.hf_architecture]
     tensors = {k: v for k, v in tensors.items() if not k.endswith(IGNORED)}
@@ -113,21 +114,35 @@ def copy_tokenizer_files(src: str, dst: str) -> list[str]:
 
 
 @torch.no_grad()
-def verify(hf_dir: str, tokens: int = 64, batch: int = 2, seed: int = 0) -> tuple[float, float]:
+def verify(hf_dir: str, tokens: int = 64, batch: int = 2, seed: int = 0) -> tuple[float, float, Optional[dict]]:
     """Run transformers' model of ``hf_dir`` and ours (imported, one process, fp32 on the CPU) on a seeded random
-    batch of ``batch`` x ``tokens`` ids; returns (max |ours - transformers| logits, max |transformers| logits)."""
+    batch of ``batch`` x ``tokens`` ids; returns (max |ours - transformers| logits, max |transformers| logits, the
+    routers': None for a dense model, else ``{"router_logits": (max difference, max |transformers'|), "aux_loss":
+    (ours, transformers')}`` -- every MoE layer's router logits, and Hugging Face's load-balancing loss)."""
     # transformers is needed by this check alone; it is installed with the package but heavy to import
     import transformers
 
     cfg, full = imported_state(hf_dir)
     cfg = Config.from_dict({**cfg.to_dict(), "data": {"seq_length": tokens, "mock_data": True},
                             "train": {"device": "cpu", "micro_batch_size": batch}})
-    model, _ = build_model(cfg, resolve_layout(cfg, 1), Topology())
+    model, ctx = build_model(cfg, resolve_layout(cfg, 1), Topology())
     model.load_state_dict(full)
     model.eval()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.model.vocab_size, (batch, tokens), generator=g)
+    routers = [layer.mlp.router for layer in model.layers if hasattr(layer.mlp, "router")]
+    seen: list = []  # each router's logits [s * b, E], in layer order (an observer: the model is unchanged)
+    hooks = [r.register_forward_hook(lambda mod, args, out: seen.append(out)) for r in routers]
     ours = model(ids, torch.arange(tokens).expand(batch, tokens))[..., :cfg.model.vocab_size]
+    for h in hooks:
+        h.remove()
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
-    theirs = hf.eval()(input_ids=ids).logits
-    return float((ours - theirs).abs().max()), float(theirs.abs().max())
+    out = hf.eval()(input_ids=ids, output_router_logits=bool(routers))
+    diff, scale = float((ours - out.logits).abs().max()), float(out.logits.abs().max())
+    if not routers:
+        return diff, scale, None
+    # ours are sequence-first (row s * b + i), transformers' batch-first (row i * s + s)
+    mine = torch.stack([r.view(tokens, batch, -1).transpose(0, 1).reshape(batch * tokens, -1) for r in seen])
+    theirs = torch.stack([r.reshape(batch * tokens, -1) for r in out.router_logits])
+    return diff, scale, {"router_logits": (float((mine - theirs).abs().max()), float(theirs.abs().max())),
+                         "aux_loss": (float(ctx.routing.aux_loss()), float(out.aux_loss))}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .families import Family
+from .moe import experts_from_hf, experts_to_hf
 
 
 def _biases(m) -> tuple[tuple, tuple]:
@@ -31,8 +32,11 @@ def to_hf(state: dict, m, family: Family, keep_padded_vocab: bool = False) -> di
     if m.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = state["head.output_layer.weight"][:vocab]
     qkv_kinds, kinds = _biases(m)
+    moe = m.moe_layers()
     for i in range(m.num_layers):
         src, dst = f"layers.{i}.", f"model.layers.{i}."
+        if moe[i]:  # the MoE MLP's router and experts (``moe.py``)
+            out.update(experts_to_hf(state, m, family.experts, src, dst))
         for ours, theirs in family.layer_norms(m).items():
             out[dst + theirs + ".weight"] = state[src + ours + ".weight"]
         for kind in qkv_kinds:
@@ -43,6 +47,8 @@ def to_hf(state: dict, m, family: Family, keep_padded_vocab: bool = False) -> di
             out[dst + f"self_attn.v_proj.{kind}"] = grouped[:, r + 1].reshape(nkv * d, *qkv.shape[1:])
         for kind in kinds:
             out[dst + f"self_attn.o_proj.{kind}"] = state[src + f"self_attention.linear_proj.{kind}"]
+            if moe[i]:
+                continue
             fc1 = state[src + f"mlp.linear_fc1.{kind}"]  # [gate; up]
             out[dst + f"mlp.gate_proj.{kind}"], out[dst + f"mlp.up_proj.{kind}"] = fc1[:f], fc1[f:]
             out[dst + f"mlp.down_proj.{kind}"] = state[src + f"mlp.linear_fc2.{kind}"]
@@ -63,8 +69,11 @@ def from_hf(hf: dict, m, family: Family) -> dict:
     if m.untie_embeddings_and_output_weights:
         out["head.output_layer.weight"] = pad(hf["lm_head.weight"])
     qkv_kinds, kinds = _biases(m)
+    moe = m.moe_layers()
     for i in range(m.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
+        if moe[i]:
+            out.update(experts_from_hf(hf, m, family.experts, src, dst))
         for ours, theirs in family.layer_norms(m).items():
             out[dst + ours + ".weight"] = hf[src + theirs + ".weight"]
         for kind in qkv_kinds:
@@ -75,6 +84,8 @@ def from_hf(hf: dict, m, family: Family) -> dict:
             out[dst + f"self_attention.linear_qkv.{kind}"] = grouped.reshape(-1, *rest)
         for kind in kinds:
             out[dst + f"self_attention.linear_proj.{kind}"] = hf[src + f"self_attn.o_proj.{kind}"]
+            if moe[i]:
+                continue
             out[dst + f"mlp.linear_fc1.{kind}"] = torch.cat([hf[src + f"mlp.gate_proj.{kind}"],
                                                              hf[src + f"mlp.up_proj.{kind}"]])
             out[dst + f"mlp.linear_fc2.{kind}"] = hf[src + f"mlp.down_proj.{kind}"]

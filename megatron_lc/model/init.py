@@ -1,5 +1,6 @@
 """Layout-independent initialisation: each parameter's *full* tensor is drawn from a generator seeded by
-(seed, parameter name), then this rank's tp shard is cut from it -- and, for a parameter FSDP2 has sharded, this
+(seed, parameter name), then this rank's tp shard is cut from it (an MoE layer's experts: this expert rank's
+experts, ``parallel/expert_parallel.py``) -- and, for a parameter FSDP2 has sharded, this
 rank's dp x cp shard of that (``torch.chunk`` along its shard dim, FSDP2's cut). So the same seed gives the same
 full model for any tp / cp / dp, and loss curves of different layouts match step by step.
 
@@ -14,6 +15,7 @@ import zlib
 import torch
 from torch import nn
 
+from ..parallel.expert_parallel import expert_full_shape, expert_shard
 from ..parallel.fsdp import is_sharded, local
 from ..parallel.tensor_parallel import full_shape, shard_full_tensor
 from ..parallel.topology import Topology
@@ -39,7 +41,7 @@ def _fsdp_shard(piece: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def init_model(model: nn.Module, seed: int, topo: Topology) -> None:
     for name, p in model.named_parameters():
         kind = getattr(p, "init", ("normal", 0.02))
-        shape = full_shape(p, topo.tp)
+        shape = expert_full_shape(p, full_shape(p, topo.tp), topo)  # an MoE layer's: every expert
         if kind[0] == "ones":
             full = torch.ones(shape)
         elif kind[0] == "zeros":
@@ -48,7 +50,8 @@ def init_model(model: nn.Module, seed: int, topo: Topology) -> None:
             g = torch.Generator().manual_seed(param_seed(seed, name))
             full = torch.empty(shape).normal_(0.0, kind[1], generator=g)
         mine = local(p)
-        mine.copy_(_fsdp_shard(shard_full_tensor(full, p, topo), p).to(mine.device, mine.dtype))
+        piece = expert_shard(shard_full_tensor(full, p, topo), p, topo)
+        mine.copy_(_fsdp_shard(piece, p).to(mine.device, mine.dtype))
 
 
 def materialize(model: nn.Module, seed: int, topo: Topology, device: torch.device,

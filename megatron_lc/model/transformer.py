@@ -32,7 +32,7 @@ class TransformerLayer(nn.Module):
         self.self_attention = spec.attention_block(cfg, parts, layer_number, out_std)
         self.post_self_attn_layernorm = spec.post_self_attn_norm(h, eps, sp)
         self.pre_mlp_layernorm = spec.norm(h, eps, sp)
-        self.mlp = spec.mlp(cfg, parts, out_std)
+        self.mlp = spec.mlp_of(layer_number)(cfg, parts, out_std)  # the MLP, or the MoE on an MoE layer
         self.post_mlp_layernorm = spec.post_mlp_norm(h, eps, sp)
 
         # How forward runs: None = plain autograd, or the spec's executor ``fn(layer, x, rope) -> y`` (recompute,
@@ -87,6 +87,7 @@ class GPTModel(nn.Module):
         self.cfg, self.topo = cfg, parts.topo
         self.sequence_parallel = parts.sequence_parallel
         self.arena = parts.ctx.arena  # framework buffers; the forward starts one arena iteration
+        self.routing = parts.ctx.routing  # the MoE routers' counts: begun and summed over ranks by each forward
         self.embedding = parts.vocab_embedding(cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_method_std)
         self.position_embeddings: Optional[nn.Embedding] = None
         if cfg.position_embedding_type == "learned_absolute":
@@ -130,11 +131,13 @@ class GPTModel(nn.Module):
         """What the head reads: ``[s_local, b, h]`` (``[s_local/tp, b, h]`` under sequence parallel) for
         ``tokens [b, s_local]`` -- embedding, the layers (their executors), the final norm."""
         self.arena.begin_iteration()
+        self.routing.begin()
         tokens_sb, pos_sb = tokens.t().contiguous(), position_ids.t().contiguous()
         ropes = self.rope_tables(pos_sb)
         h = self.embed(tokens_sb, pos_sb)
         for layer in self.layers:
             h = layer(h, ropes.get(layer.rope_key), documents)
+        self.routing.finish(self.topo)  # every router has counted: the load-balancing loss's totals
         return self.final_layernorm(h)
 
     def rope_tables(self, pos_sb: torch.Tensor) -> dict:

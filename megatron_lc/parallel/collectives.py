@@ -8,6 +8,8 @@ bytes: all-reduce (ring) 2(n-1)/n*B, all-gather (n-1)*B_local, reduce-scatter (n
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -113,6 +115,20 @@ def all_to_all(t: torch.Tensor, topo: Topology, axis: Axis, scatter_dim: int, ga
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=topo.group(axis))
     return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+def all_to_all_v(t: torch.Tensor, send: list, recv: list, topo: Topology, axis: Axis) -> torch.Tensor:
+    """Rows ``[send[0] | send[1] | ...]`` of ``t`` to ranks 0, 1, ... of ``axis``; returns the rows received,
+    ``recv[j]`` of them from rank j, in axis-rank order (host integers: the split sizes are exchanged first by
+    the caller). Bytes sent: the rows that leave this rank."""
+    if topo.size(axis) == 1:
+        return t
+    row = math.prod(t.shape[1:]) * t.element_size()
+    topo.comm.add("all_to_all", (sum(send) - send[topo.axis_rank(axis)]) * row)
+    out = t.new_empty((sum(recv), *t.shape[1:]))
+    dist.all_to_all_single(out, t.contiguous(), output_split_sizes=list(recv), input_split_sizes=list(send),
+                           group=topo.group(axis))
+    return out
 
 
 def broadcast(t: torch.Tensor, topo: Topology, axis: Axis, src_axis_rank: int = 0) -> torch.Tensor:

@@ -12,6 +12,11 @@ QKV weight ``[3072, 2048]`` is ``[1536, 2048]`` per tp rank (rows), and each of 
 tp rank 0's piece, ``[1536, 512]`` -- FSDP cuts a dim other than the tp partition (``shard_dim``), so a checkpoint
 can name every shard as a box of the full tensor (``training/checkpointing/sharded_state.py``).
 
+Expert parallelism: an MoE layer's experts (``expert_parallel.py``) differ between the ranks of an expert group, so
+they are their own units, sharded over the expert-data ranks (``Axis.EDP``: the ranks holding the same experts), as
+torchtitan shards its experts. Example, dp x cp = 4, ep = 2: ranks 0 and 2 hold experts 0-3, and each keeps half of
+them; ranks 1 and 3 experts 4-7.
+
 Gradients: our loss is the global mean divided out before backward, so the dp x cp reduction must be a SUM (FSDP2
 averages by default: ``set_gradient_divide_factor(1)``); with ``train.bf16`` the weights are all-gathered in bf16
 and reduced in fp32 (``MixedPrecisionPolicy``), master weights and AdamW stay fp32. ``parallel.fsdp_cpu_offload``:
@@ -42,6 +47,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from ..config import ConfigError
+from .expert_parallel import is_expert
 from .tensor_parallel import tp_partition
 from .topology import Axis, Topology
 
@@ -53,10 +59,11 @@ def shard_dim(p: torch.Tensor) -> int:
     return 1 if part[0] == 0 else 0
 
 
-def fsdp_mesh(topo: Topology, device: torch.device):
-    """The 1-D device mesh of this rank's dp x cp group (the group the gradients were all-reduced over); with
-    dp x cp = 1 (one GPU with ``fsdp_cpu_offload``, or tp alone) a group of this rank alone."""
-    group = topo.group(Axis.DP_CP)
+def fsdp_mesh(topo: Topology, device: torch.device, axis: Axis = Axis.DP_CP):
+    """The 1-D device mesh of this rank's dp x cp group (the group the gradients were all-reduced over; the
+    experts' under expert parallelism: ``Axis.EDP``); with dp x cp = 1 (one GPU with ``fsdp_cpu_offload``, or tp
+    alone) a group of this rank alone."""
+    group = topo.group(axis)
     if group is None:
         if not dist.is_initialized():  # one process without a launcher (a tool, a test): a group of itself
             if topo.world_size > 1:
@@ -112,12 +119,18 @@ def apply_fsdp(model: nn.Module, topo: Topology, device: torch.device, *, param_
     units = list(model.layers)
     if model.cfg.untie_embeddings_and_output_weights:  # tied: one weight, so one unit (the root)
         units += [model.embedding, model.head]
+    experts = []
+    if topo.ep > 1:  # an MoE layer's experts differ over the expert group: sharded over the ranks holding the same
+        experts = [m for m in model.modules() if any(is_expert(p) for p in m.parameters(recurse=False))]
+        for unit in experts:  # (before their layers: a unit's parameters are its own, not its parent's)
+            fully_shard(unit, reshard_after_forward=reshard_after_forward, **{**kw, "mesh": fsdp_mesh(
+                topo, device, Axis.EDP)})
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     prefetch_in_order(([model.embedding] if model.cfg.untie_embeddings_and_output_weights else []) +
                       list(model.layers) + ([model.head] if model.cfg.untie_embeddings_and_output_weights else []))
-    for m in [*units, model]:
+    for m in [*experts, *units, model]:
         m.set_gradient_divide_factor(1.0)  # a SUM over dp x cp: the loss already is the global mean
         m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     for n, p in model.named_parameters():

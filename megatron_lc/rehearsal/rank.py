@@ -89,7 +89,7 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
     execution = execution or stand_in_execution(cfg)
     with fake_world(rank, world, nproc_per_node, execution.device):
         layout = resolve_layout(cfg, world)
-        topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses)
+        topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, ep=layout.ep)
         tracer = DispatchTracer()
         charged: dict = {}  # what a CUDA kernel holds inside itself -> the most it held at one call
 

@@ -26,8 +26,11 @@ import torch
 from ..attention.cp_bytes import cp_attention_bytes
 from ..attention.kv_plan import cp_rank_figures
 from ..config import Config, resolve_execution, resolve_layout
+from ..config.moe import EXPERT_LOAD
 from ..data import build_dataset, make_batch, microbatch_sample_ids
-from ..estimate import estimate
+from ..estimate import Dims, estimate
+from ..estimate.moe import all_to_all_bytes, remade_in_backward
+from ..parallel.expert_parallel import TAG as EXPERTS_TAG
 from ..parallel.topology import Topology
 from ..units import GIB
 from .moments import phase
@@ -63,7 +66,8 @@ def summarize(cfg: Config, hw, world: int, ranks: dict, steps: int = 2) -> dict:
             "stopped": {k: r["stopped"] for k, r in ranks.items() if r.get("stopped")},
             "phases": phase_figures(ranks, est.memory), "job": next(iter(ranks.values())).get("job", []),
             "layer0_attention_bytes": attention_bytes(cfg, world, ranks),
-            "attention_balance": attention_balance(cfg, world, ranks, steps)}
+            "attention_balance": attention_balance(cfg, world, ranks, steps),
+            "expert_all_to_all_bytes": expert_bytes(cfg, world, ranks)}
 
 
 PERSISTENT = ("parameters", "gradients", "optimizer states (+ master weights)", "autocast bf16 weight copies",
@@ -131,10 +135,11 @@ def attention_balance(cfg: Config, world: int, ranks: dict, steps: int) -> dict:
     """Per rehearsed rank, one layer's attention in the last step: the (query, key) pairs it ran and the k/v bytes
     its ring attention received in forward (the step's counts over layers x micro-batches), beside what
     ``tools/cp_layout.py`` prints for the same micro-batches (``kv_plan.cp_rank_figures``: the mean over them), and
-    the slowest / mean rank of both over the rehearsed ranks (``{}`` for a rehearsal that counted none)."""
-    if not all("attention" in r for r in ranks.values()):
-        return {}
+    the slowest / mean rank of both over the rehearsed ranks (``{}`` for a rehearsal that counted none, and for a
+    layout without a ring: Ulysses and FPDT split heads, every rank runs the same pairs)."""
     layout = resolve_layout(cfg, world)
+    if layout.ring == 1 or not all("attention" in r for r in ranks.values()):
+        return {}
     elem = resolve_execution(cfg, torch.device("cuda")).compute_dtype.itemsize
     cfg = copy.deepcopy(cfg)
     cfg.data.mock_data = True  # the rehearsal's data (rank.rehearsal_config)
@@ -175,6 +180,27 @@ def attention_line(s: dict) -> str:
             f"slowest/mean {fmt(a['pairs_slowest_over_mean'])}, kv received slowest/mean "
             f"{fmt(a['kv_received_bytes_per_layer_slowest_over_mean'])}; largest difference from tools/cp_layout.py: "
             f"pairs {100 * a['pairs_difference']:.1f}%, kv received {100 * a['kv_received_bytes_per_layer_difference']:.1f}%")
+
+
+def expert_bytes(cfg: Config, world: int, ranks: dict) -> dict:
+    """Bytes one rank sent in the experts' all-to-alls of the last step (every MoE layer; the largest over the
+    ranks; ``fwd`` with the forward exchanges MsT's chunks run again in backward), beside the estimator's
+    (``estimate/moe.all_to_all_bytes`` at the stated load, each way), and the load the exchange assumed (a rehearsal has no router values: ``config.moe.EXPERT_LOAD`` on every rank, as the
+    busiest); empty without expert parallelism."""
+    layout = resolve_layout(cfg, world)
+    if layout.ep == 1:
+        return {}
+    dims = Dims.from_config(cfg, layout, "cuda")
+    per_step = sum(dims.moe_layers) * layout.num_micro_batches * all_to_all_bytes(dims)
+    remade = per_step if remade_in_backward(cfg, dims) else 0.0  # MsT's chunks exchange again in backward
+    seen = {}
+    for r in ranks.values():
+        for key, n in r["comm_bytes_per_step"].items():
+            tag, _ = key.split("/", 1)
+            if tag.startswith(EXPERTS_TAG + "."):
+                phase = tag.rsplit(".", 1)[1]
+                seen[phase] = max(seen.get(phase, 0), n)
+    return {"rehearsed": seen, "formula": {"fwd": per_step + remade, "bwd": per_step}, "load": EXPERT_LOAD}
 
 
 def summary_line(s: dict) -> str:

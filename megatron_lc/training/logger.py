@@ -129,6 +129,8 @@ def format_line(r: dict) -> str:
              "MFU n/a" if r["mfu"] is None else f"MFU {100 * r['mfu']:.2f}%",
              "peak_mem n/a" if r["peak_memory_bytes"] is None else f"peak_mem {r['peak_memory_bytes'] / 2**30:.2f}GiB",
              f"{r['step_seconds']:.2f}s"]
+    if r.get("moe_aux_loss") is not None:  # an MoE model's load-balancing loss
+        parts.insert(2, f"moe_aux_loss {r['moe_aux_loss']:.4f}")
     if r.get("skipped"):
         parts.append("SKIPPED (non-finite)")
     return " | ".join(parts)

@@ -69,6 +69,7 @@ class Trainer:
         self.mfu_valid = True
         self.pairs: Optional[float] = None
         self.counts: Optional[torch.Tensor] = None
+        self.moe_aux_loss: Optional[torch.Tensor] = None  # the last step's, the mean over its micro-batches (MoE)
         # off in a rehearsal (fake tensors have no values): the step then reads none -- no loss, no grad norm, no
         # skip / stop agreement, no MFU sanity check
         self.reads_values = True
@@ -95,12 +96,16 @@ class Trainer:
         self.counts = counts
         total = counts[0].clamp(min=1.0).float()  # (fp32: the same division as by a Python number)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        balance = []  # an MoE model's load-balancing loss of each micro-batch (its gradient is the routers' own)
         for b in batches:
             with self.execution.autocast():
                 token_loss = self.model(b["tokens"], b["position_ids"], b["labels"], b.get("documents"))
             local = (token_loss.float() * b["loss_mask"]).sum()
             (local / total).backward()
             loss_sum = loss_sum + local.detach().double()
+            if self.ctx.routing.aux_loss() is not None:
+                balance.append(self.ctx.routing.aux_loss())
+        self.moe_aux_loss = torch.stack(balance).mean() if balance else None
         all_reduce(loss_sum, self.topo, Axis.DP_CP)
         return loss_sum / counts[0]  # 0 / 0 = NaN without a valid token: the step is skipped
 
@@ -112,11 +117,12 @@ class Trainer:
         grad_norm = clip_grad_norm(self.model, self.cfg.train.clip_grad, self.topo)
         lr = lr_at(step, self.cfg)
         signum, time_up, skipped = 0, False, False
-        tokens = None
+        tokens, balance = None, []
         if self.reads_values:  # the step's one device-to-host read (a rehearsal runs without values)
+            moe = [self.moe_aux_loss] if self.moe_aux_loss is not None else []
             read = [torch.as_tensor(v, dtype=torch.float64, device=self.counts.device)
-                    for v in (loss, grad_norm, self.counts[0])]
-            loss, grad_norm, tokens = torch.stack(read).tolist()
+                    for v in (loss, grad_norm, self.counts[0], *moe)]
+            loss, grad_norm, tokens, *balance = torch.stack(read).tolist()
             tokens = int(tokens)
             self.pairs = pairs_per_sample(self.counts, self.layout)
             # one small all-reduce per step: every rank skips and stops after the same steps
@@ -133,6 +139,8 @@ class Trainer:
                "grad_norm": grad_norm, "skipped": skipped, "tokens": tokens, "step_seconds": dt,
                "consumed_samples": self.state.consumed_samples + self.layout.global_batch_size,
                "peak_memory_bytes": peak_memory_bytes(self.device)}
+        if balance:  # an MoE model's: Hugging Face's load-balancing loss, before its coefficient
+            rec["moe_aux_loss"] = balance[0]
         rec.update(step_metrics(self.cfg, self.layout, dt, self.baseline(), self.pairs))
         if self.reads_values and rec["mfu"] > 1.0 and self.mfu_valid:  # the peak is wrong for this machine
             self.mfu_valid = False  # every rank stops reporting MFU; rank 0, whose records are logged, says so once

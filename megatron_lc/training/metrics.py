@@ -1,8 +1,9 @@
 """Throughput, MFU and memory figures of a step.
 
 Model FLOPs per sample (Memo §5.1, FlashAttention with the causal mask): ``6*s*P + 6*n*h*s^2`` with s the sequence
-length, P the parameter count, n the number of layers and h the hidden size; ``12*n*h`` per attended (query, key)
-pair, of which a causal sample has ``s^2 / 2`` -- with document masks (``data.reset_attention_mask``) or sliding
+length, P the parameter count (of an MoE layer the parameters one token passes through: its router, top-k
+experts and shared expert, ``ModelConfig.num_active_parameters``), n the number of layers and h the hidden size;
+``12*n*h`` per attended (query, key) pair, of which a causal sample has ``s^2 / 2`` -- with document masks (``data.reset_attention_mask``) or sliding
 windows (``model.sliding_window``) the step's own count from the host's document ranges, the sum over documents of
 ``len^2 / 2``, each query at most W keys, averaged over the layers (``attention/masks.attended_pairs``). MFU = model
 FLOPs per second / (devices x peak), the peak ``logging.peak_tflops`` or, unset, measured before the first step on
@@ -28,7 +29,7 @@ def flops_per_sample(cfg: Config, pairs: Optional[float] = None) -> float:
     """``pairs``: attended (query, key) pairs per sample (None: causal over the whole sequence, ``s^2 / 2``)."""
     s, m = cfg.data.seq_length, cfg.model
     pairs = s * s / 2 if pairs is None else pairs
-    return 6.0 * s * m.num_parameters() + 12.0 * m.num_layers * m.hidden_size * pairs
+    return 6.0 * s * m.num_active_parameters() + 12.0 * m.num_layers * m.hidden_size * pairs
 
 
 def peak_memory_bytes(device: torch.device) -> Optional[int]:

@@ -3,6 +3,9 @@
 Gradient all-reduce happens over the ranks that replicate a weight: dp x cp for every parameter (the loss is
 normalised by the global token count, so a SUM gives the gradient of the global mean), plus tp for replicated
 parameters whose gradients are partial under sequence parallelism (norm weights, row biases, learned positions).
+An MoE layer's experts under expert parallelism differ between the ranks of an expert group: their gradients are
+summed over the expert-data ranks only (``Axis.EDP``, the ranks holding the same experts), and their squares over
+the expert group too in the global norm.
 ``use_distributed_optimizer`` shards AdamW states over dp x cp with torch's ``ZeroRedundancyOptimizer`` (ZeRO-1)."""
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..config import Config
 from ..parallel.collectives import all_reduce
+from ..parallel.expert_parallel import is_expert
 from ..parallel.fsdp import is_sharded, local
 from ..parallel.topology import Axis, Topology
 
@@ -76,7 +80,10 @@ def sync_gradients(model: nn.Module, topo: Topology) -> None:
             if partial:
                 _bucketed_all_reduce(partial, topo, Axis.TP)
         if topo.size(Axis.DP_CP) > 1 and not fsdp:
-            _bucketed_all_reduce([p.grad for p in params], topo, Axis.DP_CP)
+            _bucketed_all_reduce([p.grad for p in params if not is_expert(p)], topo, Axis.DP_CP)
+            experts = [p.grad for p in params if is_expert(p)]
+            if experts and topo.size(Axis.EDP) > 1:  # (EDP is dp x cp's group without expert parallelism)
+                _bucketed_all_reduce(experts, topo, Axis.EDP)
 
 
 @torch.no_grad()
@@ -87,12 +94,15 @@ def clip_grad_norm(model: nn.Module, max_norm: float, topo: Topology) -> torch.T
     (1 when no clipping is due; x * 1 is exact)."""
     grads = [p for p in model.parameters() if p.grad is not None]
     device = local(grads[0].grad).device if grads else torch.device("cpu")
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [tp-sharded, replicated], on the grads' device
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # [tp-sharded, replicated, experts], grads' device
     for p in grads:
-        sums[0 if getattr(p, "tensor_model_parallel", False) else 1] += local(p.grad).detach().double().pow(2).sum()
+        kind = 2 if is_expert(p) else 0 if getattr(p, "tensor_model_parallel", False) else 1
+        sums[kind] += local(p.grad).detach().double().pow(2).sum()
     with topo.comm.tag("grad_norm"):
-        if grads and is_sharded(grads[0]):  # FSDP2: each rank holds a dp x cp shard of every gradient
-            all_reduce(sums, topo, Axis.DP_CP)
+        if grads and is_sharded(grads[0]):  # FSDP2: each rank holds a dp x cp shard of every gradient (the
+            all_reduce(sums, topo, Axis.DP_CP)  # experts' an expert-data shard of its expert rank's)
+        else:
+            all_reduce(sums[2:], topo, Axis.EP)  # each expert rank holds its own experts
         all_reduce(sums[:1], topo, Axis.TP)  # a view: reduced in place
     norm = sums.sum().sqrt()
     if max_norm > 0:

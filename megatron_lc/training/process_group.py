@@ -103,7 +103,7 @@ def init_distributed(cfg: Config) -> tuple[Layout, Topology, torch.device]:
         dist.init_process_group(process_group_backend(cfg, device), timeout=timeout)
     elif cfg.parallel.use_torch_fsdp2 and not dist.is_initialized():  # FSDP2 needs a process group, even of one
         start_one_process_group(process_group_backend(cfg, device), timeout)
-    topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, timeout=timeout)
+    topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, timeout=timeout, ep=layout.ep)
     return layout, topo, device
 
 

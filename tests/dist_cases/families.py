@@ -14,6 +14,7 @@ from megatron_lc.parallel.topology import Topology
 from megatron_lc.training.loop import Trainer
 from megatron_lc.training.optimizer import sync_gradients
 from tests.dist_cases.fsdp import full_grad
+from tests.support.parity import assert_close_grads
 
 STEPS = 2
 TRAIN = ["data.seq_length=32", "data.mock_data=true", "train.device=cpu", f"train.train_iters={STEPS}",
@@ -50,16 +51,17 @@ def reference_overrides(overrides: list) -> list:
 
 def _trainer(model: dict, overrides: list, world: int, topos: dict, tmp: str) -> Trainer:
     """A ``Trainer`` of the model section ``model`` under ``overrides`` on ``world`` ranks (1: this process;
-    topologies cached in ``topos`` by (tp, cp, ulysses))."""
+    topologies cached in ``topos`` by (tp, cp, ulysses, ep))."""
     path = os.path.join(tmp, "model.yaml")
     with open(path, "w") as f:
         yaml.safe_dump({"model": model}, f)
     cfg = load_config(path, TRAIN + list(overrides) + [f"logging.metrics_file={os.path.join(tmp, 'm.jsonl')}",
                                                         "train.clip_grad=0"])
     layout = resolve_layout(cfg, world)
-    key = (layout.tp, layout.cp, layout.ulysses)
+    key = (layout.tp, layout.cp, layout.ulysses, layout.ep)
     if key not in topos:
-        topos[key] = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses) if world > 1 else Topology()
+        topos[key] = (Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, ep=layout.ep) if world > 1
+                      else Topology())
     return Trainer(cfg, topos[key], layout=layout)
 
 
@@ -92,3 +94,19 @@ def train_cases(rank, world, cases: list) -> dict:
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+def check_as_one_process(cases: list, got: list) -> None:
+    """Every case's first-step gradients (rank 0's, full) within 1e-4 of the one-process model's and each rank's
+    losses within 1e-5 relative (``reference_overrides``: what the one process shares with the case); a failure
+    names its case."""
+    refs = train_cases(0, 1, [(name, model, reference_overrides(over)) for name, model, over in cases])
+    for name, _, _ in cases:
+        ref = refs[name]
+        try:
+            assert_close_grads(got[0][name]["grads"], ref["grads"])
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+        for r, ranks in enumerate(got):
+            for step, (a, b) in enumerate(zip(ranks[name]["losses"], ref["losses"]), 1):
+                assert abs(a - b) <= 1e-5 * abs(b), f"{name} rank {r} step {step}: {a!r} vs one process {b!r}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_lc.config import load_config, resolve_layout
+from megatron_lc.parallel.expert_parallel import is_expert
 from megatron_lc.parallel.fsdp import is_sharded
 from megatron_lc.parallel.tensor_parallel import merge_shards
 from megatron_lc.parallel.topology import Axis, Topology
@@ -18,11 +19,16 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads
 
 
 def full_grad(p, topo: Topology) -> torch.Tensor:
-    """The full gradient of parameter ``p``: FSDP shards gathered over dp x cp, then tp pieces merged."""
+    """The full gradient of parameter ``p``: FSDP shards gathered over dp x cp, an MoE layer's experts over the
+    expert group, then tp pieces merged."""
     import torch.distributed as dist
 
     g = p.grad.full_tensor() if is_sharded(p.grad) else p.grad
     g = g.detach().clone()
+    if is_expert(p) and topo.ep > 1:  # an MoE layer's experts: each expert rank's, in expert order
+        parts = [torch.empty_like(g) for _ in range(topo.ep)]
+        dist.all_gather(parts, g.contiguous(), group=topo.group(Axis.EP))
+        g = torch.cat(parts)
     if getattr(p, "tensor_model_parallel", False) and topo.tp > 1:
         parts = [torch.empty_like(g) for _ in range(topo.tp)]
         dist.all_gather(parts, g.contiguous(), group=topo.group(Axis.TP))

@@ -69,13 +69,19 @@ FAMILY_SWITCHES = {
     "gemma3": ["model.qk_layernorm=true", "model.apply_layernorm_1p=true", "model.post_self_attn_layernorm=true",
                "model.post_mlp_layernorm=true", "model.swiglu=false", "model.gated_linear_unit=true",
                "model.scale_embeddings=true", "model.kv_channels=48"],
+    # an MoE with Qwen2-MoE's gated shared expert and a dense first layer (model/moe.py, estimate/moe.py)
+    "moe": ["model.num_moe_experts=8", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=128",
+            "model.moe_layer_freq=0,1,1,1", "model.moe_shared_expert_intermediate_size=192",
+            "model.moe_shared_expert_gate=true"],
 }
 
 
 @pytest.mark.parametrize("config,overrides", [(c, []) for c in ("tiny_cpu.yaml", "llama3_8b_1m.yaml", "gpt_7b.yaml",
-                                                                 "qwen3_8b_1m.yaml", "qwen3_32b_1536k.yaml")]
+                                                                 "qwen3_8b_1m.yaml", "qwen3_32b_1536k.yaml",
+                                                                 "qwen3_30b_a3b_2m.yaml")]
                          + [("tiny_cpu.yaml", v) for v in FAMILY_SWITCHES.values()],
-                         ids=["tiny", "llama3-8b", "gpt-7b", "qwen3-8b", "qwen3-32b"] + list(FAMILY_SWITCHES))
+                         ids=["tiny", "llama3-8b", "gpt-7b", "qwen3-8b", "qwen3-32b", "qwen3-30b-a3b"]
+                         + list(FAMILY_SWITCHES))
 def test_parameter_inventory_matches_model_count(config, overrides):
     cfg = load_config(os.path.join(CONFIGS, config), overrides)
     dims = Dims.from_config(cfg, resolve_layout(cfg, 1 if config == "tiny_cpu.yaml" else 8), "cuda")
@@ -88,6 +94,38 @@ def test_qwen3_configs_have_qwen3s_parameter_counts(name, billions):
     """Qwen3-8B and Qwen3-32B as their model cards count them (8.2B and 32.8B, embeddings and the untied head
     included): head_dim 128 is not hidden / heads in the 32B (5120 / 64 = 80), and the q/k norms are counted."""
     assert load_config(os.path.join(CONFIGS, name)).model.num_parameters() / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_qwen3_30b_a3b_counts_its_parameters_and_active_ones_as_its_card():
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B active (its model card); the estimator's model FLOPs (what MFU is
+    relative to) count the active ones (6 s P_active + 6 n (nq d) s^2), as the trainer's metrics do; the model
+    built at ep 8 holds 1/8 of the experts a rank."""
+    cfg = load_config(os.path.join(CONFIGS, "qwen3_30b_a3b_2m.yaml"))
+    m = cfg.model
+    assert m.num_parameters() / 1e9 == pytest.approx(30.53, abs=0.01)
+    assert m.num_active_parameters() / 1e9 == pytest.approx(3.35, abs=0.01)
+    dims = Dims.from_config(cfg, resolve_layout(cfg, 8), "cuda")
+    s = cfg.data.seq_length
+    assert model_flops_per_sample(dims) == pytest.approx(6 * s * m.num_active_parameters()
+                                                         + 6 * m.num_layers * 32 * 128 * s * s)
+    ep8 = Dims(**{**dims.__dict__, "ep": 8})
+    experts = sum(n for name, n, _ in param_shards(ep8) if ".mlp.experts." in name)
+    assert experts == 48 * 16 * 3 * 2048 * 768
+
+
+def test_the_qwen3_30b_a3b_configs_carry_the_layout_auto_picks():
+    """configs/qwen3_30b_a3b_1m.yaml and _2m.yaml hold what ``--auto --write`` wrote for 8 H100s (expert
+    parallelism among the layouts weighed; ep 1 is the fastest: the experts' compute is the same on every layout,
+    the all-to-alls only add), and it fits."""
+    for name in ("qwen3_30b_a3b_1m.yaml", "qwen3_30b_a3b_2m.yaml"):
+        cfg = load_config(os.path.join(CONFIGS, name))
+        best = pick_best(search_layouts(cfg, load_hardware("h100"), 8))
+        assert best.est.status == "fits"
+        with open(os.path.join(CONFIGS, name)) as f:
+            shipped = yaml.safe_load(f)
+        for key, value in config_overrides(best).items():
+            section, field = key.split(".")
+            assert shipped[section].get(field) == value, (name, key, value, best.label())
 
 
 def test_model_flops_are_memos_formula_and_the_trainers():

@@ -26,18 +26,19 @@ def _params():
         if opts.get("bench_only"):
             continue
         marks = [pytest.mark.xfail(reason=opts["xfail"], strict=False)] if "xfail" in opts else []
-        yield pytest.param(name, world, overrides, opts.get("tolerance", TOLERANCE), id=name, marks=marks)
+        yield pytest.param(name, world, overrides, opts.get("tolerance", TOLERANCE), opts.get("expert_load"), id=name,
+                           marks=marks)
 
 
-@pytest.mark.parametrize("name,world,overrides,tolerance", list(_params()))
-def test_memory_model_matches_measured_peak(name, world, overrides, tolerance):
+@pytest.mark.parametrize("name,world,overrides,tolerance,expert_load", list(_params()))
+def test_memory_model_matches_measured_peak(name, world, overrides, tolerance, expert_load):
     cfg = estimate_cases.case_config(world, overrides)
     reason = estimate_cases.missing_feature(cfg, world)
     if reason:
         pytest.skip(reason)
     results = run_dist(world, estimate_cases.measure_case, overrides)
     measured = max(r["peak_bytes"] for r in results)
-    est = estimate(cfg, load_hardware("cpu"), world_size=world)
+    est = estimate(cfg, load_hardware("cpu"), world_size=world, expert_load=expert_load)
     err = est.memory.peak / measured - 1.0
     assert abs(err) <= tolerance, (
         f"{name}: estimated {est.memory.peak / 2**20:.2f} MiB ({est.memory.peak_phase}) vs measured "

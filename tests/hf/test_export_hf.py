@@ -102,7 +102,8 @@ def test_non_llama_checkpoint_is_refused(tmp_path, capsys):
     assert convert_to_hf.main([ck, str(tmp_path / "hf")]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: no Hugging Face family this exporter writes fits the model (LlamaForCausalLM, MistralForCausalLM, "
-        "Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM); the nearest, LlamaForCausalLM, cannot say "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
+        "MixtralForCausalLM); the nearest, LlamaForCausalLM, cannot say "
         "model.normalization=LayerNorm")
 
 

@@ -98,7 +98,8 @@ def test_training_continues_from_the_import(tmp_path):
 @pytest.mark.parametrize("change,message", [
     ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},
      "cannot import this Hugging Face model: architecture Gemma2ForCausalLM (model_type 'gemma2'; supported: "
-     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM)"),
+     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, "
+     "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM)"),
     ({"hidden_act": "gelu"}, "cannot import this Hugging Face model: hidden_act='gelu' (only silu)"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5000.0}},
      "rope_scaling type 'dynamic' is not supported (supported: linear, llama3, yarn)"),

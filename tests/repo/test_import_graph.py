@@ -166,7 +166,7 @@ LAYERS = [
 SUBLAYERS = {
     "training": [{"errors", "batches"}, {"checkpointing", "eval"}, {"*"}],
     "planning": [{"trace"}, {"capture", "solver"}, {"*"}],
-    "estimate": [{"dims", "hardware"}, {"inventory", "ring_balance"}, {"flops", "states", "attention_kernels"},
+    "estimate": [{"dims", "hardware"}, {"moe"}, {"inventory", "ring_balance"}, {"flops", "states", "attention_kernels"},
                  {"transient"},
                  {"terms"}, {"*"}],
 }

@@ -13,7 +13,7 @@ BENCH = {"bench_only": True}  # measured by bench/estimate_calibration.py, not b
 
 # (id, ranks, overrides on top of base_overrides[, options]): one line per feature combination; options:
 # "bench_only" (bench/estimate_calibration.py only), "xfail" (a known difference, the reason), "tolerance" (the
-# case's own limit, below the test's 10%)
+# case's own limit, below the test's 10%), "expert_load" (the load the case's routers give its busiest expert rank)
 # vocab 256 (the layer backward sets the peak), 4K tokens, tp2 with sequence parallelism
 TP2_SP_4K = ["model.vocab_size=256", "data.seq_length=4096", "parallel.tensor_model_parallel_size=2",
              "parallel.sequence_parallel=true"]
@@ -21,6 +21,10 @@ QWEN3 = ["model.qk_layernorm=true", "model.add_qkv_bias=true"]
 GEMMA3 = ["model.qk_layernorm=true", "model.apply_layernorm_1p=true", "model.post_self_attn_layernorm=true",
           "model.post_mlp_layernorm=true", "model.swiglu=false", "model.gated_linear_unit=true",
           "model.scale_embeddings=true", "model.softmax_scale=0.0625"]
+# a mixture of experts on the tiny model: 8 experts of 256, top-2, the load-balancing loss on; vocab 256 (the layers'
+# activations set the peak)
+MOE = ["model.vocab_size=256", "data.seq_length=2048", "model.num_moe_experts=8", "model.moe_router_topk=2",
+       "model.moe_ffn_hidden_size=256", "model.moe_aux_loss_coeff=0.01"]
 CASES = [
     ("plain", 1, []),
     ("plain-2-microbatches", 1, ["train.global_batch_size=2"], BENCH),
@@ -143,6 +147,14 @@ CASES = [
                                  "memory.offload_fraction=0.25"] + GEMMA3, TIGHT),
     ("tp2-sp-gemma3-switches", 2, TP2_SP_4K + GEMMA3, BENCH),
     ("plan-auto-recompute", 1, ["data.seq_length=2048", "memory.plan=auto", "memory.recompute_granularity=full"]),
+    ("moe", 1, MOE),
+    ("moe-mst", 1, MOE + ["memory.mst=true", "memory.mst_mlp_chunk_size=256"]),
+    # random tiny routers spread the copies about evenly (an expert rank's load per layer within 12% of its fair
+    # share, about even summed over the layers): the estimate at that load, not the worst case it assumes for a run
+    ("moe-ep2", 2, MOE + ["parallel.expert_model_parallel_size=2"], {"expert_load": 1.05}),
+    ("moe-ep2-ring-cp2-mst", 2, MOE + ["data.seq_length=4096", "parallel.expert_model_parallel_size=2",
+                                       "parallel.context_parallel_size=2", "memory.mst=true",
+                                       "memory.mst_mlp_chunk_size=256"], {"expert_load": 1.05}),
 ]
 
 
@@ -176,7 +188,7 @@ def missing_feature(cfg, world: int) -> Optional[str]:
     from megatron_lc.parallel.topology import Topology
 
     layout = resolve_layout(cfg, world)
-    topo = Topology(world_size=world, tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, dp=layout.dp)
+    topo = Topology(world_size=world, tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, dp=layout.dp, ep=layout.ep)
     try:
         build_model(cfg, layout, topo)
         local_token_index(layout, topo, cfg.data.seq_length)
@@ -204,7 +216,8 @@ def measure_case(rank: int, world: int, overrides: list) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), base_overrides(tmp) + list(overrides))
         p = cfg.parallel
-        topo = Topology.build(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, ulysses=p.ulysses_size)
+        topo = Topology.build(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size, ulysses=p.ulysses_size,
+                              ep=p.expert_model_parallel_size)
         out = measure_training_peak(cfg, topo, steps=2)
     out["rank"] = rank
     return out

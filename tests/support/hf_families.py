@@ -43,7 +43,7 @@ def hf_model(name: str, seed: int = 0, **changes):
     """The random tiny transformers model of family ``name`` (fp32, eager attention), config ``changes`` applied."""
     import transformers
 
-    cls, kwargs = family_configs(transformers)[name]
+    cls, kwargs = {**family_configs(transformers), **moe_family_configs(transformers)}[name]
     cfg = cls(**{**kwargs, **changes})
     cfg.architectures = [ARCHITECTURES[name]]
     torch.manual_seed(seed)
@@ -54,6 +54,8 @@ def hf_model(name: str, seed: int = 0, **changes):
                 p.uniform_(0.5, 1.5) if name != "gemma3" else p.uniform_(-0.5, 0.5)
             elif n.endswith(".bias"):
                 p.normal_(0.0, 0.1)
+            elif n.endswith("gate.weight"):  # an MoE router (and Qwen2-MoE's shared-expert gate): decisive picks
+                p.normal_(0.0, 0.5)
     model.config._attn_implementation = "eager"
     return model.eval()
 
@@ -63,3 +65,26 @@ def save_hf_model(name: str, path, seed: int = 0, **changes):
     model = hf_model(name, seed, **changes)
     model.save_pretrained(str(path), safe_serialization=True)
     return model
+
+
+# the mixture-of-experts families: 4 experts (8 for Qwen3-MoE), top-2, each expert 32 wide. Qwen3-MoE with
+# norm_topk_prob (the top-k renormalised) and a head dim of 32; Qwen2-MoE without it (pre-softmax weights), its
+# gated shared expert (48 wide) and layer 0 dense (mlp_only_layers); Mixtral renormalises always
+MOE_COMMON = dict(COMMON, num_hidden_layers=2, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+
+
+def moe_family_configs(transformers) -> dict:
+    return {
+        "qwen3_moe": (transformers.Qwen3MoeConfig, dict(MOE_COMMON, head_dim=32, num_experts=8,
+                                                        moe_intermediate_size=32, norm_topk_prob=True,
+                                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, dict(MOE_COMMON, num_experts=4, moe_intermediate_size=32,
+                                                        shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                                        mlp_only_layers=[0])),
+        "mixtral": (transformers.MixtralConfig, dict(MOE_COMMON, num_local_experts=4, intermediate_size=32,
+                                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    }
+
+
+ARCHITECTURES.update(qwen3_moe="Qwen3MoeForCausalLM", qwen2_moe="Qwen2MoeForCausalLM", mixtral="MixtralForCausalLM")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")

@@ -12,6 +12,7 @@ from megatron_lc.config import load_config, resolve_layout
 from megatron_lc.data import build_dataset
 from megatron_lc.parallel.token_layout import shard_batch
 from megatron_lc.parallel.topology import Topology
+from megatron_lc.rehearsal.report import attention_balance
 from megatron_lc.training.batches import microbatches
 from tools import cp_layout
 
@@ -65,3 +66,14 @@ def test_documents_from_a_file_and_bad_input(tmp_path, capsys):
     assert "summing to data.seq_length (256)" in err and err.count("\n") == 1
     assert cp_layout.main(args + ["--documents", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_the_rehearsals_balance_line_is_for_a_ring_only():
+    """Ulysses splits heads: every rank runs the whole sequence's pairs and its ring attention counts none, so the
+    rehearsal's line beside this tool's figures is left out (it printed "pairs 100.0%" off at 4M under Ulysses);
+    the ring's figures stay."""
+    counted = {"attention": {"pairs_per_step": 0, "kv_received_bytes_per_step": {"p2p_fwd": 0, "p2p_bwd": 0}}}
+    ulysses = load_config("configs/tiny_cpu.yaml", BASE + LAYOUTS["ulysses"])
+    assert attention_balance(ulysses, 4, {0: counted}, 2) == {}
+    ring = load_config("configs/tiny_cpu.yaml", BASE + LAYOUTS["balanced"])
+    assert set(attention_balance(ring, 4, {0: counted}, 2)["ranks"]) == {0}

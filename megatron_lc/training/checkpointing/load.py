@@ -98,7 +98,8 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "kv_channels", "vocab_size", "make_vocab_size_divisible_by", "normalization", "swiglu",
                 "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
                 "add_qkv_bias", "qk_layernorm", "apply_layernorm_1p", "post_self_attn_layernorm", "post_mlp_layernorm",
-                "gated_linear_unit")
+                "gated_linear_unit", "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 
 
 def _saved_model(saved: dict) -> dict:

@@ -24,6 +24,10 @@ The optimizer part comes from the optimizer that steps this rank's parameters: A
 local optimizer of the parameters this rank owns -- after a load each rank asks for the states of the parameters it
 owns in the new layout, so ZeRO-1 states move to another dp x cp, and between ZeRO-1 and plain AdamW.
 
+An MoE layer's experts under expert parallelism are a DTensor on the expert group, ``Shard(0)`` (each expert rank
+holds ``E/ep`` experts), under FSDP2 on the 2-D (expert, expert-data) mesh, ``Shard(0)`` twice; the checkpoint
+holds the ``[E, ...]`` tensor, for any ep.
+
 In a rehearsal (fake tensors: no values) the same calls run with ``size_only.py``'s storage, each simulated rank
 alone (the fake process group answers no collective), and DCP's planning outside the fake mode: it computes a
 DTensor's offsets with index tensors it reads (``torch.arange``), which must be real; the state's fake tensors
@@ -47,6 +51,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ...config import Config
 from ...device import has_values
 from ...parallel.collectives import fake_world
+from ...parallel.expert_parallel import is_expert
 from ...parallel.tensor_parallel import tp_partition
 from ...parallel.topology import Axis, Topology
 from .data_only import DataOnlyReader, torch_types_only
@@ -81,7 +86,8 @@ class ShardedState:
         self.names = {id(p): n for n, p in model.named_parameters()}
         self._meshes: dict = {}  # (groups, device type) -> DeviceMesh
 
-    def _mesh(self, groups: tuple, device_type: str, grid: Optional[list] = None) -> DeviceMesh:
+    def _mesh(self, groups: tuple, device_type: str, grid: Optional[list] = None,
+              names: tuple = ("tp", "dp_cp")) -> DeviceMesh:
         """The mesh of ``groups`` (one per dim) for tensors on ``device_type``, made once. A stored piece's mesh has
         its own device's type: ``DTensor.from_local`` moves a piece to its mesh's device type, so FSDP2's host
         shards (CPU offload; FSDP's own mesh is the GPU's) on the GPU's mesh would be copies in device memory -- a
@@ -95,7 +101,7 @@ class ShardedState:
                     self._meshes[key] = DeviceMesh.from_group(groups[0], device_type)
                 else:
                     self._meshes[key] = DeviceMesh.from_group(list(groups), device_type, mesh=torch.tensor(grid),
-                                                              mesh_dim_names=("tp", "dp_cp"))
+                                                              mesh_dim_names=names)
         return self._meshes[key]
 
     def _grid2d(self) -> list:
@@ -104,6 +110,25 @@ class ShardedState:
         ``[[0, 2, 4, 6], [1, 3, 5, 7]]``."""
         world, tp = self.topo.world_size, self.topo.tp
         return [list(range(i, world, tp)) for i in range(tp)]
+
+    def _grid_ep(self) -> list:
+        """(ep, edp) ranks of this rank's dp x cp group: row i the ranks of expert rank i. Example, dp x cp = 4,
+        ep = 2, tp = 1: ``[[0, 2], [1, 3]]``."""
+        g, ep = self.topo.ranks(Axis.DP_CP), self.topo.ep
+        return [g[i::ep] for i in range(ep)]
+
+    def _stored_experts(self, t: torch.Tensor) -> torch.Tensor:
+        """An expert rank's experts (``[E/ep, ...]``, or FSDP2's shard of them over the expert-data ranks) as a
+        DTensor of the stored ``[E, ...]``: ``Shard(0)`` over the expert group, then over the expert-data group.
+        Example, E = 8, ep = 2, FSDP2 over 2 expert-data ranks: rank (ep 1, edp 0) holds experts 4-5."""
+        ep_group = self.topo.group(Axis.EP)
+        if not isinstance(t, DTensor):
+            return DTensor.from_local(t, self._mesh((ep_group,), t.device.type), [Shard(0)], run_check=False)
+        view = t.to_local()
+        shape = (t.shape[0] * self.topo.ep, *t.shape[1:])
+        mesh = self._mesh((ep_group, t.device_mesh.get_group()), view.device.type, self._grid_ep(), ("ep", "edp"))
+        return DTensor.from_local(view, mesh, [Shard(0), Shard(0)], run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
 
     def _stored_fsdp(self, t: DTensor, p) -> torch.Tensor:
         """An FSDP shard (a DTensor on the dp x cp mesh, ``Shard(f)`` of the tp-local piece) as a DTensor of the
@@ -126,6 +151,8 @@ class ShardedState:
 
     def stored(self, t: torch.Tensor, p) -> torch.Tensor:
         """``t`` (parameter ``p``'s local data or a state of its shape) as DCP stores it; shares ``t``'s memory."""
+        if is_expert(p) and self.topo.ep > 1:
+            return self._stored_experts(t)
         if isinstance(t, DTensor):
             return self._stored_fsdp(t, p)
         view, dim = stored_view(t, tp_partition(p))
