@@ -25,6 +25,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..config.moe import expert_ffn
+from ..device import has_values
 from ..parallel.expert_parallel import expert_parameter
 from ..parallel.tensor_parallel import replicated_parameter
 from .mlp import activate
@@ -47,10 +48,14 @@ def _grouped_mm_runs(rows: torch.Tensor, weight: torch.Tensor) -> bool:
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``rows [M, in]`` in groups (``counts[g]`` rows of group g, group 0's first) times ``weight[g] [out, in]``
     transposed -> ``[M, out]``: one grouped matmul (``torch._grouped_mm``), or where it does not run a loop over
-    the groups (exact, not fast; it reads the counts on the host)."""
+    the groups (exact, not fast; it reads the counts on the host -- a rehearsal has none: the rows split evenly,
+    the same bytes in all)."""
     if _grouped_mm_runs(rows, weight):
         return torch._grouped_mm(rows, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
-    return torch.cat([r @ w.t() for r, w in zip(rows.split(counts.tolist()), weight)])
+    groups = weight.shape[0]
+    sizes = counts.tolist() if has_values(counts) else [
+        rows.shape[0] // groups + (g < rows.shape[0] % groups) for g in range(groups)]
+    return torch.cat([r @ w.t() for r, w in zip(rows.split(sizes), weight)])
 
 
 class GroupedExperts(nn.Module):
