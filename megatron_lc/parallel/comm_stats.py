@@ -5,18 +5,23 @@ import contextlib
 from collections import defaultdict
 from typing import Optional
 
+import torch
+
 
 class CommStats:
     """Bytes sent, keyed by (tag, op). ``tag`` is set by the caller (e.g. the layer name). Point-to-point transfers
     also count what they receive (``received``): in a sparse exchange the two differ by rank. Beside the traffic,
-    ``pairs``: the (query, key) pairs the core attention of each tag ran for each head (forward calls, recomputes
-    included) -- the compute a layout balances."""
+    ``pairs``: the (query, key) pairs the core attention of each tag ran for each head in its forward calls -- the
+    compute a layout balances. A forward re-run inside the backward (host checkpoints, full recompute, segments)
+    counts its pairs in ``rerun_pairs`` and its forward receipts under ``<op>.rerun``, so a layer's figures are
+    one forward's whatever the memory technique (its sent bytes stay in ``bytes``, re-runs included)."""
 
     def __init__(self) -> None:
         self.bytes: dict = defaultdict(int)
         self.calls: dict = defaultdict(int)
         self.received: dict = defaultdict(int)
         self.pairs: dict = defaultdict(int)
+        self.rerun_pairs: dict = defaultdict(int)
         self._tag = "untagged"
 
     @contextlib.contextmanager
@@ -32,10 +37,11 @@ class CommStats:
         self.calls[(self._tag, op)] += 1
 
     def add_received(self, op: str, nbytes: float) -> None:
-        self.received[(self._tag, op)] += int(nbytes)
+        rerun = op.endswith("_fwd") and _in_backward()
+        self.received[(self._tag, op + ".rerun" if rerun else op)] += int(nbytes)
 
     def add_pairs(self, n: int) -> None:
-        self.pairs[self._tag] += int(n)
+        (self.rerun_pairs if _in_backward() else self.pairs)[self._tag] += int(n)
 
     def total(self, tag: Optional[str] = None, op: Optional[str] = None) -> int:
         return sum(v for (t, o), v in self.bytes.items() if (tag is None or t == tag) and (op is None or o == op))
@@ -45,3 +51,9 @@ class CommStats:
         self.calls.clear()
         self.received.clear()
         self.pairs.clear()
+        self.rerun_pairs.clear()
+
+
+def _in_backward() -> bool:
+    """Inside the autograd engine: a forward run there is a re-run of a layer whose forward already ran."""
+    return torch._C._current_graph_task_id() != -1

@@ -146,7 +146,7 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
         out.update(rank_figures(trace, moments, states.parts, host, meta))
         out["host"].update(host_figures(trainer))
         out["comm_bytes_per_step"] = {f"{tag}/{op}": n for (tag, op), n in sorted(topo.comm.bytes.items())}
-        out["attention"] = {"pairs_per_step": sum(topo.comm.pairs.values()),  # every layer's forward calls
+        out["attention"] = {"pairs_per_step": sum(topo.comm.pairs.values()),  # every layer's forward (re-runs apart)
                             "kv_received_bytes_per_step": {op: sum(n for (_, o), n in topo.comm.received.items()
                                                                    if o == op) for op in ("p2p_fwd", "p2p_bwd")}}
         out["kernel_scratch"] = charged

@@ -132,3 +132,11 @@ def test_the_exchange_moves_what_the_plan_says_and_local_documents_move_nothing(
         assert planned > 0 and got["p2p_fwd"] == planned, (got, planned)
     for got, sent, planned in run_dist(4, db.traffic, [[8, 8, 8, 8], [8, 8, 8, 8]]):
         assert planned == 0 and sent == 0 and not any(got.values()), (got, sent)
+
+
+def test_a_forward_re_run_in_backward_is_counted_apart():
+    """Host checkpoints run each layer's forward again inside the backward: its receipts go under ``p2p_fwd.rerun``,
+    so the forward's stay the plan's (the rehearsal's per-layer figures beside tools/cp_layout.py's were twice them
+    with host checkpoints: Qwen3-32B at 1.5M, "100.0%" off)."""
+    for got, sent, planned in run_dist(2, db.traffic, SHAPES["odd"], 32, CKPT):
+        assert planned > 0 and got["p2p_fwd"] == planned and got.get("p2p_fwd.rerun") == planned, (got, planned)

@@ -11,12 +11,12 @@ from tests.dist_cases.documents import DOCS, packed_batch
 from tests.support.parity import sharded_loss, small_config
 
 
-def traffic(rank, world, lengths, seq=32):
-    """One forward and backward of the small model under ring cp ``world`` with documents of ``lengths``: (the
-    bytes layer 0's attention received in forward and backward, the bytes it sent, what the plan says it receives
-    in one forward: rows x 2 (k, v) x rows of the batch x kv heads x head dim x 4 bytes)."""
+def traffic(rank, world, lengths, seq=32, extra=()):
+    """One forward and backward of the small model under ring cp ``world`` with documents of ``lengths`` (and the
+    ``extra`` overrides): (the bytes layer 0's attention received in forward and backward, the bytes it sent, what
+    the plan says it receives in one forward: rows x 2 (k, v) x rows of the batch x kv heads x head dim x 4 bytes)."""
     cfg = small_config([f"data.seq_length={seq}", f"parallel.context_parallel_size={world}",
-                        "parallel.cp_comm_type=p2p"] + DOCS)
+                        "parallel.cp_comm_type=p2p"] + DOCS + list(extra))
     layout = resolve_layout(cfg, world)
     batch = packed_batch(seq, lengths)
     _, model, topo = sharded_loss(cfg, layout, batch, float(batch["loss_mask"].sum()))
