@@ -6,7 +6,6 @@ which rank sums which fp32 softmax terms, merged by lse), and the bytes it moves
 the zigzag with documents under training: tests/config/test_feature_pairs.py's triples."""
 import numpy as np
 import pytest
-import torch
 
 from megatron_lc.attention.kv_plan import kv_plan
 from megatron_lc.config import ConfigError, load_config
