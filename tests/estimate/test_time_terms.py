@@ -10,7 +10,8 @@ import pytest
 from megatron_lc.config import ConfigError, load_config
 from megatron_lc.estimate import estimate, load_hardware
 from megatron_lc.estimate.flops import head_flops_fwd, layer_flops
-from megatron_lc.estimate.sync_time import layer_numels, per_layer_exposed, sync_seconds, sync_style
+from megatron_lc.estimate.inventory import param_shards
+from megatron_lc.estimate.sync_time import layer_numels, per_layer_exposed, reduce_groups, sync_seconds, sync_style
 from megatron_lc.estimate.terms import LayerShape
 from megatron_lc.estimate.terms.mst import MLP_RERUN_COST
 from megatron_lc.estimate.time_estimate import attention_kernel, layer_comm
@@ -98,6 +99,28 @@ def test_gradient_sync_as_each_system_issues_it():
     assert sync_seconds(fsdp, dims, hw, "framework", 1, 1, 1, 1) == per_layer_exposed(fsdp, dims, hw, n, 1, 1,
                                                                                        "framework")
     assert n == dims.dp * dims.cp
+
+
+def test_experts_are_summed_over_their_expert_data_ranks_only():
+    """Under expert parallelism an expert rank's experts are summed over the dp x cp / ep ranks holding the same
+    experts (``optimizer.sync_gradients``), the rest over dp x cp: Qwen3-30B-A3B on 8 ranks, dp 8, ep 4 -- the
+    experts' all-reduce over 2 ranks 4 apart, the attention and routers' over 8. Seen failing with every parameter
+    over dp x cp."""
+    hw = load_hardware("h100")
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen3_30b_a3b_1m.yaml"), [
+        "parallel.use_torch_fsdp2=false", "parallel.fsdp_cpu_offload=false", "parallel.context_parallel_size=1",
+        "parallel.cp_comm_type=p2p",
+        "parallel.ulysses_size=1", "parallel.expert_model_parallel_size=4", "memory.activation_offload=none",
+        "memory.mst=false", "memory.layer_chunk_size=null", "train.global_batch_size=8", "data.seq_length=4096"])
+    dims = estimate(cfg, hw, 8).dims
+    assert (dims.dp, dims.ep) == (8, 4)
+    shards = param_shards(dims)
+    experts = sum(k for name, k, _ in shards if ".mlp.experts." in name)
+    dense = sum(k for _, k, _ in shards) - experts
+    assert experts > 0 and reduce_groups(dims) == [(dense, 8, 1), (experts, 2, 4)]
+    want = 2 * 7 / 8 * 4 * dense / hw.collective_bytes_per_s(8, 1) + 2 * 1 / 2 * 4 * experts / \
+        hw.collective_bytes_per_s(2, 4)
+    assert sync_seconds(cfg, dims, hw, "framework", 1, 1, 1, 1) == pytest.approx(want)
 
 
 def test_fsdp_prefetch_exposure_per_layer():
