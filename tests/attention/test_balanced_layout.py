@@ -105,8 +105,9 @@ SHAPES = {"one": [[40], [40]], "short": [[3, 2, 4, 1, 5, 2, 3, 4, 2, 3, 6], [2, 
           "long": [[20, 3, 2, 9], [2, 25, 7]], "odd": [[7, 11, 13, 5], [9, 9, 9, 9]]}
 PARITY = {2: [(RING2, 1, shape) for shape in SHAPES] + [(RING2 + MEMO, 1, "long"), (RING2 + MST, 1, "short"),
                                                          (RING2 + CKPT, 1, "odd")],
-          4: [(RING4, 1, shape) for shape in SHAPES] + [(HYBRID, 1, "long"), (RING2 + ["parallel.sequence_parallel=true"],
-                                                                             2, "odd"), (RING4 + MEMO, 1, "short")]}
+          4: [(RING4, 1, shape) for shape in SHAPES] + [(HYBRID, 1, "long"),
+                                                        (RING2 + ["parallel.sequence_parallel=true"], 2, "odd"),
+                                                        (RING4 + MEMO, 1, "short")]}
 
 
 @pytest.mark.parametrize("world", sorted(PARITY))
