@@ -60,10 +60,12 @@ def test_validation_save_async_save_and_resume_run_in_the_rehearsal():
     # FSDP2's CPU offload keeps the shards on the host: the save hands DCP those tensors (DTensors on a host mesh),
     # not device copies of them, so no phase of the checkpoint holds its pieces on the device (with the pieces
     # built on FSDP's device mesh, ``DTensor.from_local`` copied all of them there: 11.3 MB on top) -- and a load
-    # fills the shards themselves
-    p = got["tp2-fsdp2-offload"]["phases"]
+    # fills the shards themselves. The workspaces CUDA's libraries keep from their first call on (cuBLAS's, each
+    # communicator's NCCL buffers: 448 MiB here, ``device/kernel_scratch.py``) are on the device in every phase.
+    r = got["tp2-fsdp2-offload"]
+    p = r["phases"]
     for phase in ("save", "async save", "resume"):
-        assert p[phase]["device_peak_bytes"] < got["tp2-fsdp2-offload"]["checkpoint_bytes"], (phase, p)
+        assert p[phase]["device_peak_bytes"] - r["kernel_scratch_kept_bytes"] < r["checkpoint_bytes"], (phase, p, r)
 
 
 CALIBRATION = ["plain", "small-vocab", "gpt-layernorm-gelu", "recompute-full", "mst", "memo-alpha0",
