@@ -17,7 +17,7 @@ Example, E = 4, top-2, 2 MoE layers, a micro-batch of 3 tokens on each of 2 cp r
 gradient is ``coeff * 4 * C / 144`` with C summed over both ranks -- not over the 6 rows a rank holds.
 
 Re-runs: a layer run again in backward (token-wise recompute, Memo, host checkpoints, MsT's chunks) routes its rows
-again; that is not recorded (it runs inside the autograd engine: ``torch._C._current_graph_task_id``), and its node
+again; that is not recorded (it runs inside the autograd engine: ``comm_stats.in_backward``), and its node
 gives its rows their gradient then; a forward run without a graph (Memo's recomputed rows) is recorded and has no
 node. A layer run outside the model's forward (a calibration's probe) finds no total and adds no router gradient.
 
@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from ..parallel.collectives import all_reduce
+from ..parallel.comm_stats import in_backward
 from ..parallel.topology import Axis, Topology
 
 
@@ -58,7 +59,7 @@ class RoutingRecord:
         """One MoE call's routing: ``counts [E]`` the top-k selections per expert, ``probs [T, E]`` the softmax over
         all experts, ``lse [T]`` the logits' logsumexp (None without a z-loss). Not recorded when re-run in
         backward."""
-        if torch._C._current_graph_task_id() != -1:  # inside the autograd engine: a re-run of a recorded call
+        if in_backward():  # a re-run of a recorded call
             return
         with torch.no_grad():
             e = self.num_experts

@@ -37,11 +37,11 @@ class CommStats:
         self.calls[(self._tag, op)] += 1
 
     def add_received(self, op: str, nbytes: float) -> None:
-        rerun = op.endswith("_fwd") and _in_backward()
+        rerun = op.endswith("_fwd") and in_backward()
         self.received[(self._tag, op + ".rerun" if rerun else op)] += int(nbytes)
 
     def add_pairs(self, n: int) -> None:
-        (self.rerun_pairs if _in_backward() else self.pairs)[self._tag] += int(n)
+        (self.rerun_pairs if in_backward() else self.pairs)[self._tag] += int(n)
 
     def total(self, tag: Optional[str] = None, op: Optional[str] = None) -> int:
         return sum(v for (t, o), v in self.bytes.items() if (tag is None or t == tag) and (op is None or o == op))
@@ -54,6 +54,7 @@ class CommStats:
         self.rerun_pairs.clear()
 
 
-def _in_backward() -> bool:
-    """Inside the autograd engine: a forward run there is a re-run of a layer whose forward already ran."""
+def in_backward() -> bool:
+    """Inside the autograd engine: a forward run there is a re-run of a layer whose forward already ran (host
+    checkpoints, recompute, MsT's chunks), which counters of a forward leave out (here; ``model/moe_loss.py``)."""
     return torch._C._current_graph_task_id() != -1

@@ -92,13 +92,14 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
         topo = Topology.build(tp=layout.tp, cp=layout.cp, ulysses=layout.ulysses, ep=layout.ep)
         tracer = DispatchTracer()
         charged: dict = {}  # what a CUDA kernel holds inside itself -> the most it held at one call
-        kept = [0]  # the workspaces charged once and held to the end (cuBLAS's, each communicator's NCCL buffers)
+        kept = 0  # the workspaces charged once and held to the end (cuBLAS's, each communicator's NCCL buffers)
 
         def charge(func, items) -> None:  # at the op's moment, beside its inputs and outputs
+            nonlocal kept
             tracer.charge(str(execution.device), [(s.nbytes, s.what, s.kept) for s in items])
             for s in items:
                 charged[s.what] = max(charged.get(s.what, 0), s.nbytes)
-                kept[0] += s.nbytes if s.kept else 0
+                kept += s.nbytes if s.kept else 0
 
         host_math = HostMathCheck([])
         mixes = DeviceMixCheck(execution.device)
@@ -151,7 +152,7 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
         out["attention"] = {"pairs_per_step": sum(topo.comm.pairs.values()),  # every layer's forward (re-runs apart)
                             "kv_received_bytes_per_step": {op: sum(n for (_, o), n in topo.comm.received.items()
                                                                    if o == op) for op in ("p2p_fwd", "p2p_bwd")}}
-        out["kernel_scratch"], out["kernel_scratch_kept_bytes"] = charged, kept[0]
+        out["kernel_scratch"], out["kernel_scratch_kept_bytes"] = charged, kept
         out["violations"] = mixes.violations + host_math.violations + [
             {"kind": v.kind, "buffer": v.buffer, "site": str(v.second), "first_site": str(v.first), "text": str(v)}
             for v in streams.violations]
