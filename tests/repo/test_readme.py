@@ -89,16 +89,15 @@ def test_the_estimator_and_rehearsal_figures_are_what_the_commands_print(capsys)
         est = estimate(load_config(args.config, args.overrides), hw, args.gpus or hw.gpus_per_node)
         rehearsed = re.search(r"rehearsed ([\d.]+) GiB, ([+-][\d.]+)% from the estimator's ([\d.]+) GiB allocated",
                               comment)
+        page = open(os.path.join(ROOT, re.search(r"(docs/\w+\.md)", comment)[1])).read()
         if rehearsed is None:  # rehearsed with older code: its date and what changed since are said, its page holds it
             older = re.search(r"rehearsed (20\d\d-\d\d-\d\d) before (.+?): ([\d.]+) GiB against the estimator's "
                               r"([\d.]+) then", comment)
             assert older is not None, comment
-            page = open(os.path.join(ROOT, re.search(r"(docs/\w+\.md)", comment)[1])).read()
             assert f"max peak device {older[3]} GiB (estimator {older[4]} GiB allocated" in page, comment
             checked += 1
             continue
         assert rehearsed[3] == f"{est.memory.allocated_peak / GIB:.2f}", (comment, est.memory.allocated_peak / GIB)
-        page = open(os.path.join(ROOT, re.search(r"(docs/\w+\.md)", comment)[1])).read()
         assert f"max peak device {rehearsed[1]} GiB (estimator {rehearsed[3]} GiB allocated, {rehearsed[2]}%" in page
         rank_host = re.search(r"host ([\d.]+) GiB a rank", comment)
         assert rank_host is None or f"max host {rank_host[1]} GiB" in page, comment
