@@ -3,13 +3,16 @@
     python bench/estimate_calibration.py                 # memory: every case this checkout implements
     python bench/estimate_calibration.py plain tp2-sp    # some cases
     python bench/estimate_calibration.py --time [--reps 3] [case ...]    # step time (tests/support/step_time_cases.py)
+    python bench/estimate_calibration.py --profile [--reps 3]           # the CPU profile's peak and step overhead
 
 Memory: measured = max over ranks of the peak of live tensor bytes over 2 training steps
 (megatron_lc/estimate/measure.py), each case in fresh gloo processes; estimated = megatron_lc.estimate.estimate(cfg,
 hardware "cpu", world). Step time: each case beside its reference (the plain model, or data parallel over as many
 ranks) in one fresh process per rank, their steps in turn (``tests/support/step_time_cases.time_pair``: the median of
 4 pairs' ratios, CPU seconds, after a warm-up step), ``--reps`` such processes, the median of their ratios (a step's:
-its slowest rank's) against the estimator's ratio.
+its slowest rank's) against the estimator's ratio. ``--profile``: the plain model alone at 512 and 2048 tokens the
+same way, the line through its two steps (``step_time_cases.fit_profile``): what configs/hardware/cpu.yaml's
+``peak_tflops_fp32`` and ``step_overhead_seconds`` are set from (the calibration; the ``--time`` cases validate).
 """
 from __future__ import annotations
 
@@ -84,8 +87,36 @@ def main_time(names: list, reps: int) -> dict:
     return {"bench": "estimate_calibration --time", "tolerance": 0.15, "reps": reps, "cases": rows}
 
 
+def main_profile(reps: int) -> dict:
+    import dataclasses
+    import statistics
+
+    from megatron_lc.estimate import estimate, load_hardware
+    from tests.support import estimate_cases, step_time_cases as stc
+    from tests.support.dist import run_dist
+
+    hw = load_hardware("cpu")
+    hw = dataclasses.replace(hw, step_overhead_seconds=0.0)
+    short, long_ = stc.PROFILE_LENGTHS
+    runs = [run_dist(1, stc.time_pair, [f"data.seq_length={long_}"], [f"data.seq_length={short}"])[0]
+            for _ in range(reps)]  # a fresh process per measurement, the short step beside the long one
+    measured = {short: statistics.median(r["case_s"] for r in runs),
+                long_: statistics.median(r["reference_s"] for r in runs)}
+    estimated = {n: estimate(estimate_cases.case_config(1, [f"data.seq_length={n}"]), hw, 1).time.step_seconds
+                 for n in stc.PROFILE_LENGTHS}
+    fit = stc.fit_profile(measured, estimated)
+    return {"bench": "estimate_calibration --profile", "reps": reps, "runs": runs,
+            "measured_s": measured, "estimated_s": {k: round(v, 4) for k, v in estimated.items()},
+            "scale": round(fit["scale"], 4), "step_overhead_seconds": round(fit["step_overhead_seconds"], 4),
+            "peak_tflops_fp32": round(hw.peak_tflops_fp32 / fit["scale"], 4)}
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
+    if "--profile" in argv:
+        reps = int(argv[argv.index("--reps") + 1]) if "--reps" in argv else 3
+        print(json.dumps(main_profile(reps), indent=1))
+        sys.exit(0)
     if "--time" in argv:
         reps = int(argv[argv.index("--reps") + 1]) if "--reps" in argv else 3
         rest = [a for i, a in enumerate(argv) if a not in ("--time", "--reps") and

@@ -86,6 +86,10 @@ class HardwareProfile:
     attention: dict = field(default_factory=dict)  # backend -> KernelFigure (the profile's ``attention`` mapping)
     gpu_names: tuple = ()  # what torch.cuda.get_device_name says of this GPU contains one of these (bench/)
     attention_measured: Optional[KernelTable] = None  # bench/attention_kernels.py's table (kernel_table.py)
+    # the loop's host work a step that no FLOP or byte count sees (Python, the data, the global norm, AdamW as torch
+    # runs it beyond the optimizer term), measured where the host's time is the step's (the CPU profile:
+    # bench/estimate_calibration.py --profile); 0 on a GPU, whose queue the host runs ahead of (never measured)
+    step_overhead_seconds: float = 0.0
     # measured inputs (Memo profiler, §4.3.2): when set they replace the computed values
     layer_forward_seconds: Optional[float] = None  # forward time of one transformer layer at the estimated shape
 
@@ -101,6 +105,8 @@ class HardwareProfile:
         check(self.pcie_switch_gpus >= 1, f"hardware.pcie_switch_gpus ({self.pcie_switch_gpus}) must be >= 1")
         check(self.pcie_switch_gbps is None or self.pcie_switch_gbps > 0,
               f"hardware.pcie_switch_gbps ({self.pcie_switch_gbps}) must be positive")
+        check(self.step_overhead_seconds >= 0,
+              f"hardware.step_overhead_seconds ({self.step_overhead_seconds}) must not be negative")
         check(self.layer_forward_seconds is None or self.layer_forward_seconds > 0,
               f"hardware.layer_forward_seconds ({self.layer_forward_seconds}) must be positive")
 

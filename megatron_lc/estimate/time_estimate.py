@@ -29,7 +29,9 @@ FPDT's chunk traffic (overlapping the attention, one chunk exposed). This module
 a step, MFU 29.1%; with FlashAttention-3 (0.62 / 0.57) 230.2 s, 50.2%.
 
 ``hardware.layer_forward_seconds`` (measured by the Memo profiler) replaces the computed compute time of a layer's
-forward; the backward and recompute are scaled by the same factor.
+forward; the backward and recompute are scaled by the same factor. ``hardware.step_overhead_seconds`` adds the
+loop's host work a step where the host's time is the step's (the CPU profile, measured on the plain model at two
+lengths: ``bench/estimate_calibration.py --profile``; 0 on the GPU profiles).
 
 The attention efficiencies (``attention_kernel``): the backend's own, measured on the profile's GPU for the calls
 the layout makes (``call_weights``: ring cp 8 = one 128K^2 causal diagonal and seven 128K x 64K blocks' worth,
@@ -208,8 +210,9 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, al
                                                           + n_swapped * stall),
         states_comm: sync,
         "optimizer": opt,
+        "host work a step (measured)": hw.step_overhead_seconds,
     }
-    step = dims.micro_batches * micro + sync + opt
+    step = dims.micro_batches * micro + sync + opt + hw.step_overhead_seconds
     gbs = dims.micro_batches * dims.micro_batch * dims.dp
     model_flops = gbs * model_flops_per_sample(dims)
     effs = {"gemm": (eff.gemm, eff.gemm_source), "attention forward": (eff_fwd, source),

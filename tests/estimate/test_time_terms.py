@@ -171,3 +171,25 @@ def test_attention_efficiencies_in_their_order():
     assert attention_kernel(cfg, dims, hand, "fa3")[1:] == (0.623, 0.3, "set by hand")
     with pytest.raises(ConfigError, match="no attention figure for backend 'fa3'"):
         attention_kernel(cfg, dims, dataclasses.replace(hw, attention={}), "fa3")
+
+
+def test_the_hosts_work_a_step_where_the_hosts_time_is_the_steps():
+    """``step_overhead_seconds`` is added once a step, whatever the micro-batches or the layout; the CPU profile
+    carries the figure its plain-model line gave (``bench/estimate_calibration.py --profile``), the GPU profiles none.
+    The line's arithmetic: steps of 0.408 s and 1.371 s where the estimator said 0.4125 s and 2.3606 s."""
+    from tests.support.step_time_cases import fit_profile
+
+    cpu = load_hardware("cpu")
+    assert cpu.step_overhead_seconds == 0.14 and cpu.peak_tflops_fp32 == 0.198
+    assert all(load_hardware(n).step_overhead_seconds == 0.0 for n in ("h100", "h200", "a100", "a800"))
+    cfg = llama("data.seq_length=262144", "parallel.context_parallel_size=8", "train.global_batch_size=4")
+    none = estimate(cfg, dataclasses.replace(load_hardware("h100"), step_overhead_seconds=0.0), 8).time
+    some = estimate(cfg, dataclasses.replace(load_hardware("h100"), step_overhead_seconds=0.5), 8).time
+    assert none.parts["host work a step (measured)"] == 0.0
+    assert some.step_seconds - none.step_seconds == pytest.approx(0.5)  # once a step, not per micro-batch (4 here)
+    assert some.parts["host work a step (measured)"] == 0.5
+    fit = fit_profile({512: 0.408, 2048: 1.371}, {512: 0.4125, 2048: 2.3606})
+    assert fit["scale"] == pytest.approx(0.963 / 1.9481)
+    assert fit["step_overhead_seconds"] == pytest.approx(0.408 - 0.4125 * 0.963 / 1.9481)
+    with pytest.raises(ConfigError, match="step_overhead_seconds"):
+        load_hardware("cpu", {"step_overhead_seconds": -1})

@@ -96,3 +96,21 @@ def time_pair(rank: int, world: int, reference: list, case: list, warmup: int = 
     return {"rank": rank, "ratio": statistics.median(x[0] / y[0] for x, y in zip(c, r)),
             "wall_ratio": statistics.median(x[1] / y[1] for x, y in zip(c, r)),
             "reference_s": statistics.median(x[0] for x in r), "case_s": statistics.median(x[0] for x in c)}
+
+
+# The CPU profile's own figures (configs/hardware/cpu.yaml: its fp32 peak and ``step_overhead_seconds``) are measured
+# on the plain model alone, at two lengths, never on a technique's case: that is the calibration, every case above
+# the validation.
+PROFILE_LENGTHS = (512, 2048)
+
+
+def fit_profile(measured: dict, estimated: dict) -> dict:
+    """The plain model's steps at the two ``PROFILE_LENGTHS`` (``measured``: CPU seconds; ``estimated``: the
+    estimator's step with the profile as it stands, without its step overhead) on a line, measured = scale x
+    estimated + overhead: the estimator's compute is ``scale`` times too slow (so the fp32 peak is divided by it)
+    and ``overhead`` seconds a step are the loop's host work that no FLOP count sees (Python, the data, the
+    norm, AdamW as torch runs it beyond the optimizer term). Example: 0.408 s and 1.371 s measured where the
+    estimator said 0.413 s and 2.361 s: scale 0.494, overhead 0.204 s."""
+    short, long_ = PROFILE_LENGTHS
+    scale = (measured[long_] - measured[short]) / (estimated[long_] - estimated[short])
+    return {"scale": scale, "step_overhead_seconds": measured[short] - scale * estimated[short]}
