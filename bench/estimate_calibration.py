@@ -3,16 +3,17 @@
     python bench/estimate_calibration.py                 # memory: every case this checkout implements
     python bench/estimate_calibration.py plain tp2-sp    # some cases
     python bench/estimate_calibration.py --time [--reps 3] [case ...]    # step time (tests/support/step_time_cases.py)
-    python bench/estimate_calibration.py --profile [--reps 3]           # the CPU profile's peak and step overhead
+    python bench/estimate_calibration.py --profile [--reps 3]           # the CPU profile's peak, attention, overhead
 
 Memory: measured = max over ranks of the peak of live tensor bytes over 2 training steps
 (megatron_lc/estimate/measure.py), each case in fresh gloo processes; estimated = megatron_lc.estimate.estimate(cfg,
 hardware "cpu", world). Step time: each case beside its reference (the plain model, or data parallel over as many
 ranks) in one fresh process per rank, their steps in turn (``tests/support/step_time_cases.time_pair``: the median of
 4 pairs' ratios, CPU seconds, after a warm-up step), ``--reps`` such processes, the median of their ratios (a step's:
-its slowest rank's) against the estimator's ratio. ``--profile``: the plain model alone at 512 and 2048 tokens the
-same way, the line through its two steps (``step_time_cases.fit_profile``): what configs/hardware/cpu.yaml's
-``peak_tflops_fp32`` and ``step_overhead_seconds`` are set from (the calibration; the ``--time`` cases validate).
+its slowest rank's) against the estimator's ratio. ``--profile``: the plain model alone at 512, 1024, 2048 and 4096
+tokens the same way (two pairs), the estimator's linears, attention and fixed work fitted to its steps
+(``step_time_cases.fit_profile``): what configs/hardware/cpu.yaml's ``peak_tflops_fp32``, ``attention.torch`` and
+``step_overhead_seconds`` are set from (the calibration; the ``--time`` cases validate).
 """
 from __future__ import annotations
 
@@ -87,28 +88,53 @@ def main_time(names: list, reps: int) -> dict:
     return {"bench": "estimate_calibration --time", "tolerance": 0.15, "reps": reps, "cases": rows}
 
 
+def plain_parts(hw, n: int) -> tuple:
+    """The estimator's step of the plain model at ``n`` tokens on profile ``hw`` (no step overhead) in three parts:
+    (linears and the rest, attention, optimizer) seconds. A step's attention seconds are inversely proportional to
+    the kernel's efficiency, so the attention part is twice the step's drop when that efficiency is doubled."""
+    import dataclasses
+
+    from megatron_lc.estimate import estimate
+    from tests.support import estimate_cases
+
+    cfg = estimate_cases.case_config(1, [f"data.seq_length={n}"])
+    fig = hw.attention["torch"]
+    twice = dataclasses.replace(hw, attention={"torch": dataclasses.replace(fig, fwd=fig.fwd / 2, bwd=fig.bwd / 2)})
+    t, slow = estimate(cfg, hw, 1).time, estimate(cfg, twice, 1).time
+    attention = slow.step_seconds - t.step_seconds  # half the efficiency: the attention's seconds once more
+    opt = t.parts["optimizer"]
+    return t.step_seconds - attention - opt, attention, opt
+
+
 def main_profile(reps: int) -> dict:
     import dataclasses
     import statistics
 
-    from megatron_lc.estimate import estimate, load_hardware
-    from tests.support import estimate_cases, step_time_cases as stc
+    from megatron_lc.estimate import load_hardware
+    from tests.support import step_time_cases as stc
     from tests.support.dist import run_dist
 
-    hw = load_hardware("cpu")
-    hw = dataclasses.replace(hw, step_overhead_seconds=0.0)
-    short, long_ = stc.PROFILE_LENGTHS
-    runs = [run_dist(1, stc.time_pair, [f"data.seq_length={long_}"], [f"data.seq_length={short}"])[0]
-            for _ in range(reps)]  # a fresh process per measurement, the short step beside the long one
-    measured = {short: statistics.median(r["case_s"] for r in runs),
-                long_: statistics.median(r["reference_s"] for r in runs)}
-    estimated = {n: estimate(estimate_cases.case_config(1, [f"data.seq_length={n}"]), hw, 1).time.step_seconds
-                 for n in stc.PROFILE_LENGTHS}
-    fit = stc.fit_profile(measured, estimated)
+    hw = dataclasses.replace(load_hardware("cpu"), step_overhead_seconds=0.0)
+    runs, measured = [], {}
+    for long_, short in stc.PROFILE_PAIRS:  # a fresh process per measurement, the short step beside the long one
+        pair = [run_dist(1, stc.time_pair, [f"data.seq_length={long_}"], [f"data.seq_length={short}"])[0]
+                for _ in range(reps)]
+        runs.append({"lengths": [long_, short], "runs": pair})
+        measured[long_] = statistics.median(r["reference_s"] for r in pair)
+        measured[short] = statistics.median(r["case_s"] for r in pair)
+    parts = {n: plain_parts(hw, n) for n in stc.PROFILE_LENGTHS}
+    fit = stc.fit_profile(measured, parts)
+    fig = hw.attention["torch"]
     return {"bench": "estimate_calibration --profile", "reps": reps, "runs": runs,
-            "measured_s": measured, "estimated_s": {k: round(v, 4) for k, v in estimated.items()},
-            "scale": round(fit["scale"], 4), "step_overhead_seconds": round(fit["step_overhead_seconds"], 4),
-            "peak_tflops_fp32": round(hw.peak_tflops_fp32 / fit["scale"], 4)}
+            "measured_s": {n: round(measured[n], 4) for n in stc.PROFILE_LENGTHS},
+            "estimated_parts_s": {n: [round(x, 4) for x in parts[n]] for n in stc.PROFILE_LENGTHS},
+            "fitted_s": {n: round(fit["gemm"] * parts[n][0] + fit["attention"] * parts[n][1] + parts[n][2]
+                                  + fit["step_overhead_seconds"], 4) for n in stc.PROFILE_LENGTHS},
+            "fit": {k: round(v, 4) for k, v in fit.items()},
+            "profile": {"peak_tflops_fp32": round(hw.peak_tflops_fp32 / fit["gemm"], 4),
+                        "attention_torch": round(fig.fwd * fit["gemm"] / fit["attention"], 3),
+                        "step_overhead_seconds": round(fit["step_overhead_seconds"], 3)},
+            "profile_before": {"peak_tflops_fp32": hw.peak_tflops_fp32, "attention_torch": [fig.fwd, fig.bwd]}}
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ a step, MFU 29.1%; with FlashAttention-3 (0.62 / 0.57) 230.2 s, 50.2%.
 
 ``hardware.layer_forward_seconds`` (measured by the Memo profiler) replaces the computed compute time of a layer's
 forward; the backward and recompute are scaled by the same factor. ``hardware.step_overhead_seconds`` adds the
-loop's host work a step where the host's time is the step's (the CPU profile, measured on the plain model at two
-lengths: ``bench/estimate_calibration.py --profile``; 0 on the GPU profiles).
+loop's host work a step where the host's time is the step's (the CPU profile, fitted with its peak and attention
+on the plain model at four lengths: ``bench/estimate_calibration.py --profile``; 0 on the GPU profiles).
 
 The attention efficiencies (``attention_kernel``): the backend's own, measured on the profile's GPU for the calls
 the layout makes (``call_weights``: ring cp 8 = one 128K^2 causal diagonal and seven 128K x 64K blocks' worth,

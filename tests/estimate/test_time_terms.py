@@ -175,12 +175,14 @@ def test_attention_efficiencies_in_their_order():
 
 def test_the_hosts_work_a_step_where_the_hosts_time_is_the_steps():
     """``step_overhead_seconds`` is added once a step, whatever the micro-batches or the layout; the CPU profile
-    carries the figure its plain-model line gave (``bench/estimate_calibration.py --profile``), the GPU profiles none.
-    The line's arithmetic: steps of 0.408 s and 1.371 s where the estimator said 0.4125 s and 2.3606 s."""
-    from tests.support.step_time_cases import fit_profile
+    carries the figures its plain-model fit gave (``bench/estimate_calibration.py --profile``), the GPU profiles no
+    overhead. The fit's arithmetic on the docstring's example of ``fit_profile``: four steps made from known factors
+    (linears 1.5x, attention 1.1x, 0.02 s) give those factors back, to the float64 solve's rounding."""
+    from tests.support.step_time_cases import PROFILE_LENGTHS, fit_profile
 
     cpu = load_hardware("cpu")
-    assert cpu.step_overhead_seconds == 0.14 and cpu.peak_tflops_fp32 == 0.198
+    assert cpu.step_overhead_seconds == 0.017 and cpu.peak_tflops_fp32 == 0.135
+    assert (cpu.attention["torch"].fwd, cpu.attention["torch"].bwd) == (0.41, 0.41)
     assert all(load_hardware(n).step_overhead_seconds == 0.0 for n in ("h100", "h200", "a100", "a800"))
     cfg = llama("data.seq_length=262144", "parallel.context_parallel_size=8", "train.global_batch_size=4")
     none = estimate(cfg, dataclasses.replace(load_hardware("h100"), step_overhead_seconds=0.0), 8).time
@@ -188,8 +190,14 @@ def test_the_hosts_work_a_step_where_the_hosts_time_is_the_steps():
     assert none.parts["host work a step (measured)"] == 0.0
     assert some.step_seconds - none.step_seconds == pytest.approx(0.5)  # once a step, not per micro-batch (4 here)
     assert some.parts["host work a step (measured)"] == 0.5
-    fit = fit_profile({512: 0.408, 2048: 1.371}, {512: 0.4125, 2048: 2.3606})
-    assert fit["scale"] == pytest.approx(0.963 / 1.9481)
-    assert fit["step_overhead_seconds"] == pytest.approx(0.408 - 0.4125 * 0.963 / 1.9481)
+    parts = {512: (0.170, 0.032, 0.0136), 1024: (0.340, 0.127, 0.0136), 2048: (0.679, 0.506, 0.0136),
+             4096: (1.358, 2.025, 0.0136)}
+    assert sorted(parts) == list(PROFILE_LENGTHS)
+    steps = {n: 1.5 * g + 1.1 * a + o + 0.02 for n, (g, a, o) in parts.items()}
+    fit = fit_profile(steps, parts)
+    assert fit == pytest.approx({"gemm": 1.5, "attention": 1.1, "step_overhead_seconds": 0.02}, abs=1e-9)
+    # the quadratic part is told apart from the linear one: a step 10 ms longer at 4096 only moves the attention
+    moved = fit_profile({**steps, 4096: steps[4096] + 0.01}, parts)
+    assert moved["attention"] > fit["attention"] and abs(moved["gemm"] - 1.5) < 0.02
     with pytest.raises(ConfigError, match="step_overhead_seconds"):
         load_hardware("cpu", {"step_overhead_seconds": -1})

@@ -98,19 +98,27 @@ def time_pair(rank: int, world: int, reference: list, case: list, warmup: int = 
             "reference_s": statistics.median(x[0] for x in r), "case_s": statistics.median(x[0] for x in c)}
 
 
-# The CPU profile's own figures (configs/hardware/cpu.yaml: its fp32 peak and ``step_overhead_seconds``) are measured
-# on the plain model alone, at two lengths, never on a technique's case: that is the calibration, every case above
-# the validation.
-PROFILE_LENGTHS = (512, 2048)
+# The CPU profile's own figures (configs/hardware/cpu.yaml: its fp32 peak, its attention kernel's efficiency and
+# ``step_overhead_seconds``) are measured on the plain model alone, at four lengths, never on a technique's case: that
+# is the calibration, every case above the validation. Measured in pairs, each pair in one fresh process:
+PROFILE_PAIRS = ((4096, 1024), (2048, 512))
+PROFILE_LENGTHS = (512, 1024, 2048, 4096)
 
 
-def fit_profile(measured: dict, estimated: dict) -> dict:
-    """The plain model's steps at the two ``PROFILE_LENGTHS`` (``measured``: CPU seconds; ``estimated``: the
-    estimator's step with the profile as it stands, without its step overhead) on a line, measured = scale x
-    estimated + overhead: the estimator's compute is ``scale`` times too slow (so the fp32 peak is divided by it)
-    and ``overhead`` seconds a step are the loop's host work that no FLOP count sees (Python, the data, the
-    norm, AdamW as torch runs it beyond the optimizer term). Example: 0.408 s and 1.371 s measured where the
-    estimator said 0.413 s and 2.361 s: scale 0.494, overhead 0.204 s."""
-    short, long_ = PROFILE_LENGTHS
-    scale = (measured[long_] - measured[short]) / (estimated[long_] - estimated[short])
-    return {"scale": scale, "step_overhead_seconds": measured[short] - scale * estimated[short]}
+def fit_profile(measured: dict, parts: dict) -> dict:
+    """The plain model's steps at the ``PROFILE_LENGTHS`` (``measured``: CPU seconds) as the estimator's parts with
+    the profile as it stands (``parts``: length -> (linears and the rest, attention, optimizer) seconds, no step
+    overhead), least squares over the lengths: measured = gemm x linears + attention x attention + optimizer +
+    overhead. The linears grow with the tokens, the attention with their square, the overhead not at all, so four
+    lengths tell the three apart: the estimator's linears are ``gemm`` times too slow (the fp32 peak is divided by
+    it), its attention ``attention`` times (the kernel's efficiency is multiplied by gemm / attention), and
+    ``overhead`` seconds a step are the loop's host work no FLOP count sees. Example: steps of 0.334, 0.695, 1.648,
+    4.365 s where the estimator said (0.170, 0.032), (0.340, 0.127), (0.679, 0.506), (1.358, 2.025) s and 0.0136 s
+    for the optimizer: gemm 1.563, attention 1.092, overhead 0.017 s."""
+    import torch
+
+    rows = [[parts[n][0], parts[n][1], 1.0] for n in PROFILE_LENGTHS]
+    rhs = [[measured[n] - parts[n][2]] for n in PROFILE_LENGTHS]
+    gemm, attention, overhead = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                                                   torch.tensor(rhs, dtype=torch.float64)).solution.flatten().tolist()
+    return {"gemm": gemm, "attention": attention, "step_overhead_seconds": overhead}
