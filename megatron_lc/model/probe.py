@@ -9,11 +9,14 @@ import torch
 from ..config import Layout
 
 
-def probe_input(model, layout: Layout, device: torch.device):
-    """(x ``[block rows, b, h]`` requiring grad, the RoPE tables of the ``local_seq_length`` positions or None)."""
+def probe_input(model, layout: Layout, device: torch.device, dtype: torch.dtype):
+    """(x ``[block rows, b, h]`` in ``dtype`` requiring grad, the RoPE tables of the ``local_seq_length`` positions or
+    None). ``dtype``: the residual stream's (``Execution.residual_dtype``), a layer input's as the step gives it --
+    bf16 on a GPU without ``model.fp32_residual_connection``: a probe in fp32 would measure twice the input's bytes."""
     S, b = layout.local_seq_length, layout.micro_batch_size
     g = torch.Generator(device="cpu").manual_seed(1234)
-    x = torch.randn(layout.block_seq_length, b, model.cfg.hidden_size, generator=g).to(device).requires_grad_(True)
+    x = torch.randn(layout.block_seq_length, b, model.cfg.hidden_size, generator=g).to(device, dtype)
+    x.requires_grad_(True)
     rope = None
     if model.rotary is not None:
         rope = model.rotary(torch.arange(S, device=device).unsqueeze(1).expand(S, b))

@@ -161,7 +161,8 @@ def rehearse_rank(cfg: Config, rank: int, world: int, nproc_per_node: int, steps
 
 def host_figures(trainer) -> dict:
     """The host pool's exact size by technique, and the bytes each technique moved between host and device in
-    the whole rehearsal (per step: divide by the steps)."""
+    the whole rehearsal (per step: divide by the steps); beside them the size of each of Memo's two rounding
+    buffers on the device, as its calibration set it."""
     ctx = trainer.ctx
     moved = {}
     if ctx.memo is not None:
@@ -172,7 +173,8 @@ def host_figures(trainer) -> dict:
         moved["checkpoints_to_host"] = ctx.checkpoints.bytes_to_host
     if ctx.fpdt is not None:
         moved["fpdt_host_peak"] = ctx.fpdt.host_account.peak
-    return {"pool_bytes": ctx.host_pool.size, "pool_reserved": dict(ctx.host_pool.reserved), "moved": moved}
+    return {"pool_bytes": ctx.host_pool.size, "pool_reserved": dict(ctx.host_pool.reserved), "moved": moved,
+            "memo_rounding_buffer_bytes": ctx.memo.buffer_bytes if ctx.memo is not None else None}
 
 
 def main(argv=None) -> int:

@@ -240,3 +240,27 @@ def test_an_moe_model_under_expert_parallelism_rehearses_with_its_all_to_all_bes
     assert "each expert rank received 1.25 x its fair share" in out.stdout, out.stdout
     for phase in ("fwd", "bwd"):
         assert 0 <= moe["rehearsed"][phase] - moe["formula"][phase] <= 1024, moe
+
+
+def test_memo_sizes_its_rounding_buffers_from_a_layer_input_in_the_residual_streams_dtype(tmp_path):
+    """With a bf16 residual stream (``model.fp32_residual_connection: false`` under bf16 autocast) a layer's input
+    is bf16: Memo's calibration probes layer 0 with an input of that dtype (``model/probe.probe_input``), so each
+    rounding buffer holds what a step places (the estimator's kept bytes: input + attention output + lse at alpha
+    0) and no more. Seen failing with the probe in fp32: 1,605,632 bytes a buffer where the step places 1,081,344
+    (the input counted twice its size; Qwen3-30B-A3B at 2M on 8: 1 GiB a buffer, 2 GiB of the device's peak)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    sets = ["memory.activation_offload=memo", "memory.offload_fraction=0", "model.fp32_residual_connection=false",
+            "train.bf16=true"]
+    out = subprocess.run([sys.executable, os.path.join(root, "tools", "rehearse.py"), "--config",
+                          "configs/tiny_cpu.yaml", "--nproc-per-node", "1", "--ranks", "0", "--steps-only", "--steps", "1",
+                          "--out", str(tmp_path / "r.json")] + [a for s in sets for a in ("--set", s)],
+                         cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.load(open(tmp_path / "r.json"))
+    buffer = got["ranks"]["0"]["host"]["memo_rounding_buffer_bytes"]
+    per_buffer = got["summary"]["estimator_parts"]["rounding buffers (Memo)"] / 2  # kept + 32 aligned groups of 256
+    assert per_buffer - 32 * 256 <= buffer <= per_buffer, (buffer, per_buffer)

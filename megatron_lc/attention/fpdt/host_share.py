@@ -63,8 +63,7 @@ def calibrate_fpdt(model, env) -> int:
     nothing is parked)."""
     if not env.cfg.memory.fpdt_offload:
         return 0
-    x, rope = probe_input(model, env.layout, env.execution.device)
-    x = x.detach().to(env.execution.residual_dtype).requires_grad_(True)  # the block's input: the residual stream's
+    x, rope = probe_input(model, env.layout, env.execution.device, env.execution.residual_dtype)  # the block's input
     layer = model.layers[0]
     # the host checkpoints' chunked layer hands the block the layer input, norm 1 inside its chunk projections
     norm = layer.input_layernorm if resolve_techniques(env.cfg, env.layout).layer_rerun == "block_mini_sequences" \

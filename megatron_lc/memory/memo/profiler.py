@@ -101,11 +101,11 @@ def measure_layer(layer, x, rope, alpha: float):
 
 
 def profile_layer(model, layout, device: torch.device, host_memory_gb, timing: bool = True,
-                  repeats: int = 3) -> LayerProfile:
+                  repeats: int = 3, dtype: torch.dtype = torch.float32) -> LayerProfile:
     """Profile layer 0 of ``model`` on ``device`` for this rank's training shape (every rank must call this:
-    the layer's tp / cp collectives run)."""
+    the layer's tp / cp collectives run); ``dtype``: the residual stream's, the layer input's."""
     layer = model.layers[0]
-    x, rope = probe_input(model, layout, device)
+    x, rope = probe_input(model, layout, device, dtype)
     with gathered(layer):
         return _profile_layer(layer, x, rope, device, host_memory_gb, timing, repeats)
 
@@ -140,7 +140,8 @@ def calibrate_memo(model, runtime, env) -> None:
     autocast, pool = env.execution.autocast, runtime.pool
     fixed = None if memory_cfg.offload_fraction == "auto" else float(memory_cfg.offload_fraction)
     with topo.comm.tag("memo.profile"), autocast(), pool.measuring():
-        prof = profile_layer(model, layout, device, memory_cfg.host_memory_gb, timing=fixed is None)
+        prof = profile_layer(model, layout, device, memory_cfg.host_memory_gb, timing=fixed is None,
+                             dtype=env.execution.residual_dtype)
     others = pool.others_than("memo")  # FPDT's parked chunks (reserved before), the checkpoint staging beside the pool
     swapped = sum(runtime.swapped(i) for i in range(runtime.n))
     inp = AlphaInputs(s_input=prof.s_input, s_attn=prof.s_attn, s_others=prof.s_others,
@@ -160,7 +161,7 @@ def calibrate_memo(model, runtime, env) -> None:
         raise HostMemoryError(errors[0])
     runtime.alpha = min(a for a, _ in answers)
     runtime.profile, runtime.alpha_result = prof, result
-    x, rope = probe_input(model, layout, device)
+    x, rope = probe_input(model, layout, device, env.execution.residual_dtype)  # as the step places it
     with topo.comm.tag("memo.profile"), autocast(), pool.measuring():
         with gathered(model.layers[0]):
             need = measure_layer(model.layers[0], x, rope, runtime.alpha).placed_bytes()
