@@ -5,9 +5,20 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 from tests.dist_cases import rehearsal as cases
 from tests.support.dist import run_dist
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def rehearse_cli(config: str, *args: str, sets: tuple = ()) -> subprocess.CompletedProcess:
+    """``tools/rehearse.py --config config args...`` with a ``--set`` for each of ``sets``, run from the checkout's
+    root, its stdout and stderr captured as text."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "rehearse.py"), "--config", config, *args]
+                          + [a for x in sets for a in ("--set", x)], cwd=ROOT, capture_output=True, text=True)
 
 
 def test_a_host_tensor_in_device_math_is_reported_by_the_rehearsal_only():
@@ -111,14 +122,9 @@ def test_the_command_line_prints_the_summary_line_last_and_writes_its_json(tmp_p
     """``tools/rehearse.py``: one rank of two of the tiny config; the last line as documented, the JSON beside it;
     bad input is one line (exit 2) before any rank starts."""
     import json
-    import subprocess
-    import sys
 
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    base = [sys.executable, os.path.join(root, "tools", "rehearse.py"), "--config", "configs/tiny_cpu.yaml",
-            "--nproc-per-node", "2", "--set", "train.global_batch_size=8"]
-    out = subprocess.run(base + ["--ranks", "1", "--out", str(tmp_path / "r.json")], cwd=root, capture_output=True,
-                         text=True)
+    base = ("configs/tiny_cpu.yaml", "--nproc-per-node", "2", "--set", "train.global_batch_size=8")
+    out = rehearse_cli(*base, "--ranks", "1", "--out", str(tmp_path / "r.json"))
     last = out.stdout.strip().splitlines()[-1]
     assert out.returncode == 0, out.stderr[-2000:]
     assert re.match(r"rehearsal: 1 ranks, max peak device \d+\.\d\d GiB \(estimator \d+\.\d\d GiB allocated, "
@@ -135,7 +141,7 @@ def test_the_command_line_prints_the_summary_line_last_and_writes_its_json(tmp_p
                                                          ], out.stdout
     assert [ln.split(":")[0] for ln in out.stdout.splitlines() if ln.startswith("phase ")] == [
         f"phase {p}" for p in ("setup", "steps", "validation", "save", "async save", "resume", "resumed step")]
-    bad = subprocess.run(base + ["--ranks", "5"], cwd=root, capture_output=True, text=True)
+    bad = rehearse_cli(*base, "--ranks", "5")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: --ranks ('5'): ranks must be in [0, 2) for 2 ranks"], bad.stderr
 
@@ -146,14 +152,10 @@ def test_one_step_is_set_beside_the_estimators_first_step_and_says_why(tmp_path)
     GPU run: the tiny model's GQA in fp32 takes CUDA's math attention kernel at cp 1 (the memory-efficient one has no
     GQA), which the estimator does not count (docs/rehearsal.md)."""
     import json
-    import subprocess
-    import sys
 
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    out = subprocess.run([sys.executable, os.path.join(root, "tools", "rehearse.py"), "--config",
-                          "configs/tiny_cpu.yaml", "--nproc-per-node", "2", "--set", "train.global_batch_size=8",
-                          "--set", "train.bf16=true", "--ranks", "1", "--steps", "1", "--steps-only", "--out",
-                          str(tmp_path / "r.json")], cwd=root, capture_output=True, text=True)
+    out = rehearse_cli("configs/tiny_cpu.yaml", "--nproc-per-node", "2", "--ranks", "1", "--steps", "1",
+                       "--steps-only", "--out", str(tmp_path / "r.json"),
+                       sets=("train.global_batch_size=8", "train.bf16=true"))
     assert out.returncode == 0, out.stderr[-2000:]
     *_, note, last = out.stdout.strip().splitlines()
     assert note.startswith("note: one step ends before AdamW's states exist"), note
@@ -169,11 +171,9 @@ def test_one_step_is_set_beside_the_estimators_first_step_and_says_why(tmp_path)
 def test_progress_lines_are_passed_on_while_the_rank_runs(tmp_path):
     """``tools/rehearse.py`` hands a rank's progress line on as it comes: this stand-in rank goes on only once the
     line's handler has made a file (it gives up after 60 s), so a reader that waited for the end would fail."""
-    import sys
-
     from megatron_lc.rehearsal.rank import PROGRESS
 
-    sys.path.insert(0, os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")), "tools"))
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import rehearse
 
     gate = tmp_path / "gate"
@@ -200,15 +200,9 @@ def test_ulysses_with_documents_in_chunked_checkpoints_is_within_5_percent_of_th
     With what CUDA's kernels hold inside themselves charged on both sides (``device/kernel_scratch.py``: the varlen
     backward's fp32 dq accumulator and GQA's dk, dv at the query heads, 2.05 GiB of this cut's peak; cuBLAS's and 3
     communicators' NCCL workspaces): 13.59 GiB rehearsed, 13.17 estimated, +3.2%."""
-    import subprocess
-    import sys
-
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    out = subprocess.run([sys.executable, os.path.join(root, "tools", "rehearse.py"), "--config",
-                          "configs/llama3_8b_4m.yaml", "--ranks", "0", "--steps-only", "--set",
-                          "data.seq_length=524288", "--set", "model.num_layers=2", "--set",
-                          "data.mean_document_length=8192", "--set", "data.reset_attention_mask=true"],
-                         cwd=root, capture_output=True, text=True)
+    out = rehearse_cli("configs/llama3_8b_4m.yaml", "--ranks", "0", "--steps-only",
+                       sets=("data.seq_length=524288", "model.num_layers=2", "data.mean_document_length=8192",
+                             "data.reset_attention_mask=true"))
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     diff = float(re.search(r"GiB allocated, ([+-]\d+\.\d)%", last).group(1))
@@ -222,19 +216,14 @@ def test_an_moe_model_under_expert_parallelism_rehearses_with_its_all_to_all_bes
     the counts' exchange (a few integers) aside. Seen failing before the even split: the loop's host read of fake
     counts (DataDependentOutputException)."""
     import json
-    import subprocess
-    import sys
     import tempfile
 
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    sets = ["model.vocab_size=256", "data.seq_length=2048", "model.num_moe_experts=8", "model.moe_router_topk=2",
+    sets = ("model.vocab_size=256", "data.seq_length=2048", "model.num_moe_experts=8", "model.moe_router_topk=2",
             "model.moe_ffn_hidden_size=256", "model.moe_aux_loss_coeff=0.01", "parallel.expert_model_parallel_size=2",
-            "train.global_batch_size=2", "train.micro_batch_size=1"]
+            "train.global_batch_size=2", "train.micro_batch_size=1")
     with tempfile.TemporaryDirectory() as d:
-        out = subprocess.run([sys.executable, os.path.join(root, "tools", "rehearse.py"), "--config",
-                              "configs/tiny_cpu.yaml", "--nproc-per-node", "2", "--ranks", "0", "--steps-only",
-                              "--out", os.path.join(d, "r.json")] + [a for s in sets for a in ("--set", s)],
-                             cwd=root, capture_output=True, text=True)
+        out = rehearse_cli("configs/tiny_cpu.yaml", "--nproc-per-node", "2", "--ranks", "0", "--steps-only",
+                           "--out", os.path.join(d, "r.json"), sets=sets)
         assert out.returncode == 0, out.stderr[-2000:]
         moe = json.load(open(os.path.join(d, "r.json")))["summary"]["expert_all_to_all_bytes"]
     assert "each expert rank received 1.25 x its fair share" in out.stdout, out.stdout
@@ -249,16 +238,11 @@ def test_memo_sizes_its_rounding_buffers_from_a_layer_input_in_the_residual_stre
     0) and no more. Seen failing with the probe in fp32: 1,605,632 bytes a buffer where the step places 1,081,344
     (the input counted twice its size; Qwen3-30B-A3B at 2M on 8: 1 GiB a buffer, 2 GiB of the device's peak)."""
     import json
-    import subprocess
-    import sys
 
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    sets = ["memory.activation_offload=memo", "memory.offload_fraction=0", "model.fp32_residual_connection=false",
-            "train.bf16=true"]
-    out = subprocess.run([sys.executable, os.path.join(root, "tools", "rehearse.py"), "--config",
-                          "configs/tiny_cpu.yaml", "--nproc-per-node", "1", "--ranks", "0", "--steps-only", "--steps", "1",
-                          "--out", str(tmp_path / "r.json")] + [a for s in sets for a in ("--set", s)],
-                         cwd=root, capture_output=True, text=True)
+    out = rehearse_cli("configs/tiny_cpu.yaml", "--nproc-per-node", "1", "--ranks", "0", "--steps-only", "--steps",
+                       "1", "--out", str(tmp_path / "r.json"),
+                       sets=("memory.activation_offload=memo", "memory.offload_fraction=0",
+                             "model.fp32_residual_connection=false", "train.bf16=true"))
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.load(open(tmp_path / "r.json"))
     buffer = got["ranks"]["0"]["host"]["memo_rounding_buffer_bytes"]

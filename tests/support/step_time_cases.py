@@ -102,7 +102,7 @@ def time_pair(rank: int, world: int, reference: list, case: list, warmup: int = 
 # ``step_overhead_seconds``) are measured on the plain model alone, at four lengths, never on a technique's case: that
 # is the calibration, every case above the validation. Measured in pairs, each pair in one fresh process:
 PROFILE_PAIRS = ((4096, 1024), (2048, 512))
-PROFILE_LENGTHS = (512, 1024, 2048, 4096)
+PROFILE_LENGTHS = tuple(sorted(n for pair in PROFILE_PAIRS for n in pair))  # 512, 1024, 2048, 4096
 
 
 def fit_profile(measured: dict, parts: dict) -> dict:
