@@ -11,7 +11,10 @@ The split was named before any ratio of the model was computed, and a cell never
   - ALST's 1.1M and 2.4M runs (its Table 1): a check of the published FlashAttention-2 figures on H100; they set
     nothing unless the check fails;
   - MsT's Table 6, the two pairs "activation recomputation" / "MsT" at the same batch size (Llama3-8B, batch 2;
-    Llama2-7B, batch 8): their step-time ratio is MsT's re-run cost (4 cells: only the ratios are used).
+    Llama2-7B, batch 8): their step-time difference is MsT's re-run cost; what the four leave after the model's
+    step, the host work a step of MsT's harness (its data streamed over the network each step: ``MST_C4_MEAN_TOKENS``
+    below). Until 2026-11-28 only the pairs' ratios were used; the harness's host work was added after the
+    validation cells had been seen (docs/estimator.md says so).
 * ``validation``: the papers' runs of the techniques this framework implements -- Memo's rows of Table 3 (and
   Table 4's one Memo cell with another layout than Table 3's), ALST's other long runs, FPDT's own row, MsT's other
   cells.
@@ -153,5 +156,17 @@ MST = [
     ("mst-llama2-mst-b8", "llama2-7b", 4 * K, 8, "mst", 9.33, "calibration"),
     ("mst-llama2-mst-b16", "llama2-7b", 4 * K, 16, "mst", 17.92, "validation"),
 ]
-# the same-batch pairs whose ratio is MsT's re-run cost (calibration)
+# the same-batch pairs (calibration): their difference is MsT's re-run cost, what is left of all four after the
+# model's step the harness's host work a step (paper_times.fit)
 MST_PAIRS = [("mst-llama3-recompute-b2", "mst-llama3-mst-b2"), ("mst-llama2-recompute-b8", "mst-llama2-mst-b8")]
+# How MsT's published harness ran a step (github.com/wdlctc/mini-s, benchmark.py and benchmark_minis.py, July 2024:
+# the only benchmark scripts MsT published; Table 6 is taken to come from them). The timed region holds a fresh
+# iterator over allenai/c4 "en" streamed from the Hugging Face Hub, each sample one document tokenized and padded to
+# the length, its attention mask handed to flash_attention_2 (which drops the padding: varlen over the real tokens),
+# fp16 weights, torch.optim.Adam(foreach=False) per parameter in post-accumulate-grad hooks, loss.item().
+# C4's documents: 828,589,180,707 bytes over 364,868,892 examples in the dataset card (text, url, timestamp): about
+# 2,180 bytes of text, 545 tokens at 4 bytes a token (an assumption for Llama's tokenizers on English web text).
+# The estimator is given them as packed documents of that mean (data.mean_document_length): S x 545 / 2 pairs a
+# sample, an upper bound of the padded document's E[min(L, S)^2] / 2 whatever the lengths' spread (min(L, S) <= S);
+# no attention at all is the lower bound, 0.01 s a sample below it at 4K (0.02 at 8K).
+MST_C4_MEAN_TOKENS = 545

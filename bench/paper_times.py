@@ -19,7 +19,8 @@ published seconds over predicted (paper_time_cells.py says why). How each paper'
 * FPDT (A100, 4 a node): FPDT over 8 GPUs with 64K chunks and offload, MsT, ZeRO-3, checkpoints with the layer
   inputs on the host (Memo alpha 0 under ``recompute_style="checkpoint"``).
 * MsT (one A100): Hugging Face's pure bf16 with the optimizer in the backward (``states="bf16_optim_in_backward"``),
-  PyTorch's SDPA (``torch``), gradient checkpointing as whole-layer recompute.
+  PyTorch's SDPA (``torch``), gradient checkpointing as whole-layer recompute; as its published scripts ran a step:
+  C4's documents, its data streamed each step (``paper_time_cells.MST_C4_MEAN_TOKENS``, ``MST_HARNESS_SECONDS``).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from megatron_lc.estimate.terms.mst import MLP_RERUN_COST
 from megatron_lc.units import GIB
 from paper_models import K, config
 from paper_time_cells import (ALST, DEEPSPEED_T3, DEEPSPEED_T5, FPDT, MEGATRON_T3, MEGATRON_T6, MEMO_T3, MEMO_T4,
-                              MEMO_T7, MST, MST_PAIRS, SEQS)
+                              MEMO_T7, MST, MST_C4_MEAN_TOKENS, MST_PAIRS, SEQS)
 
 MEMO_HW = "a800"
 
@@ -145,15 +146,26 @@ MST_VARIANTS = {"vanilla": ({}, "token_wise"), "recompute": ({"memory__recompute
                 "mst_no_recompute": ({"memory__mst": True}, "token_wise")}
 
 
+# The host work a step of MsT's harness (its C4 stream opened again each step, the tokenizer, the per-parameter
+# optimizer hooks' Python): what the four calibration cells leave after the model's step, their mean
+# (``fit()["mst_harness"]``; bench/estimate_papers.py --time --fit)
+MST_HARNESS_SECONDS = 0.76
+
+
 def mst_cells() -> list:
+    """MsT's Table 6 as its harness ran it (paper_time_cells.MST_C4_MEAN_TOKENS): C4's documents, the harness's host
+    work a step as the A100's ``step_overhead_seconds``."""
     cells = []
+    docs = {"data__reset_attention_mask": True, "data__mean_document_length": MST_C4_MEAN_TOKENS} \
+        if MST_C4_MEAN_TOKENS else {}
     for cid, model, tokens, batch, variant, secs, kind in MST:
         extra, style = MST_VARIANTS[variant]
         cells.append({"id": cid, "paper": "MsT", "table": "Table 6", "set": kind, "family": "mst", "gpus": 1,
                       "layout": f"{variant} batch {batch}", "published": {"seconds": secs},
                       "run": (config(model, tokens, train__micro_batch_size=batch, train__global_batch_size=batch,
-                                     parallel__attention_backend="torch", **extra),
-                              "a100", 1, "bf16_optim_in_backward", style)})
+                                     parallel__attention_backend="torch", **docs, **extra),
+                              ("a100", {"step_overhead_seconds": MST_HARNESS_SECONDS}), 1,
+                              "bf16_optim_in_backward", style)})
     return cells
 
 
@@ -229,7 +241,8 @@ def fit() -> dict:
     """What the calibration set gives (paper_time_cells.py): (1) the A800's FA2-class attention scale (forward /
     backward kept at the profile's former 0.65 / 0.55 proportion) and GEMM efficiency, from Table 4's full recompute
     + plan; (2) the A800's PCIe switch uplink (2 GPUs behind each), from Table 4's full swapping (with (1)); (3) the
-    H100 check: ALST's 1.1M and 2.4M with the published FA2 figures; (4) MsT's re-run cost, from Table 6's pairs."""
+    H100 check: ALST's 1.1M and 2.4M with the published FA2 figures; (4) MsT's re-run cost and its harness's host
+    work a step, from Table 6's pairs."""
     by_set: dict = {}
     for c in all_cells():
         by_set.setdefault((c["set"], c["family"]), []).append(c)
@@ -253,22 +266,27 @@ def fit() -> dict:
                      "full recompute + plan ratios": _ratios(recompute, final),
                      "full swapping + plan ratios": _ratios(swapping, final)},
             "h100_alst_check_ratios": _ratios(alst, {}),
-            "mst_rerun": mst_rerun_cost()}
+            **mst_calibration()}
 
 
-def mst_rerun_cost() -> dict:
-    """MsT's re-run cost from Table 6's same-batch pairs: the published MsT / recompute step ratio r, and the
-    model's steps of the pair (the MsT one's re-run counted at the term's ``MLP_RERUN_COST``): cost = (r - 1) x
-    recompute step / (seconds one MLP forward re-run adds) x the cost counted."""
+def mst_calibration() -> dict:
+    """From Table 6's same-batch pairs: MsT's re-run cost -- the published MsT - recompute step difference over the
+    seconds one MLP forward re-run adds to the model's step (the MsT step's re-run counted at ``MLP_RERUN_COST``);
+    then the host work a step of MsT's harness -- the mean of what the four cells leave after the model's step
+    without it (seconds). A fixed cost cancels from each difference: the two do not interact."""
     cells = {c["id"]: c for c in all_cells()}
-    out = []
+    bare = {"a100": {"step_overhead_seconds": 0.0}}
+    out, left = [], []
     for rec_id, mst_id in MST_PAIRS:
-        rec, mst = predict(cells[rec_id]), predict(cells[mst_id])
-        r = cells[mst_id]["published"]["seconds"] / cells[rec_id]["published"]["seconds"]
+        rec, mst = predict(cells[rec_id], bare), predict(cells[mst_id], bare)
+        pub_rec, pub_mst = cells[rec_id]["published"]["seconds"], cells[mst_id]["published"]["seconds"]
         added = (mst["step_s"] - rec["step_s"]) / MLP_RERUN_COST  # one MLP forward again, per step
-        out.append({"pair": [rec_id, mst_id], "published_ratio": round(r, 4),
-                    "cost": round((r - 1) * rec["step_s"] / added, 3)})
-    return {"pairs": out, "mean_cost": round(statistics.mean(p["cost"] for p in out), 3)}
+        out.append({"pair": [rec_id, mst_id], "published_difference_s": round(pub_mst - pub_rec, 3),
+                    "cost": round((pub_mst - pub_rec) / added, 3)})
+        left += [pub_rec - rec["step_s"], pub_mst - mst["step_s"]]
+    return {"mst_rerun": {"pairs": out, "mean_cost": round(statistics.mean(p["cost"] for p in out), 3)},
+            "mst_harness": {"left_after_the_model_s": [round(x, 3) for x in left],
+                            "mean_s": round(statistics.mean(left), 3)}}
 
 
 # ---- what each term moves ---------------------------------------------------------------------------------------
@@ -304,6 +322,8 @@ FORMER = {  # term -> (patches, hardware overrides) that restore the rule it rep
     "host copies share a PCIe switch's uplink": (
         [], {name: {"pcie_switch_gbps": None} for name in ("a800", "a100")}),
     "MsT's re-run at its measured cost": ([("megatron_lc.estimate.terms.mst.MLP_RERUN_COST", 1.0)], {}),
+    "MsT's harness as its scripts ran it (C4's documents, its host work a step)": (
+        [(f"{__name__}.MST_C4_MEAN_TOKENS", 0)], {"a100": {"step_overhead_seconds": 0.0}}),
     "the kernel that runs (published / calibrated efficiencies)": (
         [], {"h100": {"efficiency": {"attention_fwd": 0.60, "attention_bwd": 0.50}},
              "a800": {"efficiency": {"gemm": 0.70, "attention_fwd": 0.65, "attention_bwd": 0.55}},
@@ -315,14 +335,13 @@ def terms_moved(threshold: float = 0.01) -> dict:
     """For each term: every cell whose ratio moves by more than ``threshold`` when the term's former rule is put
     back (the former efficiencies: the profiles' assumed 0.60 / 0.50 on H100, 0.70 gemm and 0.65 / 0.55 on A800 /
     A100), with both ratios."""
-    cells = [c for c in all_cells() if "run" in c]
-    now = {c["id"]: predict(c)["ratio"] for c in cells}
+    now = {c["id"]: predict(c)["ratio"] for c in all_cells() if "run" in c}
     out = {}
     for term, (patches, overrides) in FORMER.items():
         with contextlib.ExitStack() as stack:
             for target, value in patches:
                 stack.enter_context(mock.patch(target, value))
-            former = {c["id"]: predict(c, overrides)["ratio"] for c in cells}
+            former = {c["id"]: predict(c, overrides)["ratio"] for c in all_cells() if "run" in c}
         moved = {cid: {"former": former[cid], "now": now[cid]} for cid in now
                  if abs(now[cid] / former[cid] - 1) > threshold}
         out[term] = {"cells_moved": len(moved), "cells": moved}

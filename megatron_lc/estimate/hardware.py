@@ -88,7 +88,8 @@ class HardwareProfile:
     attention_measured: Optional[KernelTable] = None  # bench/attention_kernels.py's table (kernel_table.py)
     # the loop's host work a step that no FLOP or byte count sees (Python, the data, the global norm, AdamW as torch
     # runs it beyond the optimizer term), measured where the host's time is the step's (the CPU profile:
-    # bench/estimate_calibration.py --profile); 0 on a GPU, whose queue the host runs ahead of (never measured)
+    # bench/estimate_calibration.py --profile); 0 on a GPU, whose queue the host runs ahead of (never measured),
+    # unless the loop waits on its host: MsT's harness streams its data each step (bench/paper_times.py, fitted)
     step_overhead_seconds: float = 0.0
     # measured inputs (Memo profiler, §4.3.2): when set they replace the computed values
     layer_forward_seconds: Optional[float] = None  # forward time of one transformer layer at the estimated shape

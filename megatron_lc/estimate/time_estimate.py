@@ -210,7 +210,7 @@ def estimate_time(cfg: Config, dims: Dims, hw: HardwareProfile, terms: Terms, al
                                                           + n_swapped * stall),
         states_comm: sync,
         "optimizer": opt,
-        "host work a step (measured)": hw.step_overhead_seconds,
+        "host work a step": hw.step_overhead_seconds,
     }
     step = dims.micro_batches * micro + sync + opt + hw.step_overhead_seconds
     gbs = dims.micro_batches * dims.micro_batch * dims.dp

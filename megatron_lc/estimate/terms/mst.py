@@ -15,8 +15,8 @@ from ..inventory import final_skeletal, mst_head_chunk, mst_mlp_chunk
 from .term import LayerSeconds, LayerShape, MemoryShare, Run, Term, TimeShare
 
 # What the chunked MLP's re-run costs, as a share of the MLP's forward: MsT's own measurement (its Table 6, the step
-# with MsT over the step with recomputation alone at the same batch: Llama3-8B +2.4% -> 0.15, Llama2-7B +5.4% ->
-# 0.37; bench/estimate_papers.py --time --fit), not the whole forward again (1.0, +15% on those steps).
+# with MsT less the step with recomputation alone at the same batch: Llama3-8B +0.12 s -> 0.15, Llama2-7B +0.48 s ->
+# 0.38; bench/estimate_papers.py --time --fit), not the whole forward again (1.0, +15% on those steps).
 MLP_RERUN_COST = 0.26
 
 
