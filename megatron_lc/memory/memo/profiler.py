@@ -110,7 +110,7 @@ def profile_layer(model, layout, device: torch.device, host_memory_gb, timing: b
         return _profile_layer(layer, x, rope, device, host_memory_gb, timing, repeats)
 
 
-def _profile_layer(layer, x, rope, device, host_memory_gb, timing: bool, repeats: int) -> LayerProfile:
+def _profile_layer(layer, x, rope, device, host_memory_gb, timing: bool, repeats: int = 3) -> LayerProfile:
     slot = measure_layer(layer, x, rope, alpha=1.0)  # alpha = 1: every token kept
     sizes = dict(slot.stats.bytes)
     t_layer = bw_d2h = bw_h2d = float("nan")
@@ -139,9 +139,10 @@ def calibrate_memo(model, runtime, env) -> None:
     memory_cfg, layout, topo, device = env.cfg.memory, env.layout, env.topo, env.execution.device
     autocast, pool = env.execution.autocast, runtime.pool
     fixed = None if memory_cfg.offload_fraction == "auto" else float(memory_cfg.offload_fraction)
-    with topo.comm.tag("memo.profile"), autocast(), pool.measuring():
-        prof = profile_layer(model, layout, device, memory_cfg.host_memory_gb, timing=fixed is None,
-                             dtype=env.execution.residual_dtype)
+    layer = model.layers[0]
+    with topo.comm.tag("memo.profile"), autocast(), pool.measuring(), gathered(layer):
+        x, rope = probe_input(model, layout, device, env.execution.residual_dtype)  # as the step places it
+        prof = _profile_layer(layer, x, rope, device, memory_cfg.host_memory_gb, timing=fixed is None)
     others = pool.others_than("memo")  # FPDT's parked chunks (reserved before), the checkpoint staging beside the pool
     swapped = sum(runtime.swapped(i) for i in range(runtime.n))
     inp = AlphaInputs(s_input=prof.s_input, s_attn=prof.s_attn, s_others=prof.s_others,
@@ -161,10 +162,8 @@ def calibrate_memo(model, runtime, env) -> None:
         raise HostMemoryError(errors[0])
     runtime.alpha = min(a for a, _ in answers)
     runtime.profile, runtime.alpha_result = prof, result
-    x, rope = probe_input(model, layout, device, env.execution.residual_dtype)  # as the step places it
-    with topo.comm.tag("memo.profile"), autocast(), pool.measuring():
-        with gathered(model.layers[0]):
-            need = measure_layer(model.layers[0], x, rope, runtime.alpha).placed_bytes()
+    with topo.comm.tag("memo.profile"), autocast(), pool.measuring(), gathered(layer):
+        need = measure_layer(layer, x, rope, runtime.alpha).placed_bytes()  # the same probe at the chosen alpha
     host = runtime.host_need(need) + others  # the pool's exact size once Memo reserved
     error = None
     if host > prof.host_budget:
