@@ -100,17 +100,18 @@ def measure_layer(layer, x, rope, alpha: float):
     return rt.slots[layer.layer_number]
 
 
-def profile_layer(model, layout, device: torch.device, host_memory_gb, timing: bool = True,
-                  repeats: int = 3, dtype: torch.dtype = torch.float32) -> LayerProfile:
+def profile_layer(model, layout, device: torch.device, host_memory_gb, dtype: torch.dtype, timing: bool = True,
+                  repeats: int = 3) -> tuple:
     """Profile layer 0 of ``model`` on ``device`` for this rank's training shape (every rank must call this:
-    the layer's tp / cp collectives run); ``dtype``: the residual stream's, the layer input's."""
+    the layer's tp / cp collectives run); ``dtype``: the residual stream's, the layer input's. Returns the
+    ``LayerProfile`` and the probe it ran on, ``(x, rope)``, for what is measured on the same input after."""
     layer = model.layers[0]
     x, rope = probe_input(model, layout, device, dtype)
     with gathered(layer):
-        return _profile_layer(layer, x, rope, device, host_memory_gb, timing, repeats)
+        return _profile_layer(layer, x, rope, device, host_memory_gb, timing, repeats), (x, rope)
 
 
-def _profile_layer(layer, x, rope, device, host_memory_gb, timing: bool, repeats: int = 3) -> LayerProfile:
+def _profile_layer(layer, x, rope, device, host_memory_gb, timing: bool, repeats: int) -> LayerProfile:
     slot = measure_layer(layer, x, rope, alpha=1.0)  # alpha = 1: every token kept
     sizes = dict(slot.stats.bytes)
     t_layer = bw_d2h = bw_h2d = float("nan")
@@ -139,10 +140,9 @@ def calibrate_memo(model, runtime, env) -> None:
     memory_cfg, layout, topo, device = env.cfg.memory, env.layout, env.topo, env.execution.device
     autocast, pool = env.execution.autocast, runtime.pool
     fixed = None if memory_cfg.offload_fraction == "auto" else float(memory_cfg.offload_fraction)
-    layer = model.layers[0]
-    with topo.comm.tag("memo.profile"), autocast(), pool.measuring(), gathered(layer):
-        x, rope = probe_input(model, layout, device, env.execution.residual_dtype)  # as the step places it
-        prof = _profile_layer(layer, x, rope, device, memory_cfg.host_memory_gb, timing=fixed is None)
+    with topo.comm.tag("memo.profile"), autocast(), pool.measuring():  # the layer input as the step places it
+        prof, (x, rope) = profile_layer(model, layout, device, memory_cfg.host_memory_gb,
+                                        env.execution.residual_dtype, timing=fixed is None)
     others = pool.others_than("memo")  # FPDT's parked chunks (reserved before), the checkpoint staging beside the pool
     swapped = sum(runtime.swapped(i) for i in range(runtime.n))
     inp = AlphaInputs(s_input=prof.s_input, s_attn=prof.s_attn, s_others=prof.s_others,
@@ -162,6 +162,7 @@ def calibrate_memo(model, runtime, env) -> None:
         raise HostMemoryError(errors[0])
     runtime.alpha = min(a for a, _ in answers)
     runtime.profile, runtime.alpha_result = prof, result
+    layer = model.layers[0]
     with topo.comm.tag("memo.profile"), autocast(), pool.measuring(), gathered(layer):
         need = measure_layer(layer, x, rope, runtime.alpha).placed_bytes()  # the same probe at the chosen alpha
     host = runtime.host_need(need) + others  # the pool's exact size once Memo reserved

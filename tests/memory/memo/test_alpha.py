@@ -103,7 +103,7 @@ def test_profiler_on_this_machine(arch):
     # token-wise recompute: the layers run under a MemoExecutor, whose measuring twin the profiler uses
     cfg = small_config((GPT if arch == "gpt" else []) + ["memory.recompute_granularity=full"])
     model, _ = build(cfg)
-    p = profile_layer(model, resolve_layout(cfg, 1), torch.device("cpu"), None, repeats=2)
+    p, _ = profile_layer(model, resolve_layout(cfg, 1), torch.device("cpu"), None, torch.float32, repeats=2)
     m = cfg.model
     rows, e = 32 * 2, 4  # tokens x batch, fp32
     h, f, nqd, nkvd = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads * m.kv_channels, \
